@@ -1,0 +1,7 @@
+"""kvbank: a KV-cache-first LLM inference engine."""
+from kvbank.engine.llm import LLM
+from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvbank.engine.params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

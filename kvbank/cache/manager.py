@@ -1,0 +1,126 @@
+"""Per-sequence KV bookkeeping on top of the block pool: prefix hits, growth, forks, frees.
+
+Plain Python, no tensors: block contents are moved by the runner, which drains
+`pending_copies` (copy-on-write source -> destination block ids) before each forward pass.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbank.cache.blocks import Block, BlockPool
+from kvbank.cache.prefix import block_hash
+
+if TYPE_CHECKING:
+    from kvbank.engine.sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    """Gives each sequence a block table and keeps the prefix index up to date."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        revived = sum(1 for block in hits if block.ref_count == 0)
+        needed = blocks_for(seq.num_tokens, self.block_size) - len(hits)
+        return self.pool.num_free - revived >= needed
+
+    def allocate(self, seq: Sequence) -> None:
+        """Block table for all of `seq`'s tokens; cached leading blocks are shared, not recomputed."""
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        for block in hits:
+            self.pool.share(block)
+        seq.block_table = [block.block_id for block in hits]
+        for _ in range(len(hits), blocks_for(seq.num_tokens, self.block_size)):
+            seq.block_table.append(self.pool.take().block_id)
+        seq.num_computed_tokens = len(hits) * self.block_size
+
+    def can_append(self, seq: Sequence, num_new: int) -> bool:
+        return self.pool.num_free >= self._blocks_to_add(seq, num_new) + self._needs_copy(seq)
+
+    def append_slots(self, seq: Sequence, num_new: int) -> None:
+        """Make room to write K/V for positions [computed, computed + num_new)."""
+        if self._needs_copy(seq):
+            self._copy_on_write(seq, seq.num_computed_tokens // self.block_size)
+        for _ in range(self._blocks_to_add(seq, num_new)):
+            seq.block_table.append(self.pool.take().block_id)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent`; the first write to a shared block copies it."""
+        for block_id in parent.block_table:
+            self.pool.share(self.pool.blocks[block_id])
+        child.block_table = list(parent.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, tail first, so the LRU evicts tails before shared heads."""
+        for block_id in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[block_id])
+        seq.block_table = []
+
+    def commit(self, seq: Sequence) -> None:
+        """Index every block of `seq` that is now full and computed."""
+        if not self.enable_prefix_caching or seq.no_prefix_cache:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        self._hash_blocks(seq, full)
+        for i in range(seq.num_committed_blocks, full):
+            block = self.pool.blocks[seq.block_table[i]]
+            if block.hash is None:
+                start = i * self.block_size
+                self.pool.register(block, seq.block_hashes[i], tuple(seq.token_ids[start:start + self.block_size]))
+        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+
+    def _prefix_hits(self, seq: Sequence) -> list[Block]:
+        # The last token is always recomputed: its logits are needed to sample.
+        if not self.enable_prefix_caching or seq.no_prefix_cache:
+            return []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        self._hash_blocks(seq, num_full)
+        hits = []
+        for i in range(num_full):
+            start = i * self.block_size
+            block = self.pool.lookup(seq.block_hashes[i], tuple(seq.token_ids[start:start + self.block_size]))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        bs = self.block_size
+        while len(seq.block_hashes) < num_blocks:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else seq.root_hash
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def _blocks_to_add(self, seq: Sequence, num_new: int) -> int:
+        return max(0, blocks_for(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table))
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        index = seq.num_computed_tokens // self.block_size
+        return index < len(seq.block_table) and self.pool.blocks[seq.block_table[index]].ref_count > 1
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        old = self.pool.blocks[seq.block_table[index]]
+        new = self.pool.take()
+        self.pending_copies.append((old.block_id, new.block_id))
+        self.pool.release(old)
+        seq.block_table[index] = new.block_id

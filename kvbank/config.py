@@ -1,0 +1,59 @@
+"""Engine configuration, validated when it is built so mistakes surface before any model loads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know before it loads a model.
+
+    `model=None` means the bundled SmolLM2-135M-Instruct GGUF. Sizes of the KV pool come from
+    `num_gpu_blocks` when given, else from `kv_cache_memory_gb`.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_gb: float | None = None
+    num_gpu_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cpu', 'cuda' or 'auto'")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose from auto, {', '.join(_DTYPES)}")
+        if self.dtype in ("float16", "fp16") and self.device == "cpu":
+            raise ValueError("dtype=float16 is far too slow on CPU; use bfloat16 or float32")
+        _require_positive("block_size", self.block_size)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_gpu_blocks is not None:
+            _require_positive("num_gpu_blocks", self.num_gpu_blocks)
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be > 0")
+        if self.max_model_len is not None:
+            _require_positive("max_model_len", self.max_model_len)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype weights and activations run in: bfloat16 unless asked otherwise."""
+        return torch.bfloat16 if self.dtype == "auto" else _DTYPES[self.dtype]
+
+
+def _require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")

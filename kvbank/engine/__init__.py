@@ -1,0 +1,1 @@
+"""The engine: requests, sequences, scheduling, the model runner and sampling."""

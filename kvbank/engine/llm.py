@@ -1,0 +1,127 @@
+"""The offline Python API, shaped like vLLM's `LLM`."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvbank.config import EngineConfig
+from kvbank.engine.llm_engine import LLMEngine, PromptType
+from kvbank.engine.outputs import RequestOutput
+from kvbank.engine.params import SamplingParams
+from kvbank.tokenizer import Tokenizer
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    `model=None` runs the bundled SmolLM2-135M-Instruct; otherwise pass a .gguf file or a Hugging
+    Face model folder. Keyword arguments are those of `EngineConfig`.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
+                 kv_cache_memory_gb: float | None = None, num_gpu_blocks: int | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, seed: int = 0, show_progress: bool = False) -> None:
+        config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
+                              kv_cache_memory_gb=kv_cache_memory_gb, num_gpu_blocks=num_gpu_blocks,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=enable_prefix_caching, seed=seed)
+        self.engine = LLMEngine(config, progress=_progress_bar() if show_progress else None)
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in the order of `prompts`."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        return self.get_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                        tokenize=True, **kwargs)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that advanced it, until it finishes.
+
+        Stopping the iteration early aborts the request and frees its blocks.
+        """
+        request_id = self.engine.add_request(prompt, sampling_params).request_id
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def stats(self) -> dict[str, float]:
+        """Engine counters: prefix-cache queries/hits/hit rate, pool usage, preemptions, queue depths."""
+        return self.engine.stats()
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p).request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return ids
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params
+
+
+def _progress_bar():
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="Loading model", unit="tensor")
+        bar.n = done
+        bar.refresh()
+        if done == total:
+            bar.close()
+
+    return update

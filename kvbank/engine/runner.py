@@ -1,0 +1,113 @@
+"""Turns one step's scheduled sequences into flat tensors, runs the model, returns logits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbank.attention import AttentionMetadata, PrefillChunk
+from kvbank.cache.storage import KVStorage
+from kvbank.engine.scheduler import ScheduledSeq
+from kvbank.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepLogits:
+    """Logits of the rows the engine asked for.
+
+    `sample_rows[i]` is the row holding the next-token logits of scheduled sequence i, or -1 if it
+    does not sample this step; `prompt_rows[i]` is the (first, last) row range of prompt positions
+    whose logprobs sequence i wants, or None.
+    """
+
+    logits: torch.Tensor
+    sample_rows: list[int]
+    prompt_rows: list[tuple[int, int] | None]
+
+
+class ModelRunner:
+    """Owns the model and the KV storage; executes one batch per call."""
+
+    def __init__(self, model: LlamaForCausalLM, storage: KVStorage, device: torch.device) -> None:
+        self.model = model
+        self.storage = storage
+        self.device = device
+        self.block_size = storage.block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> StepLogits:
+        if copies:
+            self.storage.copy_blocks(copies)
+        input_ids, positions, slots, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.storage.kv_caches, meta)
+        rows, sample_rows, prompt_rows = self._logit_rows(batch)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        return StepLogits(logits, sample_rows, prompt_rows)
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            table = seq.block_table
+            offset = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            num_blocks = -(-end // bs)
+            if item.num_tokens == 1:
+                decode_tables.append(table[:num_blocks])
+                decode_lens.append(end)
+            else:
+                mask = None
+                if start:
+                    q = torch.arange(start, end).unsqueeze(1)
+                    mask = (torch.arange(end).unsqueeze(0) <= q).to(self.device)
+                prefills.append(PrefillChunk(offset, offset + item.num_tokens, start,
+                                             self._tensor(table[:num_blocks]), mask))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=None, decode_context_lens=None, decode_mask=None,
+            prefills=prefills, block_size=bs)
+        if decode_tables:
+            width = max(map(len, decode_tables))
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            meta.decode_context_lens = self._tensor(decode_lens)
+            visible = torch.arange(width * bs, device=self.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
+            meta.decode_mask = visible[:, None, None, :]
+        return self._tensor(input_ids), self._tensor(positions), slots, meta
+
+    def _logit_rows(self, batch: list[ScheduledSeq]):
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int] | None] = []
+        offset = 0
+        for item in batch:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+            wanted = None
+            if seq.request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                # Position p predicts token p + 1; only prompt tokens not yet scored need rows.
+                first = max(start, len(seq.request.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    wanted = (len(rows), len(rows) + last - first)
+                    rows.extend(range(offset + first - start, offset + last - start))
+            prompt_rows.append(wanted)
+            if end == seq.num_tokens:
+                sample_rows.append(len(rows))
+                rows.append(offset + item.num_tokens - 1)
+            else:
+                sample_rows.append(-1)
+            offset += item.num_tokens
+        return rows, sample_rows, prompt_rows
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

