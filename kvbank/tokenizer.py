@@ -108,7 +108,8 @@ class Tokenizer:
         if model == "gpt2":
             merges = _gguf_value(reader, "tokenizer.ggml.merges", [])
             engine = _byte_level_engine(tokens, merges, pre)
-            # Same defaults as llama.cpp when the file does not say.
+            # Where the file does not say, BOS is added as llama.cpp does: for SentencePiece
+            # vocabularies, and among byte-level ones only for Llama 3's.
             add_bos_default = pre in _LLAMA3_PRE
             default_bos = default_eos = None
         elif model == "llama":
@@ -167,17 +168,12 @@ class Tokenizer:
         special_map = _read_json(folder / "special_tokens_map.json")
         generation = _read_json(folder / "generation_config.json")
 
-        generation_eos = generation.get("eos_token_id")
-        if isinstance(generation_eos, int):
-            generation_eos = [generation_eos]
-        generation_eos = generation_eos or []
-
         bos_id = _token_id(engine, config.get("bos_token", special_map.get("bos_token")))
-        if bos_id is None:
-            bos_id = generation.get("bos_token_id")
         eos_id = _token_id(engine, config.get("eos_token", special_map.get("eos_token")))
-        if eos_id is None and generation_eos:
-            eos_id = generation_eos[0]
+        # generation_config.json lists every id that ends generation (e.g. Llama 3's <|eot_id|>).
+        stops = generation.get("eos_token_id") or []
+        if isinstance(stops, int):
+            stops = [stops]
 
         add_bos = config.get("add_bos_token")
         if add_bos is None:
@@ -195,7 +191,7 @@ class Tokenizer:
             engine,
             bos_token_id=bos_id,
             eos_token_id=eos_id,
-            stop_token_ids=generation_eos,
+            stop_token_ids=stops,
             chat_template=chat_template,
             add_bos_token=bool(add_bos),
         )
@@ -290,38 +286,53 @@ class IncrementalDetokenizer:
         """Start after `prompt_ids` (used as context only; their text is never emitted)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        # Decoding a whole sequence per step would be quadratic, so only a window is decoded:
-        # ids[:_read] are already emitted, and ids[:_read] (all of which are kept) give context.
-        self._ids = list(prompt_ids[-self._PROMPT_CONTEXT :]) if prompt_ids else []
+        # Decoding everything at each step would be quadratic, so only a window is decoded:
+        # ids[:_read] were emitted in full and are kept only as context for ids[_read:], of
+        # whose text the first _sent characters are out already.
+        self._ids = list(prompt_ids[-self._PROMPT_CONTEXT :])
         self._read = len(self._ids)
+        self._sent = 0
         self.text = ""
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add generated ids; return the text they complete ('' while a character is unfinished)."""
         self._ids.extend(new_ids)
-        emitted, decoded = self._decode_window()
-        if len(decoded) <= len(emitted) or decoded.endswith("\ufffd"):
-            return ""
-        return self._advance(decoded[len(emitted) :])
+        pending = self._pending_text()
+        if pending.endswith("\ufffd"):
+            # The last ids end inside a multi-byte character (decoded as U+FFFD until complete):
+            # send what precedes it, keep the ids.
+            ready = pending.rstrip("\ufffd")
+            delta = ready[self._sent :]
+            self._sent = max(self._sent, len(ready))
+        elif pending:
+            delta = pending[self._sent :]
+            self._advance()
+        else:
+            # Nothing to show (e.g. a skipped special token): keep the old context, which is what
+            # the next token's leading space depends on.
+            delta = ""
+        self.text += delta
+        return delta
 
     def flush(self) -> str:
         """Emit whatever is still held back, e.g. at the end of generation; an unfinished
         character comes out as U+FFFD."""
-        emitted, decoded = self._decode_window()
-        return self._advance(decoded[len(emitted) :])
+        delta = self._pending_text()[self._sent :]
+        self._advance()
+        self.text += delta
+        return delta
 
-    def _decode_window(self) -> tuple[str, str]:
+    def _pending_text(self) -> str:
         decode = self._tokenizer.decode
-        emitted = decode(self._ids[: self._read], skip_special_tokens=self._skip_special)
+        context = decode(self._ids[: self._read], skip_special_tokens=self._skip_special)
         decoded = decode(self._ids, skip_special_tokens=self._skip_special)
-        return emitted, decoded
+        return decoded[len(context) :]
 
-    def _advance(self, delta: str) -> str:
+    def _advance(self) -> None:
         # The ids just emitted become the context of the next window.
         del self._ids[: self._read]
         self._read = len(self._ids)
-        self.text += delta
-        return delta
+        self._sent = 0
 
 
 def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
