@@ -64,8 +64,6 @@ class Sampler:
         if seq.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
             row[banned] = float("-inf")
-        elif params.ignore_eos and self.eos_token_ids:
-            row[list(self.eos_token_ids)] = float("-inf")
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list) -> torch.Tensor:

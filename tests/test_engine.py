@@ -1,0 +1,203 @@
+"""The engine on the bundled SmolLM2 model: exactness against transformers, batching, paging."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvbank import LLM, SamplingParams
+from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three colors:",
+    "Water boils at",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "My favourite recipe for pancakes needs flour, eggs and",
+    "Q: What is the largest planet in the solar system?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    folder = os.path.dirname(importlib.util.find_spec(BUNDLED_PACKAGE).origin)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=BUNDLED_FILE, dtype=torch.float32).eval()
+
+
+def _prompts(llm) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea."}], tokenize=True)
+    return [tok.encode(t) for t in TEXTS] + [chat]
+
+
+def _assert_all_free(llm):
+    manager = llm.engine.manager
+    assert manager.num_free_blocks == llm.engine.num_blocks
+    assert all(block.ref_count == 0 for block in manager.pool.blocks)
+
+
+def test_greedy_matches_transformers(llm, hf_model):
+    prompts = _prompts(llm)
+    assert len(prompts) >= 10
+    outputs = llm.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            # An explicit mask: the prompt holds <|im_end|>, which is also the pad id transformers would mask.
+            ids = torch.tensor([prompt])
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                    eos_token_id=None)
+        assert output.outputs[0].token_ids == ref[0, len(prompt):].tolist(), llm.get_tokenizer().decode(prompt)
+    _assert_all_free(llm)
+
+
+def test_prompt_logprobs_match_transformers(llm, hf_model):
+    prompt = llm.get_tokenizer().encode(TEXTS[2])
+    output = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for i in range(1, len(prompt)):
+        entry = output.prompt_logprobs[i]
+        assert abs(entry[prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-3
+        assert len(entry) >= 2
+
+
+def _mixed_prompts(llm) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    base = tok.encode(" ".join(TEXTS))
+    return [base[: 3 + (i * 37) % len(base)] + tok.encode(f" Item {i}:") for i in range(16)]
+
+
+def test_batched_equals_alone_with_chunked_prefill(llm):
+    prompts = _mixed_prompts(llm)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    scheduler = llm.engine.scheduler
+    scheduler.max_num_batched_tokens = 64  # forces chunked prefill mixed with decodes
+    try:
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        scheduler.max_num_batched_tokens = 2048
+    assert together == alone
+    _assert_all_free(llm)
+
+
+def test_preemption_keeps_results_exact(llm):
+    prompts = _mixed_prompts(llm)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    small = LLM(dtype="float32", num_gpu_blocks=24, enable_prefix_caching=False)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    assert small.stats()["num_preemptions"] > 0
+    assert got == expected
+    _assert_all_free(small)
+
+
+def test_parallel_sampling_shares_prompt_blocks(llm):
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode(" ".join(TEXTS))[:40]  # 2 full blocks + 8 tokens
+    params = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=8, ignore_eos=True)
+    engine.add_request(prompt, params, request_id="fork")
+    while not engine.requests["fork"].forked:
+        engine.step()
+    used = lambda: engine.num_blocks - engine.manager.num_free_blocks  # noqa: E731
+    assert used() == 3  # four sequences, one copy of the prompt
+    engine.step()
+    assert used() == 3 + 3  # the shared partial block was copied for three of the four writers
+    while engine.has_unfinished_requests():
+        engine.step()
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    texts = [c.token_ids for c in first.outputs]
+    assert len(texts) == 4 and texts == [c.token_ids for c in again.outputs]
+    assert len({tuple(t) for t in texts}) > 1
+    _assert_all_free(llm)
+
+
+def test_seeded_sampling_is_independent_of_batch(llm):
+    prompts = _prompts(llm)[:4]
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompts[1]], params)[0].outputs[0].token_ids
+    batched = llm.generate(prompts, params)[1].outputs[0].token_ids
+    assert alone == batched
+
+
+def test_top_k_one_is_greedy(llm):
+    prompt = _prompts(llm)[0]
+    greedy = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    sampled = llm.generate([prompt], SamplingParams(temperature=1.5, top_k=1, max_tokens=32, ignore_eos=True))[0]
+    assert sampled.outputs[0].token_ids == greedy
+
+
+def test_logprobs_and_stop_strings(llm):
+    prompt = TEXTS[0]
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(full.logprobs) == len(full.token_ids)
+    for token, entry in zip(full.token_ids, full.logprobs):
+        assert entry[token].rank == 1 and len(entry) == 3
+    assert full.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(full.token_ids, full.logprobs)))
+    stop = full.text.strip().split()[1]
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert full.finish_reason == "length"
+
+
+def test_stream_yields_growing_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chunks = list(llm.stream(TEXTS[3], params))
+    final = llm.generate(TEXTS[3], params)[0].outputs[0]
+    assert chunks[-1].finished and chunks[-1].outputs[0].text == final.text
+    assert len(chunks) == 12
+    assert all(a.outputs[0].text == b.outputs[0].text[: len(a.outputs[0].text)] for a, b in zip(chunks, chunks[1:]))
+
+
+def test_stream_abandoned_frees_blocks(llm):
+    stream = llm.stream(TEXTS[4], SamplingParams(temperature=0, max_tokens=50))
+    next(stream)
+    stream.close()
+    _assert_all_free(llm)
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=16))[0]
+    assert out.prompt_token_ids[:1] == llm.get_tokenizer().encode("<|im_start|>")
+    assert out.outputs[0].text
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", None, "empty"),
+    ([], None, "empty"),
+    ([10**6], None, "out of range"),
+    ("hi", SamplingParams(max_tokens=9000), "max_model_len=8192"),
+])
+def test_bad_requests_raise_and_leak_nothing(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([TEXTS[0], prompt], params)
+    assert not llm.engine.has_unfinished_requests()
+    _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(n=0), dict(top_k=-5),
+                                    dict(max_tokens=0), dict(logprobs=99), dict(stop=[""])])
+def test_bad_sampling_params_raise(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_bad_engine_config_raises():
+    with pytest.raises(ValueError, match="float16"):
+        LLM(dtype="float16", device="cpu")
+    with pytest.raises(ValueError, match="max_model_len=100000"):
+        LLM(max_model_len=100000)
