@@ -1,0 +1,239 @@
+"""The `kvbank` command: `generate` one completion, `chat` in the terminal, or `serve` an OpenAI API."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import uvicorn
+
+from kvbank.config import EngineConfig
+from kvbank.engine.llm import LLM
+from kvbank.engine.outputs import RequestOutput
+from kvbank.engine.params import SamplingParams
+from kvbank.server.api import build_app, settled_text
+from kvbank.server.async_engine import AsyncEngine
+from kvbank.tokenizer import Tokenizer
+
+CLI_DEFAULT_MAX_TOKENS = 256
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
+
+
+class ChatSession:
+    """A conversation kept as the exact token ids the engine has seen, so each turn extends the last.
+
+    Rendering the whole conversation again and tokenizing it afresh can change earlier tokens
+    (replies tokenize differently from how they were generated, and templates may rewrite past
+    turns), which would cost prefix-cache hits. Instead, each turn appends only the tokens of the
+    text the template adds, so every full KV block of the previous turn is found in the cache.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, system_prompt: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.token_ids: list[int] = []
+        self.text = ""  # what `token_ids` decode to, special tokens included
+
+    def prompt_for(self, user_text: str) -> list[int]:
+        """Add the user's message; return the token ids to generate the assistant's reply from."""
+        self.messages.append({"role": "user", "content": user_text})
+        rendered = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        if self.token_ids and rendered.startswith(self.text):
+            self.token_ids = self.token_ids + self.tokenizer.encode(rendered[len(self.text):],
+                                                                    add_special_tokens=False)
+        else:
+            # First turn, or the template rewrote the past (e.g. dropped a stop string the reply
+            # held): the cache still serves whatever prefix the new tokens share.
+            self.token_ids = self.tokenizer.encode(rendered, add_special_tokens=False)
+        self.text = rendered
+        return list(self.token_ids)
+
+    def add_reply(self, output: RequestOutput) -> None:
+        """Record the assistant's reply, keeping the ids it was generated as."""
+        completion = output.outputs[0]
+        self.messages.append({"role": "assistant", "content": completion.text})
+        self.token_ids = output.prompt_token_ids + completion.token_ids
+        self.text += self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `kvbank` command line; returns the exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.command(args)
+    except ValueError as error:
+        print(f"kvbank: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+# --- the commands --------------------------------------------------------------------------------
+
+def _generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    output = _print_streamed(llm, args.prompt, params)
+    if not output.outputs[0].text.endswith("\n"):
+        print()
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    session = ChatSession(llm.get_tokenizer(), args.system_prompt)
+    interactive = sys.stdin.isatty()
+    print("Type a message; /exit or end of input quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() == "/exit":
+            break
+        if not line.strip():
+            continue
+        prompt_ids = session.prompt_for(line)
+        output = _print_streamed(llm, prompt_ids, params)
+        session.add_reply(output)
+        print()
+        print(_turn_status(output), flush=True)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    llm = _load(args)
+    name = args.served_model_name or args.model or Path(llm.engine.model_path).stem
+    async_engine = AsyncEngine(llm.engine)
+    app = build_app(async_engine, name)
+    url = f"http://{args.host}:{args.port}"
+    print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
+    print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
+          flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+def _load(args: argparse.Namespace) -> LLM:
+    engine_args = {name: getattr(args, name) for name in _ENGINE_DEFAULTS}
+    return LLM(**engine_args, show_progress=True)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _print_streamed(llm: LLM, prompt: str | list[int], params: SamplingParams) -> RequestOutput:
+    """Print the completion as it is generated; return the final output."""
+    printed = 0
+    for output in llm.stream(prompt, params):
+        text = settled_text(output.outputs[0], params)
+        print(text[printed:], end="", flush=True)
+        printed = max(printed, len(text))
+    return output
+
+
+def _turn_status(output: RequestOutput) -> str:
+    ttft = output.metrics.time_to_first_token
+    ttft_text = "n/a" if ttft is None else f"{ttft * 1000:.0f} ms"
+    return f"[cached {output.num_cached_tokens}/{len(output.prompt_token_ids)} prompt tokens, TTFT {ttft_text}]"
+
+
+# --- the parser ----------------------------------------------------------------------------------
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbank", description="A KV-cache-first LLM inference engine.")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    engine, sampling = _engine_flags(), _sampling_flags()
+
+    generate = commands.add_parser("generate", parents=[engine, sampling], help="complete one prompt",
+                                   description="Print the completion of PROMPT as it is generated.")
+    generate.add_argument("prompt", help="the text to complete")
+    _bind(generate, _generate)
+
+    chat = commands.add_parser("chat", parents=[engine, sampling], help="chat in the terminal",
+                               description="Multi-turn chat through the model's chat template; each turn "
+                                           "reuses the previous turns' KV cache.")
+    chat.add_argument("--system-prompt", help="a system message to start the conversation with")
+    _bind(chat, _chat)
+
+    serve = commands.add_parser("serve", parents=[engine], help="serve an OpenAI-compatible HTTP API",
+                                description="Serve /v1/completions, /v1/chat/completions and /v1/models.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: --model, or the "
+                                                   "bundled model's file name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default: %(default)s)")
+    _bind(serve, _serve)
+    return parser
+
+
+def _bind(parser: argparse.ArgumentParser, command: Callable[[argparse.Namespace], int]) -> None:
+    parser.set_defaults(command=command)
+
+
+def _engine_flags() -> argparse.ArgumentParser:
+    flags = argparse.ArgumentParser(add_help=False)
+    group = flags.add_argument_group("engine")
+    d = _ENGINE_DEFAULTS
+    group.add_argument("--model", default=d["model"],
+                       help="a .gguf file or a Hugging Face model folder (default: bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", default=d["dtype"], help="auto (bfloat16), bfloat16, float16 or float32 "
+                                                           "(default: %(default)s)")
+    group.add_argument("--device", default=d["device"], help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    group.add_argument("--block-size", type=int, default=d["block_size"],
+                       help="tokens per KV block (default: %(default)s)")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=d["kv_cache_memory_gb"],
+                       help="memory for the KV pool in GiB (default: 1)")
+    group.add_argument("--num-gpu-blocks", type=int, default=d["num_gpu_blocks"],
+                       help="size the KV pool in blocks instead of memory")
+    group.add_argument("--max-model-len", type=int, default=d["max_model_len"],
+                       help="context limit in tokens (default: the model's)")
+    group.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                       help="most sequences in one batch (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+                       help="most tokens in one step (default: %(default)s)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d["enable_prefix_caching"], help="reuse KV blocks of shared prefixes "
+                                                                "(default: on)")
+    group.add_argument("--seed", type=int, default=d["seed"], help="random seed (default: %(default)s)")
+    return flags
+
+
+def _sampling_flags() -> argparse.ArgumentParser:
+    flags = argparse.ArgumentParser(add_help=False)
+    group = flags.add_argument_group("sampling")
+    d = _SAMPLING_DEFAULTS
+    group.add_argument("--max-tokens", type=int, default=CLI_DEFAULT_MAX_TOKENS,
+                       help="most tokens to generate (default: %(default)s)")
+    group.add_argument("--min-tokens", type=int, default=d["min_tokens"],
+                       help="tokens to generate before EOS or a stop may end the reply (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=d["temperature"],
+                       help="0 is greedy (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables (default: %(default)s)")
+    group.add_argument("--min-p", type=float, default=d["min_p"], help="(default: %(default)s)")
+    group.add_argument("--presence-penalty", type=float, default=d["presence_penalty"], help="(default: %(default)s)")
+    group.add_argument("--frequency-penalty", type=float, default=d["frequency_penalty"],
+                       help="(default: %(default)s)")
+    group.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"],
+                       help="(default: %(default)s)")
+    group.add_argument("--stop", action="append", help="a string that ends the reply (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    return flags

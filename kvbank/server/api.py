@@ -1,0 +1,557 @@
+"""OpenAI-compatible HTTP routes over an `AsyncEngine`: completions, chat completions, models, health.
+
+Bodies, streamed chunks and errors follow OpenAI's shapes, so the official clients work unchanged.
+Sampling extras that vLLM accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+cache_salt) are accepted too; other unknown fields are ignored with a warning, as vLLM does.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
+
+from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvbank.engine.params import SamplingParams
+from kvbank.server.async_engine import AsyncEngine, RequestStream
+
+logger = logging.getLogger("kvbank.server")
+
+T = TypeVar("T")
+PromptInput = str | list[int]
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    """A request the server refuses, answered in OpenAI's error shape with `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+
+# --- request bodies ------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingBody(BaseModel):
+    """Fields shared by both generation routes; None means "the default"."""
+
+    # Extra fields are kept (not rejected) so they can be named in a warning.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    cache_salt: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this body; raises APIError 400 for a value SamplingParams refuses."""
+        fields = {name: getattr(self, name) for name in (
+            "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
+            "min_p", "repetition_penalty", "min_tokens", "ignore_eos")}
+        try:
+            return SamplingParams(**{k: v for k, v in fields.items() if v is not None}, max_tokens=max_tokens,
+                                  logprobs=logprobs)
+        except ValueError as error:
+            raise APIError(str(error)) from error
+
+
+class CompletionRequest(_SamplingBody):
+    # Checked by `_completion_prompts`, which can say in one sentence what is allowed.
+    prompt: Any
+    logprobs: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, ...) go through to the chat template untouched.
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+def build_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
+    """A FastAPI app serving `async_engine` under OpenAI's routes as model `served_model_name`."""
+    app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
+    server = _Server(async_engine, served_model_name)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            raise APIError("the engine thread has stopped", status=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return server.model_list()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat_completions(body, request)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return _error_response(error.message, error.status, error.param, error.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        if any(p["type"] == "json_invalid" for p in problems):
+            return _error_response("the request body is not valid JSON", 400)
+        message = "; ".join(f"{_field_path(p['loc']) or 'body'}: {p['msg']}" for p in problems)
+        return _error_response(message, 400, _field_path(problems[0]["loc"]) if problems else None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return _error_response(str(error.detail), error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return _error_response(f"internal error: {error}", 500, error_type="internal_server_error")
+
+
+def _error_body(message: str, param: str | None = None, code: str | None = None,
+                error_type: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _error_response(message: str, status: int, param: str | None = None, code: str | None = None,
+                    error_type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(_error_body(message, param, code, error_type), status_code=status)
+
+
+def _field_path(loc: tuple | list) -> str | None:
+    # Pydantic locations start with "body"; OpenAI names the field itself.
+    parts = [str(part) for part in loc if part != "body"]
+    return ".".join(parts) or None
+
+
+# --- the routes' work ----------------------------------------------------------------------------
+
+class _Server:
+    """What the routes do, with the engine and model name they share."""
+
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.model_name = served_model_name
+        self.created = int(time.time())
+
+    def model_list(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvbank",
+                "root": str(self.engine.model_path), "max_model_len": self.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_body(body)
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        params = body.sampling_params(max_tokens, body.logprobs)
+        prompts = _completion_prompts(body.prompt)
+        job = _Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
+        streams = await self._start([_with_salt(p, body.cache_salt) for p in prompts], params, job.id)
+        if body.stream:
+            return _event_stream(_completion_chunks(job, streams))
+        finals = await _unless_disconnected(request, _final_outputs(streams))
+        choices = [_completion_choice(job.choice_index(i, c), c, params.logprobs)
+                   for i, output in enumerate(finals) for c in output.outputs]
+        return JSONResponse(job.body(choices, usage=_usage(finals)))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_body(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens, logprobs)
+        prompt = _with_salt(self._render_chat(body.messages), body.cache_salt)
+        job = _Job("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params, body.include_usage)
+        streams = await self._start([prompt], params, job.id)
+        if body.stream:
+            return _event_stream(_chat_chunks(job, streams))
+        finals = await _unless_disconnected(request, _final_outputs(streams))
+        choices = [_chat_choice(c, logprobs) for c in finals[0].outputs]
+        return JSONResponse(job.body(choices, usage=_usage(finals)))
+
+    def _check_body(self, body: _SamplingBody) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                           status=404, param="model", code="model_not_found")
+        if body.model_extra:
+            logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(body.model_extra)))
+
+    def _render_chat(self, messages: list[ChatMessage]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
+        if not messages:
+            raise APIError("messages must not be empty", param="messages")
+        try:
+            return tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                                 add_generation_prompt=True, tokenize=True)
+        except (ValueError, jinja2.TemplateError) as error:
+            raise APIError(f"cannot render the chat template: {error}", param="messages") from error
+
+    async def _start(self, prompts: list[Any], params: SamplingParams, job_id: str) -> list[RequestStream]:
+        """Submit every prompt; if the engine refuses one, abort those already accepted."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.async_engine.add_request(prompt, params, f"{job_id}-{i}"))
+        except ValueError as error:
+            which = f"prompt {len(streams)}: " if len(prompts) > 1 else ""
+            raise APIError(f"{which}{error}") from error
+        finally:
+            if len(streams) < len(prompts):
+                for stream in streams:
+                    stream.close()
+        return streams
+
+
+def _completion_prompts(prompt: Any) -> list[PromptInput]:
+    """The prompts of a completions body: one string or token-id list, or a non-empty list of them."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return prompt
+    raise APIError("prompt must be a string, a list of token ids, or a non-empty list of either",
+                   param="prompt")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _with_salt(prompt: PromptInput, cache_salt: str | None) -> PromptInput | dict:
+    if cache_salt is None:
+        return prompt
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": cache_salt}
+
+
+def _template_message(message: ChatMessage) -> dict:
+    rendered = message.model_dump(exclude_none=True)
+    rendered["content"] = _message_text(message.content)
+    return rendered
+
+
+def _message_text(content: str | list[TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(f"content part of type {part.type!r} is not supported; only text parts are",
+                           param="messages")
+    return "\n".join(part.text for part in content)
+
+
+# --- running requests ----------------------------------------------------------------------------
+
+_END = object()
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they arrive, tagged with the stream's position.
+
+    Leaving early (or being cancelled) closes every stream, which aborts its request.
+    """
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                events.put_nowait((index, output))
+        except Exception as error:
+            events.put_nowait((index, error))
+        events.put_nowait((index, _END))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await events.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for index, output in _merged(streams):
+        finals[index] = output
+    return finals
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (aborting its requests) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        # Nobody is listening; the status only shows up in the access log.
+        raise APIError("client disconnected", status=499)
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (or the response's end).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- response shapes -----------------------------------------------------------------------------
+
+@dataclass
+class _Job:
+    """One API call: its id, object type and the choices' numbering."""
+
+    prefix: str
+    object: str
+    chunk_object: str
+    model: str
+    params: SamplingParams
+    include_usage: bool
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
+        return prompt_index * self.params.n + completion.index
+
+    def body(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict:
+        body = {"id": self.id, "object": self.chunk_object if chunk else self.object, "created": self.created,
+                "model": self.model, "choices": choices}
+        if not chunk or self.include_usage:
+            body["usage"] = usage
+        return body
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+
+
+def _chosen_and_top(completion: CompletionOutput, position: int, k: int) -> tuple[Logprob, list[Logprob]]:
+    entry = completion.logprobs[position]
+    chosen = entry[completion.token_ids[position]]
+    top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+    return chosen, top
+
+
+def _completion_logprobs(completion: CompletionOutput, k: int | None, start: int = 0,
+                         text_offset: int = 0) -> dict | None:
+    """Completions-style logprobs of tokens[start:], the first one at `text_offset` in the text."""
+    if k is None or completion.logprobs is None:
+        return None
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for position in range(start, len(completion.logprobs)):
+        chosen, top = _chosen_and_top(completion, position, k)
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        top_logprobs.append({lp.decoded_token: lp.logprob for lp in top})
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(completion: CompletionOutput, k: int | None, start: int = 0) -> dict | None:
+    if k is None or completion.logprobs is None:
+        return None
+    content = []
+    for position in range(start, len(completion.logprobs)):
+        chosen, top = _chosen_and_top(completion, position, k)
+        content.append({**_chat_token(chosen), "top_logprobs": [_chat_token(lp) for lp in top]})
+    return {"content": content}
+
+
+def _chat_token(logprob: Logprob) -> dict:
+    token = logprob.decoded_token
+    return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _completion_choice(index: int, completion: CompletionOutput, k: int | None) -> dict:
+    return {"index": index, "text": completion.text, "logprobs": _completion_logprobs(completion, k),
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+
+def _chat_choice(completion: CompletionOutput, k: int | None) -> dict:
+    return {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+            "logprobs": _chat_logprobs(completion, k), "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason}
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+@dataclass
+class _Sent:
+    """How much of one choice has been streamed so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Delta:
+    text: str
+    start: int
+    text_offset: int
+    finish_reason: str | None
+
+
+def settled_text(completion: CompletionOutput, params: SamplingParams) -> str:
+    """The part of a running completion's text that later steps can no longer change.
+
+    The engine cuts a stop string out of the text only once it is complete, so the last
+    characters, which could be the start of one, are not settled until the completion finishes.
+    """
+    if completion.finish_reason is not None or not params.stop_strings:
+        return completion.text
+    holdback = max(len(stop) for stop in params.stop_strings) - 1
+    return completion.text[:max(0, len(completion.text) - holdback)]
+
+
+def _next_delta(completion: CompletionOutput, sent: _Sent, params: SamplingParams) -> _Delta | None:
+    """What of `completion` is new since `sent` (which it updates); None if nothing is."""
+    if sent.finished:
+        return None
+    finished = completion.finish_reason is not None
+    text = settled_text(completion, params)
+    delta = _Delta(text[sent.text_len:], sent.num_tokens, sent.text_offset, completion.finish_reason)
+    new_tokens = range(sent.num_tokens, len(completion.token_ids))
+    if not delta.text and not new_tokens and not finished:
+        return None
+    if completion.logprobs is not None:
+        sent.text_offset += sum(len(completion.logprobs[i][completion.token_ids[i]].decoded_token) for i in new_tokens)
+    sent.text_len, sent.num_tokens, sent.finished = len(text), len(completion.token_ids), finished
+    return delta
+
+
+async def _completion_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator[dict]:
+    sent: dict[int, _Sent] = {}
+    latest: list[RequestOutput | None] = [None] * len(streams)
+    async for prompt_index, output in _merged(streams):
+        latest[prompt_index] = output
+        for completion in output.outputs:
+            index = job.choice_index(prompt_index, completion)
+            delta = _next_delta(completion, sent.setdefault(index, _Sent()), job.params)
+            if delta is not None:
+                logprobs = _completion_logprobs(completion, job.params.logprobs, delta.start, delta.text_offset)
+                yield job.body([{"index": index, "text": delta.text, "logprobs": logprobs,
+                                 "finish_reason": delta.finish_reason}], chunk=True)
+    if job.include_usage:
+        yield job.body([], usage=_usage(latest), chunk=True)
+
+
+async def _chat_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator[dict]:
+    role = {"role": "assistant", "content": ""}
+    yield job.body([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+                    for i in range(job.params.n)], chunk=True)
+    sent: dict[int, _Sent] = {}
+    latest: RequestOutput | None = None
+    async for _, latest in _merged(streams):
+        for completion in latest.outputs:
+            delta = _next_delta(completion, sent.setdefault(completion.index, _Sent()), job.params)
+            if delta is not None:
+                yield job.body([{"index": completion.index, "delta": {"content": delta.text},
+                                 "logprobs": _chat_logprobs(completion, job.params.logprobs, delta.start),
+                                 "finish_reason": delta.finish_reason}], chunk=True)
+    if job.include_usage:
+        yield job.body([], usage=_usage([latest]), chunk=True)
+
+
+def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    return StreamingResponse(_server_sent_events(chunks), media_type="text/event-stream")
+
+
+async def _server_sent_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk)
+    except Exception as error:
+        # The status line is long gone, so a failure mid-stream is reported in-band.
+        logger.exception("stream failed")
+        yield _sse(_error_body(f"internal error: {error}", error_type="internal_server_error"))
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+

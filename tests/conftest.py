@@ -1,0 +1,18 @@
+"""Shared fixtures for tests that run kvbank in subprocesses."""
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def kvbank_env() -> dict[str, str]:
+    """Environment for a `python -m kvbank` subprocess that imports this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    # On a small shared CPU, torch's thread pool spinning against the test process's own threads
+    # makes every matmul dozens of times slower; one thread each is far faster.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
