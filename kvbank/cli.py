@@ -13,7 +13,7 @@ from kvbank.config import EngineConfig
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
-from kvbank.server.api import build_app, settled_text
+from kvbank.server.api import build_app
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.tokenizer import Tokenizer
 
@@ -142,7 +142,7 @@ def _print_streamed(llm: LLM, prompt: str | list[int], params: SamplingParams) -
     """Print the completion as it is generated; return the final output."""
     printed = 0
     for output in llm.stream(prompt, params):
-        text = settled_text(output.outputs[0], params)
+        text = output.outputs[0].text
         print(text[printed:], end="", flush=True)
         printed = max(printed, len(text))
     return output
@@ -212,6 +212,9 @@ def _engine_flags() -> argparse.ArgumentParser:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d["enable_prefix_caching"], help="reuse KV blocks of shared prefixes "
                                                                 "(default: on)")
+    group.add_argument("--weight-format", choices=("auto", "dense", "int4"), default=d["weight_format"],
+                       help="auto keeps a GGUF's 4-bit weights 4-bit for small batches in bfloat16 on CPU; "
+                            "dense dequantizes everything (default: %(default)s)")
     group.add_argument("--seed", type=int, default=d["seed"], help="random seed (default: %(default)s)")
     return flags
 

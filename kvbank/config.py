@@ -8,13 +8,17 @@ import torch
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
+_WEIGHT_FORMATS = ("auto", "dense", "int4")
+
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know before it loads a model.
 
     `model=None` means the bundled SmolLM2-135M-Instruct GGUF. Sizes of the KV pool come from
-    `num_gpu_blocks` when given, else from `kv_cache_memory_gb`.
+    `num_gpu_blocks` when given, else from `kv_cache_memory_gb`. `weight_format` "auto" keeps a
+    GGUF's 4-bit weights 4-bit for small batches when running bfloat16 on a CPU ("int4" demands
+    it, "dense" turns it off); float32 always runs dense, exactly like the reference.
     """
 
     model: str | None = None
@@ -27,6 +31,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    weight_format: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -38,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose from auto, {', '.join(_DTYPES)}")
         if self.dtype in ("float16", "fp16") and self.device == "cpu":
             raise ValueError("dtype=float16 is far too slow on CPU; use bfloat16 or float32")
+        if self.weight_format not in _WEIGHT_FORMATS:
+            raise ValueError(f"weight_format={self.weight_format!r} is not one of {', '.join(_WEIGHT_FORMATS)}")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -26,7 +26,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Attention of every new token (q, k, v: [T, heads, dim]) over its sequence's cached past."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decode_tokens
     if n:
         keys = _gather_blocks(k_cache, meta.decode_block_tables)

@@ -21,12 +21,13 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  kv_cache_memory_gb: float | None = None, num_gpu_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, seed: int = 0, show_progress: bool = False) -> None:
+                 enable_prefix_caching: bool = True, weight_format: str = "auto", seed: int = 0,
+                 show_progress: bool = False) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                               kv_cache_memory_gb=kv_cache_memory_gb, num_gpu_blocks=num_gpu_blocks,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=enable_prefix_caching, seed=seed)
+                              enable_prefix_caching=enable_prefix_caching, weight_format=weight_format, seed=seed)
         self.engine = LLMEngine(config, progress=_progress_bar() if show_progress else None)
 
     def get_tokenizer(self) -> Tokenizer:

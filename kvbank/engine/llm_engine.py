@@ -21,10 +21,13 @@ from kvbank.engine.scheduler import ScheduledSeq, Scheduler
 from kvbank.engine.sequence import Request, Sequence
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import load_model
+from kvbank.models.packed import packed_matmul_available
 from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 DEFAULT_KV_CACHE_GB = 1.0
+# Up to this many tokens in a step, 4-bit weights beat dense bfloat16 on a CPU (bench/throughput.py).
+PACKED_MAX_ROWS = 8
 
 
 class LLMEngine:
@@ -47,6 +50,7 @@ class LLMEngine:
         with torch.device("meta"):
             model = LlamaForCausalLM(mc)
         model.load_weights({k: v.to(self.device) for k, v in loaded.state_dict.items()}, self.dtype)
+        self.packed_layers = self._pack_weights(model, loaded)
         del loaded
         self.block_size = config.block_size
         self.num_blocks = config.num_gpu_blocks or self._blocks_for_memory()
@@ -61,6 +65,15 @@ class LLMEngine:
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                          "prefix_cache_hits": 0, "finished_requests": 0}
+
+    def _pack_weights(self, model: LlamaForCausalLM, loaded) -> int:
+        wanted = self.config.weight_format
+        usable = bool(loaded.int4) and packed_matmul_available(self.device) and self.dtype == torch.bfloat16
+        if wanted == "int4" and not usable:
+            raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
+        if wanted == "dense" or not usable:
+            return 0
+        return model.pack_weights(loaded.int4, PACKED_MAX_ROWS)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -38,9 +38,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         raw = logits
-        logits = logits.clone()
-        for row, seq in enumerate(seqs):
-            self._adjust(logits[row], seq)
+        adjusted = [row for row, seq in enumerate(seqs) if self._needs_adjusting(seq)]
+        if adjusted:
+            logits = logits.clone()
+            for row in adjusted:
+                self._adjust(logits[row], seqs[row])
         tokens = logits.argmax(dim=-1)
         random_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
@@ -56,6 +58,10 @@ class Sampler:
             top = token_logprobs(logprobs[i], tokens_list[row], seqs[row].params.logprobs, self.token_text)
             results[row] = Sampled(tokens_list[row], top[tokens_list[row]].logprob, top)
         return results
+
+    @staticmethod
+    def _needs_adjusting(seq: Sequence) -> bool:
+        return seq.params.needs_penalties or seq.num_output_tokens < seq.params.min_tokens
 
     def _adjust(self, row: torch.Tensor, seq: Sequence) -> None:
         params = seq.params

@@ -81,10 +81,21 @@ class Sequence:
         child.status = self.status
         return child
 
+    def settled_text(self) -> str:
+        """The text later steps can no longer change.
+
+        A stop string is cut out only once it is complete, so while the sequence runs, the last
+        characters (which could begin one) are held back; streams therefore never shrink.
+        """
+        stops = self.params.stop_strings
+        if self.is_finished or not stops:
+            return self.text
+        return self.text[:max(0, len(self.text) - max(map(len, stops)) + 1)]
+
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.text,
+            text=self.settled_text(),
             token_ids=self.output_token_ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,

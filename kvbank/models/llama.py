@@ -15,6 +15,7 @@ from torch import nn
 from kvbank.attention import AttentionMetadata, write_kv
 from kvbank.attention.fast import paged_attention
 from kvbank.models.loader import ModelConfig
+from kvbank.models.packed import Int4Blocks, PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -24,8 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference implementation, then scale in the model dtype.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # One fused op; it accumulates in float32 for bfloat16 inputs.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,10 +59,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of the head dimension: x is [T, heads, dim], cos/sin are [T, 1, dim]."""
+    """Rotate halves of the head dimension: x is [T, heads, dim], cos/sin are [T, 1, dim].
+
+    `sin` carries the sign of the rotation in its first half, which saves negating x.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -79,13 +82,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        heads = (self.num_heads, self.num_kv_heads)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qk.split(heads, dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = apply_rope(qk, cos, sin).split(heads, dim=1)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.view(T, -1))
@@ -140,7 +144,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of hidden states."""
-        return self.lm_head(self.norm(hidden)).float()
+        hidden = self.norm(hidden)
+        if hidden.shape[0] == 1 and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+            # For one row, the matrix-vector kernel reads the bfloat16 head twice as fast as linear.
+            return torch.mv(self.lm_head.weight, hidden[0]).float().unsqueeze(0)
+        return self.lm_head(hidden).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Take Hugging Face-named float32 weights, fuse them, and cast to `dtype`."""
@@ -169,11 +177,30 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict({k: cast.setdefault(id(v), v.to(dtype)) for k, v in params.items()}, assign=True)
         self._build_rope(state_dict.get("rope_freqs"), dtype)
 
+    def pack_weights(self, int4: dict[str, Int4Blocks], max_rows: int) -> int:
+        """Give every projection whose GGUF weights are all 4-bit an int4 path; returns how many."""
+        packed = 0
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            groups = {(layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                      (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
+                      (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
+                      (layer.mlp, "down_proj"): ["mlp.down_proj"]}
+            for (module, attr), names in groups.items():
+                parts = [int4.get(f"{prefix}{name}.weight") for name in names]
+                if all(part is not None for part in parts):
+                    dense = getattr(module, attr)
+                    setattr(module, attr, PackedLinear(dense.weight, dense.bias, Int4Blocks.cat(parts), max_rows))
+                    packed += 1
+        return packed
+
     def _build_rope(self, rope_freqs: torch.Tensor | None, dtype: torch.dtype) -> None:
         inv_freq = rope_inv_freq(self.config, rope_freqs)
         t = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         device = self.embed_tokens.weight.device
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
         self.rope_cos = emb.cos().to(dtype=dtype, device=device)
-        self.rope_sin = emb.sin().to(dtype=dtype, device=device)
+        self.rope_sin = sin.to(dtype=dtype, device=device)

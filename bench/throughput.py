@@ -1,0 +1,165 @@
+"""Decode and prefill throughput of kvbank against Hugging Face transformers, in one process.
+
+Both run the same GGUF (the bundled SmolLM2-135M-Instruct unless --model), in the same dtype,
+with the same threads. Decode: B prompts of 16 tokens, each generating --new-tokens tokens
+(EOS ignored), tok/s = B * new_tokens / wall time. Prefill: one prompt of L tokens, one output
+token, tok/s = L / time to first token (prefix caching is off so nothing is reused).
+Each number is the median of --repeats runs after a warm-up.
+
+    python bench/throughput.py                      # full table, JSON to bench/results/
+    python bench/throughput.py --dtypes bfloat16 --batches 1 --no-hf --profile
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvbank import LLM, SamplingParams  # noqa: E402
+from kvbank.models.loader import bundled_model_path  # noqa: E402
+
+PROMPT_LEN = 16
+
+
+def median_of(fn, repeats: int) -> float:
+    fn()
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def distinct_prompts(count: int, length: int, vocab: int, salt: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(salt)
+    return torch.randint(100, vocab - 100, (count, length), generator=generator).tolist()
+
+
+class KvbankRunner:
+    name = "kvbank"
+
+    def __init__(self, model: str, dtype: str) -> None:
+        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=64)
+        self.vocab = self.llm.engine.model_config.vocab_size
+        self.calls = 0
+
+    def decode(self, batch: int, new_tokens: int) -> float:
+        self.calls += 1
+        prompts = distinct_prompts(batch, PROMPT_LEN, self.vocab, self.calls)
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
+        return batch * new_tokens / elapsed
+
+    def prefill(self, length: int) -> float:
+        self.calls += 1
+        prompt = distinct_prompts(1, length, self.vocab, self.calls)[0]
+        start = time.perf_counter()
+        self.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        return length / (time.perf_counter() - start)
+
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, model: str, dtype: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        folder, file = os.path.split(model)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=getattr(torch, dtype)).eval()
+        self.vocab = self.model.config.vocab_size
+        self.calls = 0
+
+    @torch.inference_mode()
+    def decode(self, batch: int, new_tokens: int) -> float:
+        self.calls += 1
+        ids = torch.tensor(distinct_prompts(batch, PROMPT_LEN, self.vocab, self.calls))
+        start = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == PROMPT_LEN + new_tokens
+        return batch * new_tokens / elapsed
+
+    @torch.inference_mode()
+    def prefill(self, length: int) -> float:
+        self.calls += 1
+        ids = torch.tensor(distinct_prompts(1, length, self.vocab, self.calls))
+        start = time.perf_counter()
+        self.model(ids, use_cache=True, logits_to_keep=1)
+        return length / (time.perf_counter() - start)
+
+
+def measure(runner, args) -> dict[str, float]:
+    results = {}
+    for batch in args.batches:
+        results[f"decode_b{batch}"] = median_of(lambda: runner.decode(batch, args.new_tokens), args.repeats)
+        print(f"  {runner.name:12s} decode batch {batch:3d}: {results[f'decode_b{batch}']:8.1f} tok/s", flush=True)
+    for length in args.prefill_lens:
+        results[f"prefill_{length}"] = median_of(lambda: runner.prefill(length), args.repeats)
+        print(f"  {runner.name:12s} prefill {length:5d}: {results[f'prefill_{length}']:8.1f} tok/s", flush=True)
+    return results
+
+
+def profile_decode(runner: KvbankRunner, batch: int, new_tokens: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.decode(batch, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.decode(batch, new_tokens)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prefill-lens", default="512,2048")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers side")
+    parser.add_argument("--profile", action="store_true", help="print a kvbank decode profile per batch size")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "throughput.json"))
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
+    model = args.model or bundled_model_path()
+    report = {"model": model, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "results": {}}
+    for dtype in args.dtypes.split(","):
+        print(f"{dtype}:", flush=True)
+        runners = [KvbankRunner(model, dtype)] + ([] if args.no_hf else [TransformersRunner(model, dtype)])
+        report["results"][dtype] = {r.name: measure(r, args) for r in runners}
+        if args.profile:
+            for batch in args.batches:
+                print(f"kvbank {dtype} decode batch {batch} profile:\n{profile_decode(runners[0], batch, 32)}")
+        del runners
+    print_table(report["results"], args.batches)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+
+
+def print_table(results: dict, batches: list[int]) -> None:
+    print(f"\n{'dtype':9s} {'metric':14s} {'kvbank':>10s} {'transformers':>13s} {'ratio':>7s}")
+    for dtype, by_system in results.items():
+        ours, theirs = by_system["kvbank"], by_system.get("transformers", {})
+        for metric, value in ours.items():
+            ref = theirs.get(metric)
+            ratio = f"{value / ref:6.2f}x" if ref else "      -"
+            ref_text = f"{ref:13.1f}" if ref else f"{'-':>13s}"
+            print(f"{dtype:9s} {metric:14s} {value:10.1f} {ref_text} {ratio}")
+        if f"decode_b{batches[0]}" in ours and batches[0] == 1:
+            for batch in batches[1:]:
+                print(f"{dtype:9s} {'b' + str(batch) + ' / b1':14s} {ours[f'decode_b{batch}'] / ours['decode_b1']:9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

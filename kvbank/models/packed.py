@@ -1,0 +1,73 @@
+"""4-bit GGUF weights kept 4-bit for small batches.
+
+A decode step of a small model on a CPU is bound by reading the weights. GGUF's Q4_0/Q4_1
+blocks (32 weights, one scale, one offset) map exactly onto torch's grouped int4 matmul
+(w = (q - 8) * scale + zero), so small batches read 4-bit weights while large batches
+(prefill) use the dense copy, where compute, not memory, is the limit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass
+class Int4Blocks:
+    """Weights w = (q - 8) * scale + zero, in groups of 32 along the input dimension."""
+
+    q: torch.Tensor      # uint8 [out, in], values 0..15
+    scale: torch.Tensor  # float32 [out, in / 32]
+    zero: torch.Tensor   # float32 [out, in / 32]
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, type_name: str, rows: int) -> Int4Blocks:
+        """Decode GGUF Q4_0 / Q4_1 block bytes ([rows, blocks * bytes]) without losing anything."""
+        blocks = np.asarray(raw).reshape(rows, -1, Q4_BLOCK_BYTES[type_name])
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if type_name == "Q4_1":
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            nibbles = blocks[..., 4:]
+            zero = m + 8 * d
+        else:
+            nibbles = blocks[..., 2:]
+            zero = np.zeros_like(d)
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
+        return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
+
+    def map_rows(self, fn) -> Int4Blocks:
+        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.zero))
+
+    @staticmethod
+    def cat(parts: list[Int4Blocks]) -> Int4Blocks:
+        return Int4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.zero for p in parts]))
+
+
+def packed_matmul_available(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class PackedLinear(nn.Module):
+    """A linear layer with a dense weight and, for batches of at most `max_rows` tokens, int4 blocks."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: Int4Blocks, max_rows: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.max_rows = max_rows
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1))
+        scales_zeros = torch.stack([blocks.scale.t(), blocks.zero.t()], dim=-1)
+        self.register_buffer("scales_zeros", scales_zeros.to(weight.dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
+        return out if self.bias is None else out + self.bias
