@@ -108,7 +108,13 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    missing = [file for file in args.pin_prompt if not Path(file).is_file()]
+    if missing:
+        raise ValueError(f"--pin-prompt file {missing[0]!r} does not exist")
     llm = _load(args)
+    for file in args.pin_prompt:
+        pinned = llm.pin_prefix(Path(file).read_text())
+        print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
     name = args.served_model_name or args.model or Path(llm.engine.model_path).stem
     async_engine = AsyncEngine(llm.engine)
     app = build_app(async_engine, name)
@@ -178,6 +184,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model, or the "
                                                    "bundled model's file name)")
+    serve.add_argument("--pin-prompt", action="append", default=[], metavar="FILE",
+                       help="compute this file's text once and keep it cached (repeatable); the text must be "
+                            "exactly how prompts begin, e.g. a system turn rendered with the chat template")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
     _bind(serve, _serve)
@@ -212,6 +221,8 @@ def _engine_flags() -> argparse.ArgumentParser:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d["enable_prefix_caching"], help="reuse KV blocks of shared prefixes "
                                                                 "(default: on)")
+    group.add_argument("--max-pinned-fraction", type=float, default=d["max_pinned_fraction"],
+                       help="most of the KV pool pinned prefixes may hold (default: %(default)s)")
     group.add_argument("--weight-format", choices=("auto", "dense", "int4"), default=d["weight_format"],
                        help="auto keeps a GGUF's 4-bit weights 4-bit for small batches in bfloat16 on CPU; "
                             "dense dequantizes everything (default: %(default)s)")

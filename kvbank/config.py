@@ -31,6 +31,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    max_pinned_fraction: float = 0.5
     weight_format: str = "auto"
     seed: int = 0
 
@@ -45,6 +46,8 @@ class EngineConfig:
             raise ValueError("dtype=float16 is far too slow on CPU; use bfloat16 or float32")
         if self.weight_format not in _WEIGHT_FORMATS:
             raise ValueError(f"weight_format={self.weight_format!r} is not one of {', '.join(_WEIGHT_FORMATS)}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction={self.max_pinned_fraction} must be in [0, 1]")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -104,3 +104,35 @@ def test_pool_refuses_to_release_a_free_block():
     pool.release(block)
     with pytest.raises(AssertionError):
         pool.release(block)
+
+
+def test_a_hash_that_ignores_the_prefix_never_serves_a_block_computed_after_another_prefix(monkeypatch):
+    monkeypatch.setattr("kvbank.cache.manager.block_hash", lambda parent, tokens: bytes(str(list(tokens)), "ascii"))
+    manager = KVCacheManager(16, BS)
+    shared = [7, 7, 7, 7]
+    manager.free(_run(manager, _seq([1, 2, 3, 4] + shared + [0])))
+    manager.free(_run(manager, _seq([5, 6, 7, 8] + shared + [0])))
+    probe = _seq([5, 6, 7, 8] + shared + [9])
+    manager.allocate(probe)
+    # Block 0 is a true hit; block 1's tokens are cached, but only after the other prefix.
+    assert probe.num_computed_tokens == BS
+
+
+def test_pinned_prefix_survives_eviction_and_counts_against_the_limit():
+    manager = KVCacheManager(6, BS, max_pinned_fraction=0.5)
+    pinned = _seq(range(9))
+    manager.free(_run(manager, pinned))
+    root = pinned.root_hash
+    assert manager.pin(list(range(9)), root) == 8
+    assert manager.num_free_blocks == 4
+    for start in (100, 200, 300):                 # churn through the rest of the pool
+        manager.free(_run(manager, _seq(range(start, start + 12))))
+    again = _seq(list(range(8)) + [42])
+    manager.allocate(again)
+    assert again.num_computed_tokens == 8
+    manager.free(again)
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        manager.free(_run(manager, _seq(range(500, 509))))
+        manager.pin(list(range(500, 508)), root)
+    assert manager.unpin(list(range(9)), root) == 8
+    assert manager.num_free_blocks == 6 and not manager.pinned_blocks

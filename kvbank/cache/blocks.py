@@ -3,11 +3,19 @@
 Free blocks live in two places: `empty` (no useful content) and `cached` (content still valid
 and findable by hash, kept in LRU order). Allocation drains `empty` first so that cached prefixes
 survive as long as the pool allows.
+
+A cached block is found by its chained hash, but a hit also compares the block's own token ids
+and the identity of its parent (the root hash for a chain's first block, else the `serial` of the
+indexed parent block). Serials are never reused, so a hit proves the whole prefix is the same
+token sequence even if the hash function collides.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+Parent = bytes | int
 
 
 @dataclass(slots=True)
@@ -18,11 +26,15 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
     token_ids: tuple[int, ...] = field(default_factory=tuple)
+    parent: Parent | None = None
+    serial: int = 0
 
     def reset(self) -> None:
         self.ref_count = 0
         self.hash = None
         self.token_ids = ()
+        self.parent = None
+        self.serial = 0
 
 
 class BlockPool:
@@ -34,6 +46,7 @@ class BlockPool:
         self.empty: deque[int] = deque(range(num_blocks))
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.index: dict[bytes, int] = {}
+        self._serials = itertools.count(1)
 
     @property
     def num_blocks(self) -> int:
@@ -55,13 +68,13 @@ class BlockPool:
         block.ref_count = 1
         return block
 
-    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
-        """The cached block holding exactly these tokens under this hash, if any."""
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], parent: Parent) -> Block | None:
+        """The indexed block holding exactly these tokens after exactly this parent, if any."""
         block_id = self.index.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.token_ids == token_ids else None
+        return block if block.token_ids == token_ids and block.parent == parent else None
 
     def share(self, block: Block) -> None:
         """Take one more reference; a cached free block leaves the LRU list."""
@@ -70,7 +83,7 @@ class BlockPool:
         block.ref_count += 1
 
     def release(self, block: Block) -> None:
-        """Drop one reference; at zero the block becomes free (and stays findable if hashed)."""
+        """Drop one reference; at zero the block becomes free (and stays findable if indexed)."""
         assert block.ref_count > 0
         block.ref_count -= 1
         if block.ref_count:
@@ -80,13 +93,22 @@ class BlockPool:
         else:
             self.empty.append(block.block_id)
 
-    def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        """Make a full, computed block findable by its hash (the first block with a hash keeps it)."""
+    def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...], parent: Parent) -> int | None:
+        """Index a full, computed block.
+
+        Returns the serial that stands for this content from now on: the block's own, or that of
+        an identical block indexed earlier; None if another content holds the hash (a collision),
+        in which case the block stays unindexed.
+        """
+        same = self.lookup(block_hash, token_ids, parent)
+        if same is not None:
+            return same.serial
         if block_hash in self.index:
-            return
-        block.hash = block_hash
-        block.token_ids = token_ids
+            return None
+        block.hash, block.token_ids, block.parent = block_hash, token_ids, parent
+        block.serial = next(self._serials)
         self.index[block_hash] = block.block_id
+        return block.serial
 
     def _forget(self, block: Block) -> None:
         if block.hash is not None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from collections import Counter
+from collections.abc import Sequence as Tokens
+
 from kvbank.cache.blocks import Block, BlockPool
 from kvbank.cache.prefix import block_hash
 
@@ -22,11 +25,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     """Gives each sequence a block table and keeps the prefix index up to date."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_pinned_fraction: float = 0.5) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.pending_copies: list[tuple[int, int]] = []
+        self.pins: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
+        self.pinned_blocks: Counter[int] = Counter()
 
     @property
     def num_free_blocks(self) -> int:
@@ -50,6 +57,7 @@ class KVCacheManager:
         for block in hits:
             self.pool.share(block)
         seq.block_table = [block.block_id for block in hits]
+        seq.chain_serials = [block.serial for block in hits]
         for _ in range(len(hits), blocks_for(seq.num_tokens, self.block_size)):
             seq.block_table.append(self.pool.take().block_id)
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -80,14 +88,53 @@ class KVCacheManager:
         """Index every block of `seq` that is now full and computed."""
         if not self.enable_prefix_caching or seq.no_prefix_cache:
             return
-        full = seq.num_computed_tokens // self.block_size
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
         self._hash_blocks(seq, full)
-        for i in range(seq.num_committed_blocks, full):
-            block = self.pool.blocks[seq.block_table[i]]
-            if block.hash is None:
-                start = i * self.block_size
-                self.pool.register(block, seq.block_hashes[i], tuple(seq.token_ids[start:start + self.block_size]))
-        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+        while len(seq.chain_serials) < full:
+            i = len(seq.chain_serials)
+            parent = seq.chain_serials[i - 1] if i else seq.root_hash
+            serial = None
+            if parent is not None:  # after a collision the rest of the chain stays unindexed
+                block = self.pool.blocks[seq.block_table[i]]
+                serial = self.pool.register(block, seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), parent)
+            seq.chain_serials.append(serial)
+
+    def pin(self, token_ids: Tokens[int], root_hash: bytes) -> int:
+        """Keep the cached full blocks of this prefix out of eviction; returns the tokens pinned.
+
+        Every full block must be cached already (run the prefix once first).
+        """
+        key = (root_hash, tuple(token_ids[: len(token_ids) // self.block_size * self.block_size]))
+        if key in self.pins:
+            return len(key[1])
+        blocks = self._walk(key[1], root_hash)
+        if len(blocks) * self.block_size < len(key[1]):
+            raise ValueError(f"only {len(blocks) * self.block_size} of the prefix's {len(key[1])} tokens are cached; "
+                             "compute the prefix before pinning it")
+        added = len({b.block_id for b in blocks} - set(self.pinned_blocks))
+        if len(self.pinned_blocks) + added > self.max_pinned_blocks:
+            raise ValueError(f"pinning {added} more blocks would pin {len(self.pinned_blocks) + added} of "
+                             f"{self.pool.num_blocks}, over the limit of {self.max_pinned_blocks} "
+                             f"(max_pinned_fraction)")
+        for block in blocks:
+            self.pool.share(block)
+            self.pinned_blocks[block.block_id] += 1
+        self.pins[key] = [block.block_id for block in blocks]
+        return len(key[1])
+
+    def unpin(self, token_ids: Tokens[int], root_hash: bytes) -> int:
+        """Let a pinned prefix be evicted again; returns the tokens unpinned (0 if it was not pinned)."""
+        key = (root_hash, tuple(token_ids[: len(token_ids) // self.block_size * self.block_size]))
+        block_ids = self.pins.pop(key, None)
+        if block_ids is None:
+            return 0
+        for block_id in block_ids:
+            self.pinned_blocks[block_id] -= 1
+            if not self.pinned_blocks[block_id]:
+                del self.pinned_blocks[block_id]
+            self.pool.release(self.pool.blocks[block_id])
+        return len(key[1])
 
     def _prefix_hits(self, seq: Sequence) -> list[Block]:
         # The last token is always recomputed: its logits are needed to sample.
@@ -95,13 +142,22 @@ class KVCacheManager:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size
         self._hash_blocks(seq, num_full)
-        hits = []
-        for i in range(num_full):
-            start = i * self.block_size
-            block = self.pool.lookup(seq.block_hashes[i], tuple(seq.token_ids[start:start + self.block_size]))
-            if block is None:
+        return self._walk(seq.token_ids[: num_full * self.block_size], seq.root_hash, seq.block_hashes)
+
+    def _walk(self, token_ids: Tokens[int], root_hash: bytes, hashes: list[bytes] | None = None) -> list[Block]:
+        """The cached blocks that hold the longest whole-block prefix of `token_ids`."""
+        bs = self.block_size
+        hits: list[Block] = []
+        parent: bytes | int = root_hash
+        chain = root_hash
+        for i in range(len(token_ids) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            chain = hashes[i] if hashes is not None else block_hash(chain, tokens)
+            found = self.pool.lookup(chain, tokens, parent)
+            if found is None:
                 break
-            hits.append(block)
+            hits.append(found)
+            parent = found.serial
         return hits
 
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:

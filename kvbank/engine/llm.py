@@ -21,13 +21,14 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  kv_cache_memory_gb: float | None = None, num_gpu_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, weight_format: str = "auto", seed: int = 0,
-                 show_progress: bool = False) -> None:
+                 enable_prefix_caching: bool = True, max_pinned_fraction: float = 0.5, weight_format: str = "auto",
+                 seed: int = 0, show_progress: bool = False) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                               kv_cache_memory_gb=kv_cache_memory_gb, num_gpu_blocks=num_gpu_blocks,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=enable_prefix_caching, weight_format=weight_format, seed=seed)
+                              enable_prefix_caching=enable_prefix_caching, max_pinned_fraction=max_pinned_fraction,
+                              weight_format=weight_format, seed=seed)
         self.engine = LLMEngine(config, progress=_progress_bar() if show_progress else None)
 
     def get_tokenizer(self) -> Tokenizer:
@@ -76,6 +77,20 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(request_id)
+
+    def pin_prefix(self, prompt: PromptType) -> int:
+        """Compute a prefix (a system prompt, say) once and keep its full blocks out of eviction.
+
+        `prompt` is text, token ids or a prompt dict (with "cache_salt" for a tenant's own copy).
+        Returns the number of tokens pinned: the prefix rounded down to whole blocks. Pinned blocks
+        count against `max_pinned_fraction` of the pool.
+        """
+        self.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        return self.engine.pin_prefix(prompt)
+
+    def unpin_prefix(self, prompt: PromptType) -> int:
+        """Return a pinned prefix to normal LRU eviction; returns the tokens unpinned."""
+        return self.engine.unpin_prefix(prompt)
 
     def stats(self) -> dict[str, float]:
         """Engine counters: prefix-cache queries/hits/hit rate, pool usage, preemptions, queue depths."""

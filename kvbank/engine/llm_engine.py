@@ -55,7 +55,8 @@ class LLMEngine:
         self.block_size = config.block_size
         self.num_blocks = config.num_gpu_blocks or self._blocks_for_memory()
         storage = KVStorage(mc, self.num_blocks, self.block_size, self.dtype, self.device)
-        self.manager = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.manager = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
+                                      config.max_pinned_fraction)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model.eval(), storage, self.device)
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
@@ -121,6 +122,24 @@ class LLMEngine:
         request.forked = True
         request.metrics.finished_time = time.time()
         return request.output()
+
+    def pin_prefix(self, prompt: PromptType) -> int:
+        """Keep a computed prompt prefix's full blocks cached until `unpin_prefix`; returns tokens pinned."""
+        token_ids, root = self._prefix_key(prompt)
+        return self.manager.pin(token_ids, root)
+
+    def unpin_prefix(self, prompt: PromptType) -> int:
+        """Release a pinned prefix to normal LRU eviction; returns tokens unpinned (0 if not pinned)."""
+        token_ids, root = self._prefix_key(prompt)
+        return self.manager.unpin(token_ids, root)
+
+    def _prefix_key(self, prompt: PromptType) -> tuple[list[int], bytes]:
+        if not self.config.enable_prefix_caching:
+            raise ValueError("pinning needs enable_prefix_caching=True")
+        _, token_ids, salt = self._parse_prompt(prompt)
+        if len(token_ids) < self.block_size:
+            raise ValueError(f"a prefix of {len(token_ids)} tokens fills no block of {self.block_size}; nothing to pin")
+        return token_ids, root_hash(self.model_config.fingerprint, salt)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -300,5 +319,6 @@ class LLMEngine:
             "num_requests_running": len({s.request.request_id for s in self.scheduler.running}),
             "num_requests_waiting": len({s.request.request_id for s in self.scheduler.waiting}),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_pinned_blocks": len(self.manager.pinned_blocks),
         }
 

@@ -89,7 +89,7 @@ class Scheduler:
         self.running.remove(seq)
         self.manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_committed_blocks = 0
+        seq.chain_serials = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -30,7 +30,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
-        self.num_committed_blocks = 0
+        self.chain_serials: list[int | None] = []
         self.status = SequenceStatus.WAITING
         self.generator = generator
         self.logprobs: list[TokenLogprobs] | None = [] if request.params.logprobs is not None else None
@@ -77,7 +77,7 @@ class Sequence:
         child = Sequence(self.request, index, self.token_ids, generator)
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
-        child.num_committed_blocks = self.num_committed_blocks
+        child.chain_serials = list(self.chain_serials)
         child.status = self.status
         return child
 
