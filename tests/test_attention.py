@@ -27,7 +27,8 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64):
         else:
             mask = None
             if cached:
-                mask = torch.arange(cached + new).unsqueeze(0) <= torch.arange(cached, cached + new).unsqueeze(1)
+                visible = torch.arange(cached + new).unsqueeze(0) <= torch.arange(cached, cached + new).unsqueeze(1)
+                mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
             prefills.append(PrefillChunk(offset, offset + new, cached, torch.tensor(table), mask))
         offset += new
     meta = AttentionMetadata(torch.tensor(slots), len(tables), None, None, None, prefills, BLOCK)
@@ -35,7 +36,8 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64):
         width = max(map(len, tables))
         meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         meta.decode_context_lens = torch.tensor(lens)
-        meta.decode_mask = (torch.arange(width * BLOCK).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1))[:, None, None]
+        visible = (torch.arange(width * BLOCK).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1))[:, None, None]
+        meta.decode_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     q = torch.randn(offset, HEADS, DIM, generator=gen)
     k = torch.randn(offset, KV_HEADS, DIM, generator=gen)
     v = torch.randn(offset, KV_HEADS, DIM, generator=gen)

@@ -12,7 +12,11 @@ import torch
 
 @dataclass
 class PrefillChunk:
-    """A run of new tokens of one sequence that already has `context_start` tokens cached."""
+    """A run of new tokens of one sequence that already has `context_start` tokens cached.
+
+    `mask` is additive ([new, context_start + new]; 0 where visible, -inf elsewhere), or None
+    for a chunk that starts at position 0 and so needs only the causal kernel.
+    """
 
     start: int
     end: int
@@ -27,7 +31,11 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    """Slot mapping plus the decode and prefill views of the batch."""
+    """Slot mapping plus the decode and prefill views of the batch.
+
+    `decode_mask` is additive ([decodes, 1, 1, blocks * block_size]) and hides the padding of
+    shorter sequences in the gathered block tables.
+    """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int

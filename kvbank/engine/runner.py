@@ -33,6 +33,7 @@ class ModelRunner:
         self.storage = storage
         self.device = device
         self.block_size = storage.block_size
+        self.dtype = model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> StepLogits:
@@ -67,8 +68,8 @@ class ModelRunner:
             else:
                 mask = None
                 if start:
-                    q = torch.arange(start, end).unsqueeze(1)
-                    mask = (torch.arange(end).unsqueeze(0) <= q).to(self.device)
+                    visible = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+                    mask = self._additive(visible.to(self.device))
                 prefills.append(PrefillChunk(offset, offset + item.num_tokens, start,
                                              self._tensor(table[:num_blocks]), mask))
         meta = AttentionMetadata(
@@ -81,7 +82,7 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
             visible = torch.arange(width * bs, device=self.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
-            meta.decode_mask = visible[:, None, None, :]
+            meta.decode_mask = self._additive(visible[:, None, None, :])
         return self._tensor(input_ids), self._tensor(positions), slots, meta
 
     def _logit_rows(self, batch: list[ScheduledSeq]):
@@ -108,6 +109,11 @@ class ModelRunner:
                 sample_rows.append(-1)
             offset += item.num_tokens
         return rows, sample_rows, prompt_rows
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        # An additive float mask, built once per step: attention would otherwise convert a
+        # boolean mask in every layer.
+        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
