@@ -30,18 +30,23 @@ QUESTIONS = ["Who is the most sensible person in this story?", "Summarise the la
 
 
 class Corpus:
-    """Token windows cut from real text, never the same window twice."""
+    """Windows of real text, each opened by a unique marker so no two ever share a first block."""
 
     def __init__(self, llm: LLM, path: Path) -> None:
-        self.tokens = llm.get_tokenizer().encode(path.read_text(errors="replace"))
+        self.tokenizer = llm.get_tokenizer()
+        self.tokens = self.tokenizer.encode(path.read_text(errors="replace"))
         self.offset = 0
+        self.serial = 0
 
     def take(self, n: int) -> list[int]:
+        self.serial += 1
+        marker = self.tokenizer.encode(f"#{self.serial}: ")
+        n -= len(marker)
         if self.offset + n > len(self.tokens):
             self.offset = 0
         window = self.tokens[self.offset:self.offset + n]
         self.offset += n
-        return window
+        return marker + window
 
 
 def timed(fn) -> float:
@@ -55,10 +60,12 @@ def cached_ttft(llm: LLM, corpus: Corpus, repeats: int) -> dict:
     cold, warm = [], []
     for _ in range(repeats + 1):
         prompt = corpus.take(2048)
-        cold.append(timed(lambda: llm.generate([prompt], one)))
+        out = []
+        cold.append(timed(lambda: out.append(llm.generate([prompt], one)[0])))
+        assert out[0].num_cached_tokens == 0
         prompt = corpus.take(2048)
         llm.generate([prompt[:1920] + corpus.take(64)], one)      # caches the first 1,920 tokens
-        out = []
+        out.clear()
         warm.append(timed(lambda: out.append(llm.generate([prompt], one)[0])))
         assert out[0].num_cached_tokens == 1920, out[0].num_cached_tokens
     cold_s, warm_s = statistics.median(cold[1:]), statistics.median(warm[1:])
@@ -93,7 +100,10 @@ def chat_workload(llm: LLM, corpus: Corpus, system_tokens: list[int]) -> dict:
 def no_sharing(llm: LLM, corpus: Corpus) -> float:
     prompts = [corpus.take(512) for _ in range(16)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    return timed(lambda: [llm.generate(prompts[i:i + 8], params) for i in (0, 8)])
+    hits = llm.stats()["prefix_cache_hits"]
+    seconds = timed(lambda: [llm.generate(prompts[i:i + 8], params) for i in (0, 8)])
+    assert llm.stats()["prefix_cache_hits"] == hits, "the no-sharing workload shared a prefix"
+    return seconds
 
 
 def main() -> None:

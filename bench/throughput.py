@@ -4,7 +4,7 @@ Both run the same GGUF (the bundled SmolLM2-135M-Instruct unless --model), in th
 with the same threads. Decode: B prompts of 16 tokens, each generating --new-tokens tokens
 (EOS ignored), tok/s = B * new_tokens / wall time. Prefill: one prompt of L tokens, one output
 token, tok/s = L / time to first token (prefix caching is off so nothing is reused).
-Each number is the median of --repeats runs after a warm-up.
+Each number is the median of --repeats runs after a warm-up; the two systems' runs alternate.
 
     python bench/throughput.py                      # full table, JSON to bench/results/
     python bench/throughput.py --dtypes bfloat16 --batches 1 --no-hf --profile
@@ -27,11 +27,6 @@ from kvbank import LLM, SamplingParams  # noqa: E402
 from kvbank.models.loader import bundled_model_path  # noqa: E402
 
 PROMPT_LEN = 16
-
-
-def median_of(fn, repeats: int) -> float:
-    fn()
-    return statistics.median(fn() for _ in range(repeats))
 
 
 def distinct_prompts(count: int, length: int, vocab: int, salt: int) -> list[list[int]]:
@@ -96,14 +91,22 @@ class TransformersRunner:
         return length / (time.perf_counter() - start)
 
 
-def measure(runner, args) -> dict[str, float]:
-    results = {}
-    for batch in args.batches:
-        results[f"decode_b{batch}"] = median_of(lambda: runner.decode(batch, args.new_tokens), args.repeats)
-        print(f"  {runner.name:12s} decode batch {batch:3d}: {results[f'decode_b{batch}']:8.1f} tok/s", flush=True)
-    for length in args.prefill_lens:
-        results[f"prefill_{length}"] = median_of(lambda: runner.prefill(length), args.repeats)
-        print(f"  {runner.name:12s} prefill {length:5d}: {results[f'prefill_{length}']:8.1f} tok/s", flush=True)
+def measure(runners: list, args) -> dict[str, dict[str, float]]:
+    """Every metric for every system; runs of the systems alternate so drift hits all alike."""
+    jobs = [(f"decode_b{b}", lambda r, b=b: r.decode(b, args.new_tokens)) for b in args.batches]
+    jobs += [(f"prefill_{n}", lambda r, n=n: r.prefill(n)) for n in args.prefill_lens]
+    results: dict[str, dict[str, float]] = {r.name: {} for r in runners}
+    for metric, job in jobs:
+        samples: dict[str, list[float]] = {r.name: [] for r in runners}
+        for r in runners:
+            job(r)  # warm-up
+        for _ in range(args.repeats):
+            for r in runners:
+                samples[r.name].append(job(r))
+        for r in runners:
+            results[r.name][metric] = statistics.median(samples[r.name])
+            print(f"  {r.name:12s} {metric:14s} {results[r.name][metric]:8.1f} tok/s  "
+                  f"(runs: {', '.join(f'{x:.0f}' for x in samples[r.name])})", flush=True)
     return results
 
 
@@ -123,7 +126,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prefill-lens", default="512,2048")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     parser.add_argument("--profile", action="store_true", help="print a kvbank decode profile per batch size")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "throughput.json"))
@@ -136,7 +139,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         print(f"{dtype}:", flush=True)
         runners = [KvbankRunner(model, dtype)] + ([] if args.no_hf else [TransformersRunner(model, dtype)])
-        report["results"][dtype] = {r.name: measure(r, args) for r in runners}
+        report["results"][dtype] = measure(runners, args)
         if args.profile:
             for batch in args.batches:
                 print(f"kvbank {dtype} decode batch {batch} profile:\n{profile_decode(runners[0], batch, 32)}")

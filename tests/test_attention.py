@@ -31,7 +31,7 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64):
                 mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
             prefills.append(PrefillChunk(offset, offset + new, cached, torch.tensor(table), mask))
         offset += new
-    meta = AttentionMetadata(torch.tensor(slots), len(tables), None, None, None, prefills, BLOCK)
+    meta = AttentionMetadata(torch.tensor(slots), len(tables), None, None, None, prefills)
     if tables:
         width = max(map(len, tables))
         meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])

@@ -21,6 +21,8 @@ MODEL_NAME = "kvbank-test-model"
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 STARTUP_TIMEOUT_S = 120
+PINNED_SYSTEM = ("You are the librarian of a small town. Answer in one short sentence about opening hours, "
+                 "loans and late fees.")
 
 
 def _free_port() -> int:
@@ -33,11 +35,14 @@ def _free_port() -> int:
 def server(kvbank_env, tmp_path_factory):
     """A `kvbank serve` subprocess: yields its base URL once /health answers, kills it at the end."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    folder = tmp_path_factory.mktemp("server")
+    log_path = folder / "server.log"
+    pin_file = folder / "system.txt"
+    pin_file.write_text(f"<|im_start|>system\n{PINNED_SYSTEM}<|im_end|>\n")
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvbank", "serve", "--port", str(port), "--dtype", "float32",
-             "--served-model-name", MODEL_NAME, "--log-level", "warning"],
+             "--served-model-name", MODEL_NAME, "--log-level", "warning", "--pin-prompt", str(pin_file)],
             stdout=log, stderr=subprocess.STDOUT, env=kvbank_env)
     yield process, f"http://127.0.0.1:{port}", log_path
     process.terminate()
@@ -267,3 +272,14 @@ def test_async_engine_aborts_a_request_whose_consumer_stops(async_engine, refere
 
     stats = asyncio.run(run())
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_pinned_system_prompt_is_cached_on_first_use_and_salts_isolate(client):
+    messages = [{"role": "system", "content": PINNED_SYSTEM}, {"role": "user", "content": "When do you open?"}]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens >= 16
+    salted = [client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                             extra_body={"cache_salt": "tenant-x"}) for _ in range(2)]
+    assert salted[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert salted[1].usage.prompt_tokens_details.cached_tokens >= 16
+    assert salted[0].choices[0].message.content == first.choices[0].message.content

@@ -43,7 +43,6 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
-    block_size: int
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

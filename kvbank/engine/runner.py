@@ -39,13 +39,13 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> StepLogits:
         if copies:
             self.storage.copy_blocks(copies)
-        input_ids, positions, slots, meta = self._prepare(batch)
+        input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.storage.kv_caches, meta)
         rows, sample_rows, prompt_rows = self._logit_rows(batch)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         return StepLogits(logits, sample_rows, prompt_rows)
 
-    def _prepare(self, batch: list[ScheduledSeq]):
+    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -76,14 +76,14 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_tables),
             decode_block_tables=None, decode_context_lens=None, decode_mask=None,
-            prefills=prefills, block_size=bs)
+            prefills=prefills)
         if decode_tables:
             width = max(map(len, decode_tables))
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
             visible = torch.arange(width * bs, device=self.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
             meta.decode_mask = self._additive(visible[:, None, None, :])
-        return self._tensor(input_ids), self._tensor(positions), slots, meta
+        return self._tensor(input_ids), self._tensor(positions), meta
 
     def _logit_rows(self, batch: list[ScheduledSeq]):
         rows: list[int] = []
