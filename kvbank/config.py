@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -19,6 +21,9 @@ class EngineConfig:
     `num_gpu_blocks` when given, else from `kv_cache_memory_gb`. `weight_format` "auto" keeps a
     GGUF's 4-bit weights 4-bit for small batches when running bfloat16 on a CPU ("int4" demands
     it, "dense" turns it off); float32 always runs dense, exactly like the reference.
+    `kv_cache_dtype` is how the KV pool stores keys and values (see kvbank.cache.quant); the
+    layers in `kv_cache_dtype_skip_layers` stay in the model dtype; `kv_quant_group_size` is the
+    number of channels that share a scale in int4/int2 values.
     """
 
     model: str | None = None
@@ -33,6 +38,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
     weight_format: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: tuple[int, ...] = ()
+    kv_quant_group_size: int = DEFAULT_GROUP_SIZE
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -46,6 +54,12 @@ class EngineConfig:
             raise ValueError("dtype=float16 is far too slow on CPU; use bfloat16 or float32")
         if self.weight_format not in _WEIGHT_FORMATS:
             raise ValueError(f"weight_format={self.weight_format!r} is not one of {', '.join(_WEIGHT_FORMATS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
+        if not all(isinstance(i, int) for i in self.kv_cache_dtype_skip_layers):
+            raise ValueError(f"kv_cache_dtype_skip_layers={self.kv_cache_dtype_skip_layers!r} must be layer indices")
+        _require_positive("kv_quant_group_size", self.kv_quant_group_size)
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction={self.max_pinned_fraction} must be in [0, 1]")
         _require_positive("block_size", self.block_size)

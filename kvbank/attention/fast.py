@@ -49,3 +49,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                       enable_gqa=group > 1)
         out[chunk.start:chunk.end] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+def quantized_paged_attention(q: torch.Tensor, layer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a layer whose pool is quantized: blocks are dequantized as they are gathered.
+
+    Only the blocks in this step's block tables are dequantized, into a temporary that lives
+    for one layer. "block" layers add their full-precision scratch blocks (see QuantizedView).
+    """
+    view = meta.views[layer.kind]
+    num_kv_heads, head_dim = layer.heads, q.shape[2]
+    group = q.shape[1] // num_kv_heads
+    scratch = layer.scratch if layer.kind == "block" else None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    n = meta.num_decode_tokens
+    if n:
+        keys, values = layer.read(meta.decode_block_tables)
+        if scratch is not None:
+            keys = torch.cat((keys, scratch[0][:n]), dim=1)
+            values = torch.cat((values, scratch[1][:n]), dim=1)
+        queries = q[:n].view(n, num_kv_heads, group, head_dim)
+        attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                                  attn_mask=view.decode_mask, scale=scale)
+        out[:n] = attended.reshape(n, -1, head_dim)
+    for i, (chunk, mask) in enumerate(zip(meta.prefills, view.chunk_masks)):
+        keys, values = layer.read(chunk.block_table.unsqueeze(0))
+        if scratch is not None:
+            first, last = view.chunk_rows[i]
+            keys = torch.cat((keys, scratch[0][first:last].reshape(1, -1, num_kv_heads, head_dim)), dim=1)
+            values = torch.cat((values, scratch[1][first:last].reshape(1, -1, num_kv_heads, head_dim)), dim=1)
+        queries = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                                  attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        out[chunk.start:chunk.end] = attended.squeeze(0).transpose(0, 1)
+    return out

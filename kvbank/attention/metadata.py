@@ -5,7 +5,7 @@ single token this step (one token each); each prefill chunk after them is a cont
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,61 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    views: dict[str, "QuantizedView"] = field(default_factory=dict)
+    residual_plan: "ResidualPlan | None" = None
+
+
+@dataclass
+class QuantizedView:
+    """Masks for layers that read K/V back from a quantized pool (`kind` "token" or "block").
+
+    "token" layers attend to the dequantized blocks of the whole context, the new tokens
+    included. "block" layers attend to [dequantized blocks ; full-precision scratch blocks]: a
+    token sees the quantized form of every block before its own and the full-precision form of its
+    own block, just as decoding does. `chunk_rows` gives each prefill chunk's scratch rows.
+    """
+
+    decode_mask: torch.Tensor | None
+    chunk_masks: list[torch.Tensor]
+    chunk_rows: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class ResidualPlan:
+    """How this step's new K/V reach "block" layers (int4/int2).
+
+    Every block that receives tokens gets a scratch row: its earlier tokens are loaded from its
+    residual slot, the new tokens are written in, and then blocks that are now full are quantized
+    into the pool while the others go back to their residual slots.
+    """
+
+    rows: int
+    scratch_slots: torch.Tensor
+    preload_rows: torch.Tensor | None
+    preload_slots: torch.Tensor | None
+    full_rows: torch.Tensor | None
+    full_blocks: torch.Tensor | None
+    keep_rows: torch.Tensor | None
+    keep_slots: torch.Tensor | None
+
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([T, heads, dim]) for `layer`; returns its scratch blocks (K, V)."""
+        residual = layer.residual
+        stores = (residual.k[layer.residual_index], residual.v[layer.residual_index])
+        scratch = []
+        for x, store in zip((k, v), stores):
+            rows = x.new_zeros(self.rows, *store.shape[1:])
+            if self.preload_rows is not None:
+                rows.index_copy_(0, self.preload_rows, store.index_select(0, self.preload_slots))
+            rows.view(-1, *x.shape[1:]).index_copy_(0, self.scratch_slots, x)
+            scratch.append(rows)
+        if self.full_rows is not None:
+            layer.store_blocks(self.full_blocks, scratch[0].index_select(0, self.full_rows),
+                               scratch[1].index_select(0, self.full_rows))
+        if self.keep_rows is not None:
+            for rows, store in zip(scratch, stores):
+                store.index_copy_(0, self.keep_slots, rows.index_select(0, self.keep_rows))
+        return scratch[0], scratch[1]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Parent = bytes | int
@@ -47,6 +48,8 @@ class BlockPool:
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.index: dict[bytes, int] = {}
         self._serials = itertools.count(1)
+        #: called with the id of a block that goes back to `empty` (its content is dropped)
+        self.on_empty: Callable[[int], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -92,6 +95,8 @@ class BlockPool:
             self.cached[block.block_id] = None
         else:
             self.empty.append(block.block_id)
+            if self.on_empty is not None:
+                self.on_empty(block.block_id)
 
     def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...], parent: Parent) -> int | None:
         """Index a full, computed block.

@@ -11,7 +11,7 @@ import torch
 
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.prefix import root_hash
-from kvbank.cache.storage import KVStorage, kv_bytes_per_token
+from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
 from kvbank.config import EngineConfig
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
@@ -53,10 +53,18 @@ class LLMEngine:
         self.packed_layers = self._pack_weights(model, loaded)
         del loaded
         self.block_size = config.block_size
-        self.num_blocks = config.num_gpu_blocks or self._blocks_for_memory()
-        storage = KVStorage(mc, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.pool_plan = self._plan_pool()
+        self.num_blocks = config.num_gpu_blocks or self.pool_plan.num_blocks
+        storage = KVStorage(mc, self.num_blocks, self.block_size, self.dtype, self.device, config.kv_cache_dtype,
+                            config.kv_cache_dtype_skip_layers, config.kv_quant_group_size, config.max_num_seqs)
         self.manager = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
                                       config.max_pinned_fraction)
+        self.manager.pool.on_empty = storage.release
+        # K/V written in another format are not interchangeable: keep their cache chains apart.
+        skip = ",".join(map(str, config.kv_cache_dtype_skip_layers))
+        self.cache_namespace = mc.fingerprint + (
+            f"|kv={config.kv_cache_dtype}/{skip}/{config.kv_quant_group_size}".encode()
+            if config.kv_cache_dtype != "auto" else b"")
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model.eval(), storage, self.device)
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
@@ -77,16 +85,21 @@ class LLMEngine:
         return model.pack_weights(loaded.int4, PACKED_MAX_ROWS)
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_config, self.dtype)
+    def kv_bytes_per_token(self) -> float:
+        """Pool bytes per token across all layers, scales and zero points included."""
+        return self.pool_plan.bytes_per_token
 
-    def _blocks_for_memory(self) -> int:
-        gigabytes = self.config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
-        num_blocks = int(gigabytes * 2**30) // (self.kv_bytes_per_token * self.block_size)
-        if num_blocks < 1:
+    def _plan_pool(self) -> PoolPlan:
+        config = self.config
+        gigabytes = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
+        plan = plan_pool(self.model_config, self.dtype, int(gigabytes * 2**30), self.block_size,
+                         config.kv_cache_dtype, config.kv_cache_dtype_skip_layers, config.kv_quant_group_size,
+                         reserved_seqs=config.max_num_seqs)
+        if plan.num_blocks < 1 and config.num_gpu_blocks is None:
             raise ValueError(f"kv_cache_memory_gb={gigabytes} holds less than one block of "
-                             f"{self.block_size} tokens ({self.kv_bytes_per_token} bytes per token)")
-        return num_blocks
+                             f"{self.block_size} tokens ({plan.bytes_per_block} bytes per block, plus "
+                             f"{plan.residual_bytes_per_seq * plan.reserved_seqs} bytes of residual slots)")
+        return plan
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -101,7 +114,7 @@ class LLMEngine:
         params = self._resolve_max_tokens(params, len(token_ids))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
-        namespace = self.model_config.fingerprint
+        namespace = self.cache_namespace
         request = Request(request_id, text, token_ids, params, root_hash(namespace, salt), arrival_time or time.time())
         first = Sequence(request, 0, token_ids, self._generator(params, 0))
         self._attach_detokenizer(first)
@@ -139,7 +152,7 @@ class LLMEngine:
         _, token_ids, salt = self._parse_prompt(prompt)
         if len(token_ids) < self.block_size:
             raise ValueError(f"a prefix of {len(token_ids)} tokens fills no block of {self.block_size}; nothing to pin")
-        return token_ids, root_hash(self.model_config.fingerprint, salt)
+        return token_ids, root_hash(self.cache_namespace, salt)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

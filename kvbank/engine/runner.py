@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbank.attention import AttentionMetadata, PrefillChunk
+from kvbank.attention.metadata import QuantizedView, ResidualPlan
 from kvbank.cache.storage import KVStorage
 from kvbank.engine.scheduler import ScheduledSeq
 from kvbank.models.llama import LlamaForCausalLM
@@ -83,7 +84,82 @@ class ModelRunner:
             meta.decode_context_lens = self._tensor(decode_lens)
             visible = torch.arange(width * bs, device=self.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
             meta.decode_mask = self._additive(visible[:, None, None, :])
+        if "token" in self.storage.kinds:
+            meta.views["token"] = self._token_view(batch, meta)
+        if "block" in self.storage.kinds:
+            meta.views["block"], meta.residual_plan = self._block_view(batch)
         return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _token_view(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> QuantizedView:
+        # Every token, new ones included, is read back from the quantized pool.
+        masks = []
+        for item in batch:
+            if item.num_tokens > 1:
+                start = item.seq.num_computed_tokens
+                width = -(-(start + item.num_tokens) // self.block_size) * self.block_size
+                visible = torch.arange(width).unsqueeze(0) <= torch.arange(start, start + item.num_tokens).unsqueeze(1)
+                masks.append(self._additive(visible.to(self.device)))
+        return QuantizedView(meta.decode_mask, masks)
+
+    def _block_view(self, batch: list[ScheduledSeq]) -> tuple[QuantizedView, ResidualPlan]:
+        """Masks over [quantized blocks ; scratch blocks] and the residual plan (int4/int2 layers)."""
+        bs = self.block_size
+        residual = self.storage.residual
+        rows = 0
+        scratch_slots: list[int] = []
+        preload: tuple[list[int], list[int]] = ([], [])
+        full: tuple[list[int], list[int]] = ([], [])
+        keep: tuple[list[int], list[int]] = ([], [])
+        filled: list[int] = []
+        decode_visible: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        chunk_rows: list[tuple[int, int]] = []
+        width = max((-(-(i.seq.num_computed_tokens + 1) // bs) for i in batch if i.num_tokens == 1), default=0)
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            first_block, last_block = start // bs, (end - 1) // bs
+            first_row = rows
+            for j in range(first_block, last_block + 1):
+                block_id = seq.block_table[j]
+                if start > j * bs:
+                    slot = residual.of_block.get(block_id)
+                    if slot is None:
+                        raise RuntimeError(f"block {block_id} holds {start - j * bs} tokens but has no residual slot")
+                    preload[0].append(rows)
+                    preload[1].append(slot)
+                if min(end, (j + 1) * bs) == (j + 1) * bs:
+                    full[0].append(rows)
+                    full[1].append(block_id)
+                    filled.append(block_id)
+                else:
+                    keep[0].append(rows)
+                    keep[1].append(residual.slot(block_id))
+                rows += 1
+            scratch_slots.extend((first_row + p // bs - first_block) * bs + p % bs for p in range(start, end))
+            positions = torch.arange(start, end).unsqueeze(1)
+            own_block = positions // bs * bs
+            if item.num_tokens == 1:
+                cache = torch.arange(width * bs).unsqueeze(0) < own_block
+            else:
+                cache = torch.arange((last_block + 1) * bs).unsqueeze(0) < own_block
+                chunk_rows.append((first_row, rows))
+            scratch_pos = torch.arange(first_block * bs, (last_block + 1) * bs).unsqueeze(0)
+            visible = torch.cat((cache, (scratch_pos >= own_block) & (scratch_pos <= positions)), dim=1)
+            if item.num_tokens == 1:
+                decode_visible.append(visible)
+            else:
+                masks.append(self._additive(visible.to(self.device)))
+        for block_id in filled:
+            residual.release(block_id)
+        decode_mask = None
+        if decode_visible:
+            decode_mask = self._additive(torch.cat(decode_visible).to(self.device)[:, None, None, :])
+        plan = ResidualPlan(rows, self._tensor(scratch_slots), *self._pair(preload), *self._pair(full), *self._pair(keep))
+        return QuantizedView(decode_mask, masks, chunk_rows), plan
+
+    def _pair(self, lists: tuple[list[int], list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self._tensor(lists[0]), self._tensor(lists[1])) if lists[0] else (None, None)
 
     def _logit_rows(self, batch: list[ScheduledSeq]):
         rows: list[int] = []

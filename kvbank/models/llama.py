@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbank.attention import AttentionMetadata, write_kv
-from kvbank.attention.fast import paged_attention
+from kvbank.attention import AttentionMetadata
 from kvbank.models.loader import ModelConfig
 from kvbank.models.packed import Int4Blocks, PackedLinear
 
@@ -79,7 +78,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
@@ -90,8 +89,8 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = apply_rope(qk, cos, sin).split(heads, dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        kv_cache.write(k, v, meta)
+        out = kv_cache.attend(q, k, v, meta, self.scale)
         return self.o_proj(out.view(T, -1))
 
 
@@ -114,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -133,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens (before the final norm)."""
         x = self.embed_tokens(input_ids)
