@@ -3,16 +3,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
 import uvicorn
 
+from kvbank.cache.quant import KV_CACHE_DTYPES
+from kvbank.cache.storage import plan_pool
 from kvbank.config import EngineConfig
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
+from kvbank.models.loader import describe_model
 from kvbank.server.api import build_app
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.tokenizer import Tokenizer
@@ -130,6 +135,51 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    info = describe_model(args.model)
+    config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", block_size=args.block_size,
+                          max_num_seqs=args.max_num_seqs, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
+                          kv_quant_group_size=args.kv_quant_group_size)
+    dtype = config.torch_dtype
+    context = args.context_len or info.config.max_position_embeddings
+    budget = int(args.memory_gb * 2**30)
+    rows = []
+    for kv in KV_CACHE_DTYPES:
+        plan = plan_pool(info.config, dtype, budget, args.block_size, kv, config.kv_cache_dtype_skip_layers,
+                         config.kv_quant_group_size, reserved_seqs=args.max_num_seqs)
+        per_seq = -(-context // args.block_size)
+        rows.append({"kv_cache_dtype": kv, "bytes_per_token": plan.bytes_per_token,
+                     "residual_bytes_per_seq": plan.residual_bytes_per_seq, "num_blocks": plan.num_blocks,
+                     "num_tokens": plan.num_tokens,
+                     "sequences": min(args.max_num_seqs, plan.num_blocks // per_seq),
+                     "max_sequences": plan.sequences_that_fit(context)})
+    full = rows[0]["bytes_per_token"]
+    weights = info.num_params * torch.empty(0, dtype=dtype).element_size()
+    if args.json:
+        print(json.dumps({"model": info.path, "num_params": info.num_params, "file_bytes": info.file_bytes,
+                          "weights_bytes": weights, "dtype": str(dtype).removeprefix("torch."),
+                          "memory_bytes": budget, "context_len": context, "block_size": args.block_size,
+                          "max_num_seqs": args.max_num_seqs, "rows": rows}, indent=1))
+        return 0
+    print(f"model    {info.config.name}: {info.num_params / 1e6:.1f}M parameters, file {_mib(info.file_bytes)}, "
+          f"weights at {str(dtype).removeprefix('torch.')} {_mib(weights)}")
+    print(f"KV pool  {_mib(budget)}, blocks of {args.block_size} tokens, context {context} tokens; "
+          f"{info.config.num_layers} layers x {info.config.num_kv_heads} KV heads x {info.config.head_dim} dims")
+    print(f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'vs auto':>9}{'residual/seq':>14}{'tokens':>11}"
+          f"{'seqs':>7}{'max seqs':>10}")
+    for row in rows:
+        print(f"{row['kv_cache_dtype']:<15}{row['bytes_per_token']:>12.1f}{row['bytes_per_token'] / full:>8.3f}x"
+              f"{_mib(row['residual_bytes_per_seq']):>14}{row['num_tokens']:>11}{row['sequences']:>7}"
+              f"{row['max_sequences']:>10}")
+    print(f"seqs: full-length sequences at --max-num-seqs {args.max_num_seqs} (int4/int2 reserve one residual "
+          "block per sequence); max seqs: with --max-num-seqs set to that number")
+    return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 # --- helpers -------------------------------------------------------------------------------------
 
 def _load(args: argparse.Namespace) -> LLM:
@@ -190,6 +240,23 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
     _bind(serve, _serve)
+
+    plan = commands.add_parser("plan", help="how much KV cache fits in a memory budget",
+                               description="For a model, a KV memory budget and a context length: weight bytes, "
+                                           "KV bytes per token for every --kv-cache-dtype, and how many tokens and "
+                                           "full-length sequences fit. The engine sizes its pool the same way.")
+    plan.add_argument("--model", help="a .gguf file or a Hugging Face model folder (default: the bundled model)")
+    plan.add_argument("--memory-gb", type=float, default=1.0, help="KV pool budget in GiB (default: %(default)s)")
+    plan.add_argument("--context-len", type=int, help="tokens per sequence (default: the model's context length)")
+    plan.add_argument("--dtype", default="auto", help="model dtype: auto (bfloat16), bfloat16 or float32")
+    d = _ENGINE_DEFAULTS
+    plan.add_argument("--block-size", type=int, default=d["block_size"], help="(default: %(default)s)")
+    plan.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                      help="sequences the engine reserves int4/int2 residual blocks for (default: %(default)s)")
+    plan.add_argument("--kv-cache-dtype-skip-layers", type=_layer_list, default=(), metavar="I,J,...")
+    plan.add_argument("--kv-quant-group-size", type=int, default=d["kv_quant_group_size"])
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _bind(plan, _plan)
     return parser
 
 
@@ -226,8 +293,21 @@ def _engine_flags() -> argparse.ArgumentParser:
     group.add_argument("--weight-format", choices=("auto", "dense", "int4"), default=d["weight_format"],
                        help="auto keeps a GGUF's 4-bit weights 4-bit for small batches in bfloat16 on CPU; "
                             "dense dequantizes everything (default: %(default)s)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d["kv_cache_dtype"],
+                       help="how the KV pool stores keys and values; auto is the model dtype (default: %(default)s)")
+    group.add_argument("--kv-cache-dtype-skip-layers", type=_layer_list, default=d["kv_cache_dtype_skip_layers"],
+                       metavar="I,J,...", help="layers kept in the model dtype, e.g. 0,-1 (default: none)")
+    group.add_argument("--kv-quant-group-size", type=int, default=d["kv_quant_group_size"],
+                       help="channels sharing one scale in int4/int2 values (default: %(default)s)")
     group.add_argument("--seed", type=int, default=d["seed"], help="random seed (default: %(default)s)")
     return flags
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices") from None
 
 
 def _sampling_flags() -> argparse.ArgumentParser:

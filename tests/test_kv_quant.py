@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from kvbank import LLM, SamplingParams
-from kvbank.cache.quant import (FullPrecision, KiviKeys, KiviValues, PerTokenFP8, PerTokenInt8, codecs_for,
-                                pack, unpack)
+from kvbank.cache.quant import (
+    FullPrecision,
+    KiviKeys,
+    KiviValues,
+    PerTokenFP8,
+    PerTokenInt8,
+    codecs_for,
+    pack,
+    unpack,
+)
 from kvbank.cache.storage import KVStorage, plan_pool
 from kvbank.engine.runner import ModelRunner
 from kvbank.models.loader import ModelConfig
@@ -302,7 +310,18 @@ def test_skip_layers_run(ids):
     assert len(out.outputs[0].token_ids) == 8
 
 
-def test_engine_sizes_its_pool_with_the_plan_arithmetic():
+def test_engine_and_kvbank_plan_agree(kvbank_env):
+    """`kvbank plan` prints the numbers the engine then really allocates."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "kvbank", "plan", "--json", "--memory-gb", "0.05",
+                             "--max-num-seqs", "4", "--context-len", "512"],
+                            env=kvbank_env, capture_output=True, text=True, timeout=120, check=True)
+    printed = {row["kv_cache_dtype"]: row for row in json.loads(result.stdout)["rows"]}
+    assert set(printed) == {"auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"}
+    assert printed["int8"]["bytes_per_token"] == EXPECTED_PER_HEAD["int8"] * 90
     for kv in ("auto", "int8", "int4"):
         llm = LLM(kv_cache_dtype=kv, kv_cache_memory_gb=0.05, max_num_seqs=4)
         engine = llm.engine
@@ -310,6 +329,9 @@ def test_engine_sizes_its_pool_with_the_plan_arithmetic():
         assert engine.num_blocks == plan.num_blocks
         assert engine.runner.storage.nbytes == plan.num_blocks * plan.bytes_per_block
         assert engine.runner.storage.nbytes + engine.runner.storage.residual.nbytes <= 0.05 * 2**30
+        assert printed[kv]["num_blocks"] == engine.num_blocks
+        assert printed[kv]["bytes_per_token"] == engine.kv_bytes_per_token
+        assert printed[kv]["sequences"] == min(4, engine.num_blocks // 32)
 
 
 # --- accuracy on real text --------------------------------------------------------------------

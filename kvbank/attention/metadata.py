@@ -43,8 +43,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
-    views: dict[str, "QuantizedView"] = field(default_factory=dict)
-    residual_plan: "ResidualPlan | None" = None
+    views: dict[str, QuantizedView] = field(default_factory=dict)
+    residual_plan: ResidualPlan | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,40 @@ def load_model(path: str | None, progress: ProgressFn | None = None) -> LoadedMo
     raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model folder")
 
 
+@dataclass
+class ModelInfo:
+    """What planning needs without loading weights: the shape, parameter count and file size."""
+
+    config: ModelConfig
+    num_params: int
+    file_bytes: int
+    path: str
+
+
+def describe_model(path: str | None) -> ModelInfo:
+    """Read a model's shape and size from its metadata only (GGUF header or config + safetensors headers)."""
+    path = bundled_model_path() if path is None else os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist")
+    if os.path.isdir(path):
+        from safetensors import safe_open
+
+        config = _folder_config(Path(path))
+        files = sorted(Path(path).glob("*.safetensors"))
+        params = 0
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                params += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+        return ModelInfo(config, params, sum(f.stat().st_size for f in files), path)
+    if not path.endswith(".gguf"):
+        raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model folder")
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    return ModelInfo(_gguf_config(reader, path), params, os.path.getsize(path), path)
+
+
 def _fingerprint(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
@@ -97,6 +132,10 @@ def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
     import gguf
 
     reader = gguf.GGUFReader(path)
+    return _load_gguf_tensors(reader, path, _gguf_config(reader, path), progress)
+
+
+def _gguf_config(reader, path: str) -> ModelConfig:
     meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -105,7 +144,7 @@ def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
     num_heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    config = ModelConfig(
+    return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -124,6 +163,11 @@ def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
         name=str(meta.get("general.name", os.path.basename(path))),
         fingerprint=_fingerprint("gguf", os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path)),
     )
+
+
+def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: ProgressFn | None) -> LoadedModel:
+    import gguf
+
     state_dict = {}
     int4: dict[str, Int4Blocks] = {}
     for i, tensor in enumerate(reader.tensors):
@@ -213,6 +257,20 @@ _HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": 
 
 
 def _load_folder(folder: Path, progress: ProgressFn | None) -> LoadedModel:
+    config = _folder_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for i, file in enumerate(files):
+        state_dict.update({k: v.float() for k, v in load_file(str(file)).items()})
+        if progress:
+            progress(i + 1, len(files))
+    tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    return LoadedModel(config, state_dict, tokenizer, str(folder))
+
+
+def _folder_config(folder: Path) -> ModelConfig:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"model folder {str(folder)!r} has no config.json")
@@ -230,7 +288,7 @@ def _load_folder(folder: Path, progress: ProgressFn | None) -> LoadedModel:
     max_pos = int(raw.get("max_position_embeddings", 2048))
     if raw.get("sliding_window") and raw.get("use_sliding_window", True) and model_type == "mistral":
         max_pos = min(max_pos, int(raw["sliding_window"]))
-    config = ModelConfig(
+    return ModelConfig(
         arch=_HF_ARCHS[model_type],
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -249,12 +307,3 @@ def _load_folder(folder: Path, progress: ProgressFn | None) -> LoadedModel:
         name=str(raw.get("_name_or_path") or folder.name),
         fingerprint=_fingerprint("hf", str(folder.resolve()), [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]),
     )
-    from safetensors.torch import load_file
-
-    state_dict: dict[str, torch.Tensor] = {}
-    for i, file in enumerate(files):
-        state_dict.update({k: v.float() for k, v in load_file(str(file)).items()})
-        if progress:
-            progress(i + 1, len(files))
-    tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    return LoadedModel(config, state_dict, tokenizer, str(folder))
