@@ -66,8 +66,11 @@ def quantized_paged_attention(q: torch.Tensor, layer, meta: AttentionMetadata, s
     if n:
         keys, values = layer.read(meta.decode_block_tables)
         if scratch is not None:
-            keys = torch.cat((keys, scratch[0][:n]), dim=1)
-            values = torch.cat((values, scratch[1][:n]), dim=1)
+            # Each decode's own block is the full-precision scratch block, in place of its
+            # (not yet or just) quantized copy.
+            rows = torch.arange(n, device=q.device)
+            keys.view(n, -1, *scratch[0].shape[1:])[rows, view.decode_own_blocks] = scratch[0][:n]
+            values.view(n, -1, *scratch[1].shape[1:])[rows, view.decode_own_blocks] = scratch[1][:n]
         queries = q[:n].view(n, num_kv_heads, group, head_dim)
         attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
                                                   attn_mask=view.decode_mask, scale=scale)

@@ -52,14 +52,16 @@ class QuantizedView:
     """Masks for layers that read K/V back from a quantized pool (`kind` "token" or "block").
 
     "token" layers attend to the dequantized blocks of the whole context, the new tokens
-    included. "block" layers attend to [dequantized blocks ; full-precision scratch blocks]: a
-    token sees the quantized form of every block before its own and the full-precision form of its
-    own block, just as decoding does. `chunk_rows` gives each prefill chunk's scratch rows.
+    included. "block" layers see the quantized form of every block before a token's own block and
+    the full-precision form of its own block. Decodes get that by putting their scratch block in
+    place of block `decode_own_blocks[i]`; a prefill chunk attends to [dequantized blocks ;
+    its scratch blocks] (`chunk_rows`) with a mask that picks the right copy per query.
     """
 
     decode_mask: torch.Tensor | None
     chunk_masks: list[torch.Tensor]
     chunk_rows: list[tuple[int, int]] = field(default_factory=list)
+    decode_own_blocks: torch.Tensor | None = None
 
 
 @dataclass

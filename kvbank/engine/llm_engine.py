@@ -1,6 +1,7 @@
 """The engine loop: admit requests, run one scheduled step at a time, turn logits into outputs."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import time
@@ -30,12 +31,29 @@ DEFAULT_KV_CACHE_GB = 1.0
 PACKED_MAX_ROWS = 8
 
 
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc reuse freed memory for allocations up to 32 MiB instead of returning it.
+
+    Every layer of a step allocates and frees the same large temporaries (gathered and
+    dequantized K/V). By default glibc maps each one afresh, and the kernel zeroes every page on
+    first touch, which made int4 KV decoding over 2x slower. Returns whether the setting took.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 32 * 2**20)) and bool(libc.mallopt(m_trim_threshold, 2**30))
+    except (OSError, AttributeError):
+        return False
+
+
 class LLMEngine:
     """One model, one KV pool, one scheduler; `step()` advances every running request by a step."""
 
     def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None) -> None:
         self.config = config
         torch.manual_seed(config.seed)
+        if config.device == "cpu":
+            keep_freed_memory()
         loaded = load_model(config.model, progress)
         self.model_config = mc = loaded.config
         self.model_path = loaded.path

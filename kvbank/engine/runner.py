@@ -87,7 +87,7 @@ class ModelRunner:
         if "token" in self.storage.kinds:
             meta.views["token"] = self._token_view(batch, meta)
         if "block" in self.storage.kinds:
-            meta.views["block"], meta.residual_plan = self._block_view(batch)
+            meta.views["block"], meta.residual_plan = self._block_view(batch, meta)
         return self._tensor(input_ids), self._tensor(positions), meta
 
     def _token_view(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> QuantizedView:
@@ -101,7 +101,7 @@ class ModelRunner:
                 masks.append(self._additive(visible.to(self.device)))
         return QuantizedView(meta.decode_mask, masks)
 
-    def _block_view(self, batch: list[ScheduledSeq]) -> tuple[QuantizedView, ResidualPlan]:
+    def _block_view(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> tuple[QuantizedView, ResidualPlan]:
         """Masks over [quantized blocks ; scratch blocks] and the residual plan (int4/int2 layers)."""
         bs = self.block_size
         residual = self.storage.residual
@@ -111,10 +111,9 @@ class ModelRunner:
         full: tuple[list[int], list[int]] = ([], [])
         keep: tuple[list[int], list[int]] = ([], [])
         filled: list[int] = []
-        decode_visible: list[torch.Tensor] = []
+        own_blocks: list[int] = []
         masks: list[torch.Tensor] = []
         chunk_rows: list[tuple[int, int]] = []
-        width = max((-(-(i.seq.num_computed_tokens + 1) // bs) for i in batch if i.num_tokens == 1), default=0)
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
@@ -137,26 +136,21 @@ class ModelRunner:
                     keep[1].append(residual.slot(block_id))
                 rows += 1
             scratch_slots.extend((first_row + p // bs - first_block) * bs + p % bs for p in range(start, end))
+            if item.num_tokens == 1:
+                own_blocks.append(first_block)
+                continue
             positions = torch.arange(start, end).unsqueeze(1)
             own_block = positions // bs * bs
-            if item.num_tokens == 1:
-                cache = torch.arange(width * bs).unsqueeze(0) < own_block
-            else:
-                cache = torch.arange((last_block + 1) * bs).unsqueeze(0) < own_block
-                chunk_rows.append((first_row, rows))
+            cache = torch.arange((last_block + 1) * bs).unsqueeze(0) < own_block
             scratch_pos = torch.arange(first_block * bs, (last_block + 1) * bs).unsqueeze(0)
             visible = torch.cat((cache, (scratch_pos >= own_block) & (scratch_pos <= positions)), dim=1)
-            if item.num_tokens == 1:
-                decode_visible.append(visible)
-            else:
-                masks.append(self._additive(visible.to(self.device)))
+            masks.append(self._additive(visible.to(self.device)))
+            chunk_rows.append((first_row, rows))
         for block_id in filled:
             residual.release(block_id)
-        decode_mask = None
-        if decode_visible:
-            decode_mask = self._additive(torch.cat(decode_visible).to(self.device)[:, None, None, :])
         plan = ResidualPlan(rows, self._tensor(scratch_slots), *self._pair(preload), *self._pair(full), *self._pair(keep))
-        return QuantizedView(decode_mask, masks, chunk_rows), plan
+        view = QuantizedView(meta.decode_mask, masks, chunk_rows, self._tensor(own_blocks) if own_blocks else None)
+        return view, plan
 
     def _pair(self, lists: tuple[list[int], list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (self._tensor(lists[0]), self._tensor(lists[1])) if lists[0] else (None, None)
