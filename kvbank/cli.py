@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,11 +19,13 @@ from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.models.loader import describe_model
-from kvbank.server.api import build_app
+from kvbank.server.api import ServerLimits, build_app
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.tokenizer import Tokenizer
 
 CLI_DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_QUEUED = 512
+DEFAULT_MAX_N = 16
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
 
@@ -116,22 +119,29 @@ def _serve(args: argparse.Namespace) -> int:
     missing = [file for file in args.pin_prompt if not Path(file).is_file()]
     if missing:
         raise ValueError(f"--pin-prompt file {missing[0]!r} does not exist")
+    limits = ServerLimits(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                          max_tokens_cap=args.max_tokens_cap, max_n=args.max_n)
     llm = _load(args)
     for file in args.pin_prompt:
         pinned = llm.pin_prefix(Path(file).read_text())
         print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
     name = args.served_model_name or args.model or Path(llm.engine.model_path).stem
     async_engine = AsyncEngine(llm.engine)
-    app = build_app(async_engine, name)
+    app = build_app(async_engine, name, limits)
     url = f"http://{args.host}:{args.port}"
     print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
     print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
           flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # uvicorn stops accepting on SIGTERM/SIGINT, lets running requests finish for up to
+        # --shutdown-timeout seconds, then cancels them (which aborts them and frees their blocks).
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout)
+        _GracefulServer(config).run()
     finally:
         async_engine.shutdown()
+    print("kvbank: stopped", flush=True)
     return 0
 
 
@@ -180,11 +190,28 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, except that a stop by SIGTERM/SIGINT ends the process with status 0.
+
+    uvicorn re-raises the signal after its graceful shutdown, so the process would die by it.
+    """
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+
 # --- helpers -------------------------------------------------------------------------------------
 
 def _load(args: argparse.Namespace) -> LLM:
     engine_args = {name: getattr(args, name) for name in _ENGINE_DEFAULTS}
-    return LLM(**engine_args, show_progress=True)
+    llm = LLM(**engine_args, show_progress=True)
+    engine = llm.engine
+    print(f"KV cache: {engine.num_blocks} blocks of {engine.block_size} tokens, {args.kv_cache_dtype}, "
+          f"{engine.kv_bytes_per_token:.0f} bytes per token", file=sys.stderr, flush=True)
+    return llm
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -237,6 +264,19 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pin-prompt", action="append", default=[], metavar="FILE",
                        help="compute this file's text once and keep it cached (repeatable); the text must be "
                             "exactly how prompts begin, e.g. a system turn rendered with the chat template")
+    serve.add_argument("--api-key", default=os.environ.get("KVBANK_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: $KVBANK_API_KEY, else no key)")
+    serve.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                       help="requests waiting for a batch slot beyond which new ones get 429 (default: %(default)s)")
+    serve.add_argument("--max-tokens-cap", type=int, default=None,
+                       help="largest max_tokens a request may ask for; also the default for chat requests "
+                            "that name none (default: no cap)")
+    serve.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for "
+                                                                      "(default: %(default)s)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds to let running requests finish before aborting them "
+                            "(default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default: %(default)s)")
     _bind(serve, _serve)

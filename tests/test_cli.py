@@ -42,3 +42,20 @@ def test_chat_second_turn_reuses_the_first_turns_cache(kvbank_env):
     # partly filled last block (the reply's last token was never fed back, so its KV is unwritten).
     assert prompt_2 > prompt_1 + max_tokens
     assert cached_2 >= prompt_1 + max_tokens - BLOCK_SIZE
+
+
+def test_kv_cache_flags_reach_the_engine(kvbank_env):
+    result = _kvbank(kvbank_env, "generate", "The capital of France is", "--max-tokens", "4", "--temperature", "0",
+                     "--kv-cache-dtype", "int4", "--kv-cache-dtype-skip-layers", "0,-1", "--num-gpu-blocks", "64")
+    assert result.returncode == 0, result.stderr
+    # 28 int4 layers (88 bytes per KV head) and 2 bfloat16 layers (256), 3 KV heads each
+    assert "KV cache: 64 blocks of 16 tokens, int4, 8928 bytes per token" in result.stderr
+    assert result.stdout.strip()
+
+
+def test_bad_kv_cache_dtype_is_refused_by_every_command(kvbank_env):
+    for command in ("generate", "serve", "chat"):
+        args = [command, "Hi"] if command == "generate" else [command]
+        result = _kvbank(kvbank_env, *args, "--kv-cache-dtype", "int3")
+        assert result.returncode == 2
+        assert "invalid choice: 'int3'" in result.stderr and "int4" in result.stderr

@@ -2,10 +2,6 @@
 checked against the offline engine's greedy output; plus AsyncEngine's contract, in process."""
 import asyncio
 import itertools
-import json
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +9,7 @@ import urllib.request
 import openai
 import pytest
 import torch
+from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams
 from kvbank.server import AsyncEngine
@@ -20,37 +17,21 @@ from kvbank.server import AsyncEngine
 MODEL_NAME = "kvbank-test-model"
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-STARTUP_TIMEOUT_S = 120
 PINNED_SYSTEM = ("You are the librarian of a small town. Answer in one short sentence about opening hours, "
                  "loans and late fees.")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(kvbank_env, tmp_path_factory):
     """A `kvbank serve` subprocess: yields its base URL once /health answers, kills it at the end."""
-    port = _free_port()
     folder = tmp_path_factory.mktemp("server")
     log_path = folder / "server.log"
     pin_file = folder / "system.txt"
     pin_file.write_text(f"<|im_start|>system\n{PINNED_SYSTEM}<|im_end|>\n")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvbank", "serve", "--port", str(port), "--dtype", "float32",
-             "--served-model-name", MODEL_NAME, "--log-level", "warning", "--pin-prompt", str(pin_file)],
-            stdout=log, stderr=subprocess.STDOUT, env=kvbank_env)
-    yield process, f"http://127.0.0.1:{port}", log_path
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    process, url = start_server(["--dtype", "float32", "--served-model-name", MODEL_NAME, "--log-level", "warning",
+                                 "--pin-prompt", str(pin_file)], kvbank_env, log_path)
+    yield process, url, log_path
+    stop_server(process)
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +46,8 @@ def reference(server):
 @pytest.fixture(scope="module")
 def base_url(server, reference):
     process, url, log_path = server
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"kvbank serve exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return url
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"kvbank serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+    wait_healthy(process, url, log_path)
+    return url
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +56,8 @@ def client(base_url):
 
 
 def _post(url: str, body: bytes | dict) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as error:
-        return error.code, json.load(error)
+    status, response, _ = request(url, body)
+    return status, response
 
 
 def _assert_openai_error(body: dict) -> dict:
@@ -157,6 +124,59 @@ def test_streamed_chat_starts_with_the_role_and_equals_offline_greedy(client, re
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_n_choices_logprobs_and_stop_strings_equal_offline(client, reference):
+    prompt = "The three primary colours are"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, logprobs=2, stop=["."])
+    expected = reference.generate(prompt, params)[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         n=2, logprobs=2, stop=["."])
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice, completion in zip(response.choices, expected.outputs):
+        assert choice.text == completion.text and "." not in choice.text
+        assert choice.finish_reason == completion.finish_reason
+        wanted = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+        assert choice.logprobs.token_logprobs == pytest.approx(wanted, abs=1e-4)
+        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    assert response.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+
+
+def test_chat_logprobs_and_streamed_usage(client, reference):
+    messages = [{"role": "user", "content": "Count to five."}]
+    expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3))[0].outputs[0]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                              temperature=0, logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(
+        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == expected.text
+
+
+def test_async_client_streams_concurrent_requests(base_url, reference):
+    prompts = ["Once upon a time", "The best way to learn is", "In the year 2050,"]
+    expected = [o.outputs[0].text for o in reference.generate(prompts, GREEDY)]
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        async def one(prompt: str) -> str:
+            stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == expected
 
 
 def test_repeated_chat_prompt_is_served_from_the_prefix_cache(client):

@@ -118,11 +118,13 @@ class PerTokenFP8(Codec):
 
     def dequantize(self, stored: Stored, dtype: torch.dtype) -> torch.Tensor:
         scale = stored["scale"].float().unsqueeze(-1)
-        if self.fp8 == torch.float8_e4m3fn and dtype in (torch.bfloat16, torch.float32) and scale.max() < 2.0**7:
+        codes = stored["codes"]
+        if (self.fp8 == torch.float8_e4m3fn and codes.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+                and scale.max() < 2.0**7):
             # PyTorch's e4m3 -> bfloat16 conversion is scalar on CPU. Moving the exponent and
             # mantissa bits into a bfloat16 gives the same number times 2**-120 (subnormals
             # included), which the scale multiply undoes: 2.5x faster, and exact.
-            codes = stored["codes"].to(torch.int16)
+            codes = codes.to(torch.int16)
             bits = ((codes & 0x7F) << 4) | ((codes >> 7) * -32768)
             return torch.mul(bits.view(torch.bfloat16), (scale * 2.0**120).to(dtype))
         return stored["codes"].view(self.fp8).to(dtype) * scale.to(dtype)

@@ -338,6 +338,19 @@ class LLMEngine:
 
     # --- introspection ------------------------------------------------------------------------
 
+    def block_states(self) -> bytes:
+        """One byte per KV block: 0 free (empty), 1 in use, 2 cached and evictable, 3 pinned."""
+        states = bytearray(self.num_blocks)
+        pool = self.manager.pool
+        for block_id in pool.cached:
+            states[block_id] = 2
+        for block in pool.blocks:
+            if block.ref_count:
+                states[block.block_id] = 1
+        for block_id in self.manager.pinned_blocks:
+            states[block_id] = 3
+        return bytes(states)
+
     def stats(self) -> dict[str, float]:
         """Counters and gauges: prefix-cache hit rate, pool usage, queue depths, preemptions."""
         queries = self.counters["prefix_cache_queries"]

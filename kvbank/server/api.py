@@ -7,6 +7,7 @@ cache_salt) are accepted too; other unknown fields are ignored with a warning, a
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -18,13 +19,14 @@ from typing import Any, TypeVar
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import AsyncEngine, RequestStream
+from kvbank.server.metrics import RequestTimer, render_metrics
 
 logger = logging.getLogger("kvbank.server")
 
@@ -36,9 +38,33 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 class APIError(Exception):
     """A request the server refuses, answered in OpenAI's error shape with `status`."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers
+
+
+@dataclass
+class ServerLimits:
+    """What one server accepts: an optional API key, a queue bound and per-request caps.
+
+    `max_queued_requests`: requests not yet running (waiting for a batch slot) beyond which new
+    ones get 429 with Retry-After. `max_tokens_cap` bounds max_tokens (and is the default when a
+    chat request names none); `max_n` bounds n. None means no limit.
+    """
+
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    max_tokens_cap: int | None = None
+    max_n: int | None = None
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_tokens_cap", "max_n"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
 
 
 # --- request bodies ------------------------------------------------------------------------------
@@ -118,11 +144,16 @@ class ChatCompletionRequest(_SamplingBody):
 
 # --- the app -------------------------------------------------------------------------------------
 
-def build_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
+def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits | None = None) -> FastAPI:
     """A FastAPI app serving `async_engine` under OpenAI's routes as model `served_model_name`."""
+    limits = limits or ServerLimits()
     app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
-    server = _Server(async_engine, served_model_name)
+    server = _Server(async_engine, served_model_name, limits)
+    timer = RequestTimer()
+    async_engine.observers.append(timer.observe)
     _install_error_handlers(app)
+    if limits.api_key is not None:
+        _install_api_key(app, limits.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -133,6 +164,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return server.model_list()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(render_metrics(async_engine.stats(), timer),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -145,10 +181,26 @@ def build_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
     return app
 
 
+def _install_api_key(app: FastAPI, api_key: str) -> None:
+    """Every route but /health needs `Authorization: Bearer <api_key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path != "/health":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                                       code="invalid_api_key")
+        return await call_next(request)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error_response(error.message, error.status, error.param, error.code)
+        response = _error_response(error.message, error.status, error.param, error.code)
+        response.headers.update(error.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -188,7 +240,8 @@ def _field_path(loc: tuple | list) -> str | None:
 class _Server:
     """What the routes do, with the engine and model name they share."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits) -> None:
+        self.limits = limits
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.model_name = served_model_name
@@ -202,7 +255,7 @@ class _Server:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_body(body)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(self._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs)
         prompts = _completion_prompts(body.prompt)
         job = _Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
         streams = await self._start([_with_salt(p, body.cache_salt) for p in prompts], params, job.id)
@@ -217,7 +270,8 @@ class _Server:
         self._check_body(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._cap_max_tokens(getattr(body, field), field)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         prompt = _with_salt(self._render_chat(body.messages), body.cache_salt)
@@ -229,7 +283,20 @@ class _Server:
         choices = [_chat_choice(c, logprobs) for c in finals[0].outputs]
         return JSONResponse(job.body(choices, usage=_usage(finals)))
 
+    def _cap_max_tokens(self, max_tokens: int | None, field: str) -> int | None:
+        cap = self.limits.max_tokens_cap
+        if cap is None:
+            return max_tokens
+        if max_tokens is None:
+            return cap
+        if max_tokens > cap:
+            raise APIError(f"{field}={max_tokens} is over this server's limit of {cap} (--max-tokens-cap)",
+                           param=field)
+        return max_tokens
+
     def _check_body(self, body: _SamplingBody) -> None:
+        if self.limits.max_n is not None and body.n is not None and body.n > self.limits.max_n:
+            raise APIError(f"n={body.n} is over this server's limit of {self.limits.max_n} (--max-n)", param="n")
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
                            status=404, param="model", code="model_not_found")
@@ -250,6 +317,11 @@ class _Server:
 
     async def _start(self, prompts: list[Any], params: SamplingParams, job_id: str) -> list[RequestStream]:
         """Submit every prompt; if the engine refuses one, abort those already accepted."""
+        limit = self.limits.max_queued_requests
+        if limit is not None and self.async_engine.num_queued + len(prompts) > limit:
+            raise APIError(f"the server is busy: {self.async_engine.num_queued} requests are queued and the limit "
+                           f"is {limit} (--max-queued-requests); retry later", status=429,
+                           code="rate_limit_exceeded", headers={"Retry-After": str(self.limits.retry_after_s)})
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):

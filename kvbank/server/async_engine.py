@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvbank.engine.llm_engine import LLMEngine, PromptType
@@ -67,6 +68,12 @@ class RequestStream:
         self._engine = engine
         self._mailbox = mailbox
         self._done = False
+        self._waiting = True  # counted in AsyncEngine.num_queued until its first item
+
+    def _started(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._engine._started()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -79,6 +86,7 @@ class RequestStream:
         except BaseException:
             self.close()
             raise
+        self._started()
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -87,6 +95,7 @@ class RequestStream:
 
     def close(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
+        self._started()
         if not self._done:
             self._done = True
             self._engine.abort(self.request_id)
@@ -105,7 +114,12 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._mailboxes: dict[str, _Mailbox] = {}
         self._stats = engine.stats()
+        self._blocks = engine.block_states()
+        self._blocks_time = 0.0
         self._error: BaseException | None = None
+        #: called on the engine thread with every step's outputs (e.g. latency metrics)
+        self.observers: list[Callable[[list[RequestOutput]], None]] = []
+        self._pending_adds = 0
         self._thread = threading.Thread(target=self._run, name="kvbank-engine", daemon=True)
         self._thread.start()
 
@@ -114,6 +128,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted on this loop that have no output yet (queued, or being prefilled)."""
+        return self._pending_adds
 
     async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestStream:
@@ -126,16 +145,22 @@ class AsyncEngine:
             raise EngineDeadError("the engine thread is not running") from self._error
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         mailbox = _Mailbox(asyncio.get_running_loop(), asyncio.Queue())
+        self._pending_adds += 1
         self._inbox.put(_Add(request_id, prompt, params, mailbox))
         try:
             reply = await mailbox.items.get()
         except BaseException:
+            self._pending_adds -= 1
             self.abort(request_id)
             raise
         if isinstance(reply, BaseException):
+            self._pending_adds -= 1
             raise reply
         assert reply is _ACCEPTED
         return RequestStream(self, request_id, mailbox)
+
+    def _started(self) -> None:
+        self._pending_adds -= 1
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -159,6 +184,10 @@ class AsyncEngine:
         """The engine's counters as of its latest step (a snapshot; safe from any thread)."""
         return dict(self._stats)
 
+    def block_states(self) -> bytes:
+        """`LLMEngine.block_states()` as of the latest step (refreshed at most every 0.25 s while busy)."""
+        return self._blocks
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread; requests still running end with EngineDeadError."""
         self._inbox.put(_Stop())
@@ -169,9 +198,12 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while self._drain_inbox(block=not self.engine.has_unfinished_requests()):
+                self._stats = self.engine.stats()  # queue depths count the requests just added
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._stats = self.engine.stats()
+                now = time.monotonic()
+                if now - self._blocks_time > 0.25 or not self.engine.has_unfinished_requests():
+                    self._blocks, self._blocks_time = self.engine.block_states(), now
         except BaseException as error:
             self._error = error
             raise
@@ -219,6 +251,10 @@ class AsyncEngine:
             # (rather than guessing who) keeps every caller from waiting forever.
             self._fail_all(error)
             return
+        # Before anyone hears of these outputs, so a caller never sees stats older than its output.
+        self._stats = self.engine.stats()
+        for observer in self.observers:
+            observer(outputs)
         for output in outputs:
             mailbox = self._mailboxes.get(output.request_id)
             if mailbox is None:

@@ -1,0 +1,127 @@
+"""Prometheus metrics for `kvbank serve`, in the text exposition format, with vLLM-style names.
+
+Counters and gauges come from the engine's own counters (`AsyncEngine.stats()`); latency
+histograms are fed by `RequestTimer.observe`, which the engine thread calls with every step's
+outputs. Names use the `kvbank:` prefix where vLLM uses `vllm:`, so dashboards port over.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from kvbank.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class Histogram:
+    """Cumulative buckets, sum and count, as Prometheus histograms keep them."""
+
+    def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.name, self.help_text, self.buckets = name, help_text, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            cumulative += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
+        lines += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class RequestTimer:
+    """Time to first token, inter-token latency and end-to-end latency of every request."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram("kvbank:time_to_first_token_seconds", "Time from arrival to the first output token.")
+        self.itl = Histogram("kvbank:inter_token_latency_seconds", "Time between two output tokens of a sequence.")
+        self.e2e = Histogram("kvbank:e2e_request_latency_seconds", "Time from arrival to the last output token.")
+        self._lock = threading.Lock()
+        # (request id, completion index) -> (tokens seen, time of the latest one)
+        self._seen: dict[tuple[str, int], tuple[int, float]] = {}
+
+    def observe(self, outputs: list[RequestOutput], now: float | None = None) -> None:
+        """Record one engine step's outputs (called on the engine thread)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for output in outputs:
+                for completion in output.outputs:
+                    key = (output.request_id, completion.index)
+                    tokens = len(completion.token_ids)
+                    seen, last = self._seen.get(key, (0, 0.0))
+                    if tokens > seen:
+                        if seen == 0:
+                            if completion.index == 0 and output.metrics.time_to_first_token is not None:
+                                self.ttft.observe(output.metrics.time_to_first_token)
+                        else:
+                            gap = (now - last) / (tokens - seen)
+                            for _ in range(tokens - seen):
+                                self.itl.observe(gap)
+                        self._seen[key] = (tokens, now)
+                if output.finished:
+                    finished = output.metrics.finished_time or now
+                    self.e2e.observe(finished - output.metrics.arrival_time)
+                    for completion in output.outputs:
+                        self._seen.pop((output.request_id, completion.index), None)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            return [*self.ttft.render(), *self.itl.render(), *self.e2e.render()]
+
+
+_COUNTERS = (
+    ("prefix_cache_queries", "kvbank:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "kvbank:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "kvbank:num_preemptions_total", "Sequences preempted (to be recomputed)."),
+    ("prompt_tokens", "kvbank:prompt_tokens_total", "Prompt tokens admitted."),
+    ("generation_tokens", "kvbank:generation_tokens_total", "Tokens generated."),
+    ("finished_requests", "kvbank:request_success_total", "Requests finished (any reason but abort)."),
+)
+_GAUGES = (
+    ("kv_cache_usage", "kvbank:kv_cache_usage_perc", "Fraction of KV blocks held by live sequences (0-1)."),
+    ("num_requests_running", "kvbank:num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "kvbank:num_requests_waiting", "Requests waiting to be scheduled."),
+    ("num_blocks", "kvbank:num_blocks", "KV blocks in the pool."),
+    ("num_free_blocks", "kvbank:num_free_blocks", "KV blocks free (empty or cached and evictable)."),
+    ("num_pinned_blocks", "kvbank:num_pinned_blocks", "KV blocks held by pinned prefixes."),
+    ("prefix_cache_hit_rate", "kvbank:prefix_cache_hit_rate", "Prefix-cache hits / queries since start."),
+)
+
+
+def render_metrics(stats: dict[str, float], timer: RequestTimer, extra_gauges: dict[str, float] | None = None) -> str:
+    """The whole /metrics page."""
+    lines: list[str] = []
+    for key, name, help_text in _COUNTERS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {stats.get(key, 0)}"]
+    for key, name, help_text in _GAUGES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {stats.get(key, 0)}"]
+    for name, value in (extra_gauges or {}).items():
+        lines += [f"# TYPE {name} gauge", f"{name} {value}"]
+    lines += timer.render()
+    rss = resident_memory_bytes()
+    if rss is not None:
+        lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]
+    return "\n".join(lines) + "\n"
+
+
+def resident_memory_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
