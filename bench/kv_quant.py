@@ -62,19 +62,19 @@ def agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) ->
     return top1 / total, statistics.mean(identical)
 
 
-def capacity(llm_args: dict, kv: str, model_config, dtype) -> tuple[int, int]:
+def capacity(llm_args: dict, kv: str, model_config, dtype, block_size: int, group: int) -> tuple[int, int]:
     """Sequences of CONTEXT tokens that fit in POOL_BYTES: planned, and the engine's block count."""
-    planned = plan_pool(model_config, dtype, POOL_BYTES, 16, kv).sequences_that_fit(CONTEXT)
+    planned = plan_pool(model_config, dtype, POOL_BYTES, block_size, kv, group_size=group).sequences_that_fit(CONTEXT)
     engine = LLM(**llm_args, kv_cache_dtype=kv, kv_cache_memory_gb=POOL_BYTES / 2**30,
                  max_num_seqs=max(planned, 1)).engine
-    return planned, engine.num_blocks // -(-CONTEXT // 16)
+    return planned, min(planned, engine.num_blocks // -(-CONTEXT // block_size))
 
 
 class DecodeRun:
     """16 sequences with distinct 2,048-token contexts, prefilled once and decoded on demand."""
 
     def __init__(self, llm_args: dict, kv: str, corpus: list[int], seqs: int, budget_steps: int) -> None:
-        blocks = seqs * -(-(CONTEXT + budget_steps + 8) // 16)
+        blocks = seqs * -(-(CONTEXT + budget_steps + 8) // llm_args["block_size"])
         self.llm = LLM(**llm_args, kv_cache_dtype=kv, num_gpu_blocks=blocks, max_num_seqs=seqs)
         engine = self.llm.engine
         params = SamplingParams(max_tokens=budget_steps + 4, temperature=0, ignore_eos=True)
@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--model", help="a .gguf file or HF folder (default: bundled SmolLM2-135M)")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-quant-group-size", type=int, default=32)
     parser.add_argument("--only", nargs="*", default=[d for d in KV_CACHE_DTYPES if d != "auto"],
                         help="kv cache dtypes to measure besides auto")
     parser.add_argument("--ppl-tokens", type=int, default=51200)
@@ -112,11 +114,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--skip", nargs="*", default=[], choices=["ppl", "agreement", "capacity", "speed"])
+    parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--profile", help="profile decode steps of this kv cache dtype and print the top ops")
     args = parser.parse_args()
     if not args.corpus.is_file():
         parser.error(f"--corpus {args.corpus} does not exist")
-    llm_args = {"model": args.model, "dtype": args.dtype}
+    llm_args = {"model": args.model, "dtype": args.dtype, "block_size": args.block_size,
+                "kv_quant_group_size": args.kv_quant_group_size}
+    bs, group = args.block_size, args.kv_quant_group_size
     dtypes = ["auto"] + [d for d in args.only if d != "auto"]
     base = LLM(**llm_args, num_gpu_blocks=64)
     tokens = base.get_tokenizer().encode(args.corpus.read_text(errors="replace"))
@@ -127,10 +132,11 @@ def main() -> None:
     decode_corpus = rest[args.prompts * 256:]
     del base
     rows: dict[str, dict] = {}
-    full_bytes = plan_pool(model_config, model_dtype, POOL_BYTES, 16, "auto").bytes_per_token
+    full_bytes = plan_pool(model_config, model_dtype, POOL_BYTES, bs, "auto").bytes_per_token
     reference: list[list[int]] = []
     for kv in dtypes:
-        row = rows[kv] = {"bytes_per_token": plan_pool(model_config, model_dtype, POOL_BYTES, 16, kv).bytes_per_token}
+        row = rows[kv] = {"bytes_per_token": plan_pool(model_config, model_dtype, POOL_BYTES, bs, kv,
+                                                       group_size=group).bytes_per_token}
         row["ratio"] = row["bytes_per_token"] / full_bytes
         llm = LLM(**llm_args, kv_cache_dtype=kv, kv_cache_memory_gb=1.0, enable_prefix_caching=False)
         if "ppl" not in args.skip:
@@ -143,7 +149,7 @@ def main() -> None:
                 reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
             row["top1_agreement"], row["identical_tokens"] = agreement(llm, prompts, reference)
         if "capacity" not in args.skip:
-            row["planned_seqs"], row["engine_seqs"] = capacity(llm_args, kv, model_config, model_dtype)
+            row["planned_seqs"], row["engine_seqs"] = capacity(llm_args, kv, model_config, model_dtype, bs, group)
         del llm
         print(kv, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     if "speed" not in args.skip:
@@ -164,7 +170,7 @@ def main() -> None:
                 runs[args.profile].run(args.steps)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     auto = rows["auto"]
-    print(f"\nmodel dtype {args.dtype}; perplexity on {auto.get('ppl_tokens', 0)} tokens of {args.corpus.name}; "
+    print(f"\nmodel dtype {args.dtype}, blocks of {bs} tokens, int4/int2 value groups of {group}; perplexity on {auto.get('ppl_tokens', 0)} tokens of {args.corpus.name}; "
           f"decode: {args.seqs} sequences x {CONTEXT} tokens")
     print(f"{'kv_cache_dtype':<14}{'bytes/tok':>10}{'vs bf16':>8}{'ppl':>9}{'delta':>8}{'top-1':>7}{'same':>6}"
           f"{'2k seqs/256MiB':>15}{'decode tok/s':>13}{'slower':>7}")
@@ -174,7 +180,7 @@ def main() -> None:
               f"{delta:>+8.2%}{row.get('top1_agreement', float('nan')):>7.1%}{row.get('identical_tokens', 0):>6.0f}"
               f"{row.get('engine_seqs', 0):>15}{row.get('decode_tok_s', float('nan')):>13.1f}"
               f"{row.get('decode_vs_auto', float('nan')):>6.2f}x")
-    out = ROOT / "bench" / "results" / "kv_quant.json"
+    out = ROOT / "bench" / "results" / f"kv_quant{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
     print(f"\nwritten to {out.relative_to(ROOT)}")

@@ -51,38 +51,119 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def quantized_paged_attention(q: torch.Tensor, layer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention for a layer whose pool is quantized: blocks are dequantized as they are gathered.
+#: Quantized layers dequantize at most this many tokens of a sequence's context at a time; None
+#: reads the whole context at once. int4/int2 ("block") dequantizing is several passes over the
+#: data, which run faster on pieces that stay in cache; int8/fp8 ("token") is one pass, and there
+#: the cost of merging outweighs that (bench/kv_quant.py, 16 x 2k-token decode).
+DEQUANT_CHUNK_TOKENS: dict[str, int] | None = {"token": 2048, "block": 1024}
 
-    Only the blocks in this step's block tables are dequantized, into a temporary that lives
-    for one layer. "block" layers add their full-precision scratch blocks (see QuantizedView).
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+class _Merged:
+    """Attention over key ranges taken one at a time, merged by their log-sum-exp."""
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> None:
+        """queries [B, H, Lq, D]; keys, values [B, H, C, D]; mask additive, broadcastable to [B, H, Lq, C]."""
+        out, lse = _flash_with_lse(queries, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+        # A query that sees nothing in this range contributes nothing (the kernel reports lse 0).
+        hidden = torch.isinf(mask).all(dim=-1).expand(lse.shape)
+        lse = lse.masked_fill(hidden, float("-inf"))
+        out = out.float()
+        if self.out is None:
+            self.out, self.lse = out, lse
+            return
+        merged = torch.logaddexp(self.lse, lse)
+        # Where both sides are still empty (-inf - -inf), the weights are 0, not NaN.
+        old = torch.exp(self.lse - merged).nan_to_num_(0.0).unsqueeze(-1)
+        new = torch.exp(lse - merged).nan_to_num_(0.0).unsqueeze(-1)
+        self.out = self.out * old + out * new
+        self.lse = merged
+
+
+def _chunk_blocks(device: torch.device, kind: str, block_size: int) -> int | None:
+    if device.type != "cpu" or _flash_with_lse is None or DEQUANT_CHUNK_TOKENS is None:
+        return None
+    return max(1, DEQUANT_CHUNK_TOKENS[kind] // block_size)
+
+
+def quantized_paged_attention(q: torch.Tensor, layer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a layer whose pool is quantized: blocks are dequantized as attention reads them.
+
+    Only blocks in this step's block tables are dequantized, at most DEQUANT_CHUNK_TOKENS of each
+    sequence's context at a time, into temporaries that live for one range of one layer; the
+    ranges are merged by log-sum-exp (on CPU; elsewhere a sequence's context is read in one go).
+    "block" layers also read their full-precision scratch blocks (see QuantizedView).
     """
     view = meta.views[layer.kind]
     num_kv_heads, head_dim = layer.heads, q.shape[2]
     group = q.shape[1] // num_kv_heads
     scratch = layer.scratch if layer.kind == "block" else None
+    bs = layer.block_size
+    step = _chunk_blocks(q.device, layer.kind, bs)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decode_tokens
     if n:
-        keys, values = layer.read(meta.decode_block_tables)
-        if scratch is not None:
-            # Each decode's own block is the full-precision scratch block, in place of its
-            # (not yet or just) quantized copy.
-            rows = torch.arange(n, device=q.device)
-            keys.view(n, -1, *scratch[0].shape[1:])[rows, view.decode_own_blocks] = scratch[0][:n]
-            values.view(n, -1, *scratch[1].shape[1:])[rows, view.decode_own_blocks] = scratch[1][:n]
+        tables = meta.decode_block_tables
         queries = q[:n].view(n, num_kv_heads, group, head_dim)
-        attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                                  attn_mask=view.decode_mask, scale=scale)
-        out[:n] = attended.reshape(n, -1, head_dim)
+        width = tables.shape[1]
+        decode_step = step if step is not None and step < width else None  # one range: no merging
+        merged = _Merged()
+        for first in range(0, width, decode_step or width):
+            last = min(width, first + (decode_step or width))
+            keys, values = layer.read(tables[:, first:last])
+            if scratch is not None:
+                _overlay_own_blocks(keys, values, scratch, view.decode_own_blocks, first, last, n)
+            mask = view.decode_mask[..., first * bs:last * bs]
+            if decode_step is None:
+                attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                                          attn_mask=mask, scale=scale)
+                break
+            merged.add(queries, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
+        else:
+            attended = merged.out
+        out[:n] = attended.reshape(n, -1, head_dim).to(q.dtype)
     for i, (chunk, mask) in enumerate(zip(meta.prefills, view.chunk_masks)):
-        keys, values = layer.read(chunk.block_table.unsqueeze(0))
+        queries = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        table = chunk.block_table.unsqueeze(0)
+        blocks = len(chunk.block_table)
+        chunk_step = step if step is not None and step < blocks else None  # one range: concatenate
+        ranges = [(layer.read(table[:, a:a + (chunk_step or blocks)]), a * bs)
+                  for a in range(0, blocks, chunk_step or blocks)]
         if scratch is not None:
             first, last = view.chunk_rows[i]
-            keys = torch.cat((keys, scratch[0][first:last].reshape(1, -1, num_kv_heads, head_dim)), dim=1)
-            values = torch.cat((values, scratch[1][first:last].reshape(1, -1, num_kv_heads, head_dim)), dim=1)
-        queries = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-        attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                                  attn_mask=mask, scale=scale, enable_gqa=group > 1)
-        out[chunk.start:chunk.end] = attended.squeeze(0).transpose(0, 1)
+            rows = (scratch[0][first:last].reshape(1, -1, num_kv_heads, head_dim),
+                    scratch[1][first:last].reshape(1, -1, num_kv_heads, head_dim))
+            ranges.append((rows, len(chunk.block_table) * bs))
+        if chunk_step is None:
+            keys, values = ranges[0][0]
+            if len(ranges) > 1:
+                keys = torch.cat([k for (k, _), _ in ranges], dim=1)
+                values = torch.cat([v for (_, v), _ in ranges], dim=1)
+            attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                                      attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        else:
+            merged = _Merged()
+            for (keys, values), offset in ranges:
+                columns = mask[..., offset:offset + keys.shape[1]]
+                # The kernel wants as many K/V heads as query heads.
+                merged.add(queries, keys.transpose(1, 2).repeat_interleave(group, dim=1),
+                           values.transpose(1, 2).repeat_interleave(group, dim=1), columns, scale)
+            attended = merged.out
+        out[chunk.start:chunk.end] = attended.squeeze(0).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _overlay_own_blocks(keys: torch.Tensor, values: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor],
+                        own_blocks: torch.Tensor, first: int, last: int, n: int) -> None:
+    """Put each decode's full-precision scratch block in place of its own block, if in [first, last)."""
+    inside = ((own_blocks >= first) & (own_blocks < last)).nonzero().squeeze(1)
+    if inside.numel():
+        shape = scratch[0].shape[1:]
+        keys.view(n, -1, *shape)[inside, own_blocks[inside] - first] = scratch[0][inside]
+        values.view(n, -1, *shape)[inside, own_blocks[inside] - first] = scratch[1][inside]

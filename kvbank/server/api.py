@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import AsyncEngine, RequestStream
+from kvbank.server.dashboard import install_dashboard
 from kvbank.server.metrics import RequestTimer, render_metrics
 
 logger = logging.getLogger("kvbank.server")
@@ -49,8 +50,8 @@ class APIError(Exception):
 class ServerLimits:
     """What one server accepts: an optional API key, a queue bound and per-request caps.
 
-    `max_queued_requests`: requests not yet running (waiting for a batch slot) beyond which new
-    ones get 429 with Retry-After. `max_tokens_cap` bounds max_tokens (and is the default when a
+    `max_queued_requests`: requests accepted but still waiting for their first token (queued or
+    being prefilled) beyond which new ones get 429 with Retry-After. `max_tokens_cap` bounds max_tokens (and is the default when a
     chat request names none); `max_n` bounds n. None means no limit.
     """
 
@@ -178,6 +179,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerL
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat_completions(body, request)
 
+    install_dashboard(app, async_engine)
     return app
 
 

@@ -1,0 +1,167 @@
+"""The live cache page: its JSON state from a real in-process server, and the page itself rendered by
+headless Chromium before and after a real completion request."""
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from html.parser import HTMLParser
+
+import pytest
+import uvicorn
+
+from kvbank import LLM
+from kvbank.server import AsyncEngine, build_app
+from kvbank.server.dashboard import install_dashboard
+
+NUM_BLOCKS = 48
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+BROWSER_TIMEOUT_S = 60
+STARTUP_TIMEOUT_S = 30
+# About a hundred tokens, so a finished request leaves several full blocks in the prefix cache.
+PROMPT = " ".join(["The library opens at nine, closes at five, and charges ten cents a day for late books."] * 5)
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """A uvicorn server on a free port, in a thread, serving the API and the dashboard of a tiny pool."""
+    llm = LLM(dtype="float32", num_gpu_blocks=NUM_BLOCKS)
+    async_engine = AsyncEngine(llm.engine)
+    app = build_app(async_engine, "m")
+    if not any(getattr(route, "path", None) == "/dashboard" for route in app.routes):
+        install_dashboard(app, async_engine)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="dashboard-test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    async_engine.shutdown()
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+def _complete(base_url: str, prompt: str) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def _settled_state(base_url: str) -> dict:
+    """The dashboard state once no request runs (the engine publishes block states when idle)."""
+    deadline = time.monotonic() + 10
+    while True:
+        state = _get_json(f"{base_url}/dashboard/state")
+        if state["stats"]["num_requests_running"] == 0 and state["counts"]["used"] == 0:
+            return state
+        assert time.monotonic() < deadline, f"the engine did not go idle: {state['counts']}"
+        time.sleep(0.1)
+
+
+def test_state_json_of_an_idle_pool(base_url):
+    state = _get_json(f"{base_url}/dashboard/state")
+    assert len(state["blocks"]) == NUM_BLOCKS
+    assert set(state["blocks"]) == {"0"}
+    assert state["counts"] == {"free": NUM_BLOCKS, "used": 0, "cached": 0, "pinned": 0}
+    assert sum(state["counts"].values()) == NUM_BLOCKS
+    assert state["block_size"] > 0
+    assert state["stats"]["num_blocks"] == NUM_BLOCKS
+    assert state["history"], "the first poll already has a sample to chart"
+    newest = state["history"][-1]["time"]
+    assert _get_json(f"{base_url}/dashboard/state?since={newest}")["history"] == []
+
+
+class _PageReader(HTMLParser):
+    """The block cells' states and the text of elements with an id, from a dumped DOM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells: list[str] = []
+        self.text: dict[str, str] = {}
+        self._open_ids: list[str | None] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if attributes.get("class") == "block":
+            self.cells.append(attributes.get("data-state") or "")
+        if tag not in ("br", "img", "input", "meta", "link", "hr"):
+            self._open_ids.append(attributes.get("id"))
+            if attributes.get("id"):
+                self.text[attributes["id"]] = ""
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._open_ids and tag not in ("br", "img", "input", "meta", "link", "hr"):
+            self._open_ids.pop()
+
+    def handle_data(self, data: str) -> None:
+        for element_id in self._open_ids:
+            if element_id:
+                self.text[element_id] += data
+
+
+def _browser() -> str:
+    for name in BROWSERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    message = f"no headless browser found (looked for {', '.join(BROWSERS)})"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _rendered_page(browser: str, url: str) -> _PageReader:
+    """Load `url` in headless Chromium, let its script poll for a few virtual seconds, parse the DOM."""
+    command = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+               "--no-first-run", "--virtual-time-budget=4000", "--dump-dom", url]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    page = _PageReader()
+    page.feed(result.stdout)
+    return page
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", "").strip())
+
+
+def _assert_page_matches(page: _PageReader, state: dict) -> None:
+    assert page.cells == [("free", "used", "cached", "pinned")[int(c)] for c in state["blocks"]]
+    assert _number(page.text["count-total"]) == NUM_BLOCKS
+    for name, count in state["counts"].items():
+        assert _number(page.text[f"count-{name}"]) == count, name
+    assert page.text["status"].startswith("live")
+
+
+def test_page_in_headless_chromium(base_url):
+    browser = _browser()
+    before = _settled_state(base_url)
+    page = _rendered_page(browser, f"{base_url}/dashboard")
+    assert len(page.cells) == NUM_BLOCKS
+    assert set(page.cells) == {"free"}
+    _assert_page_matches(page, before)
+
+    answer = _complete(base_url, PROMPT)
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    after = _settled_state(base_url)
+    block_size = after["block_size"]
+    assert after["counts"]["cached"] >= prompt_tokens // block_size > 0
+    assert sum(after["counts"].values()) == NUM_BLOCKS
+
+    page = _rendered_page(browser, f"{base_url}/dashboard")
+    assert len(page.cells) == NUM_BLOCKS
+    assert page.cells.count("cached") == after["counts"]["cached"]
+    _assert_page_matches(page, after)
+    assert _number(page.text["stat-finished"]) == 1
