@@ -74,10 +74,11 @@ class DecodeRun:
     """16 sequences with distinct 2,048-token contexts, prefilled once and decoded on demand."""
 
     def __init__(self, llm_args: dict, kv: str, corpus: list[int], seqs: int, budget_steps: int) -> None:
-        blocks = seqs * -(-(CONTEXT + budget_steps + 8) // llm_args["block_size"])
+        blocks = seqs * -(-(CONTEXT + budget_steps + seqs + 16) // llm_args["block_size"])
         self.llm = LLM(**llm_args, kv_cache_dtype=kv, num_gpu_blocks=blocks, max_num_seqs=seqs)
         engine = self.llm.engine
-        params = SamplingParams(max_tokens=budget_steps + 4, temperature=0, ignore_eos=True)
+        # Sequences prefilled first decode while the others prefill: leave room for that too.
+        params = SamplingParams(max_tokens=budget_steps + seqs + 8, temperature=0, ignore_eos=True)
         for i in range(seqs):
             engine.add_request(corpus[i * CONTEXT:(i + 1) * CONTEXT], params)
         while any(not r.seqs[0].output_token_ids for r in engine.requests.values()):
