@@ -80,12 +80,6 @@ def plan_pool(config: ModelConfig, model_dtype: torch.dtype, memory_bytes: int, 
     return PoolPlan(block_size, per_block, residual, reserved, memory_bytes, max(0, int(num_blocks)))
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers at full precision."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
-
-
 class DenseLayer:
     """K and V in the model dtype."""
 
@@ -104,13 +98,6 @@ class DenseLayer:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
         from kvbank.attention.fast import paged_attention
         return paged_attention(q, k, v, self.k, self.v, meta, scale)
-
-    def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of whole blocks, [batch, blocks * block_size, heads, dim]."""
-        batch = block_tables.shape[0]
-        flat = block_tables.reshape(-1)
-        return (self.k.index_select(0, flat).view(batch, -1, *self.k.shape[2:]),
-                self.v.index_select(0, flat).view(batch, -1, *self.v.shape[2:]))
 
 
 class QuantizedLayer:

@@ -241,7 +241,11 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> None:
         self._mailboxes.pop(request_id, None)
-        self.engine.abort_request(request_id)
+        output = self.engine.abort_request(request_id)
+        if output is not None:
+            # Observers hear of every end, aborts included, so per-request state never lingers.
+            for observer in self.observers:
+                observer([output])
 
     def _step(self) -> None:
         try:
