@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kvbank.attention import AttentionMetadata, PrefillChunk, write_kv
+from kvbank.attention.cascade import find_shared_prefixes, share_prefixes
 from kvbank.attention.fast import paged_attention
 from kvbank.attention.paged import paged_attention_reference
 
@@ -10,16 +11,22 @@ BLOCK = 4
 HEADS, KV_HEADS, DIM = 6, 2, 8
 
 
-def _step(seqs: list[tuple[int, int]], num_blocks: int = 64):
-    """Metadata and tensors for sequences given as (cached_len, new_len), decodes first."""
+def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, list[int]] | None = None):
+    """Metadata and tensors for sequences given as (cached_len, new_len), decodes first.
+
+    `shared` maps a sequence's index to the leading blocks it takes from another's table, given
+    as (that sequence's index, number of blocks).
+    """
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
     free = list(torch.randperm(num_blocks, generator=gen).tolist())
     slots, tables, lens, prefills = [], [], [], []
     offset = 0
-    for cached, new in seqs:
-        table = [free.pop() for _ in range(-(-(cached + new) // BLOCK))]
+    for i, (cached, new) in enumerate(seqs):
+        source, count = (shared or {}).get(i, (0, 0))
+        table = tables[source][:count] if count else []
+        table += [free.pop() for _ in range(-(-(cached + new) // BLOCK) - len(table))]
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, cached + new)]
         if new == 1:
             tables.append(table)
@@ -55,6 +62,35 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64):
 def test_fast_path_matches_reference(seqs):
     seqs = sorted(seqs, key=lambda s: s[1] > 1)
     q, k, v, k_cache, v_cache, meta = _step(seqs)
+    scale = DIM ** -0.5
+    fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefixes_group_decodes_by_their_common_leading_blocks():
+    tables = [[1, 2, 3, 4, 5], [9, 8], [1, 2, 3, 4, 6], [1, 2, 7, 7], [1, 2, 3, 4, 5, 6]]
+    lens = [18, 6, 20, 16, 24]                        # blocks of 4: every token sits in its table's last block
+    groups = find_shared_prefixes(tables, lens, 4, min_blocks=2)
+    assert sorted((sorted(rows), shared) for rows, shared in groups) == [([0, 2, 4], 4)]
+    assert sorted((sorted(rows), shared) for rows, shared in find_shared_prefixes(tables, lens, 4, 1)) == [
+        ([0, 2, 4], 4)]                               # [3] shares 2 blocks: worth less than the 3 x 4 above
+    # A block the decode's own token sits in is never shared, even when the ids agree.
+    assert find_shared_prefixes([[1, 2], [1, 2]], [6, 7], 4, 1) == [([0, 1], 1)]
+    assert find_shared_prefixes([[1], [1]], [2, 3], 4, 1) == []
+    assert find_shared_prefixes([[1, 2, 3]], [10], 4, 1) == []
+
+
+@pytest.mark.parametrize("seqs, shared", [
+    ([(13, 1), (14, 1), (21, 1)], {1: (0, 3), 2: (0, 3)}),                  # one group, different lengths
+    ([(16, 1), (17, 1), (9, 1), (12, 1), (5, 1)], {1: (0, 4), 3: (2, 2)}),  # two groups and a loner
+    ([(12, 1), (12, 1), (0, 6)], {1: (0, 3)}),                              # with a prefill in the step
+])
+def test_shared_prefix_decodes_match_reference(seqs, shared):
+    q, k, v, k_cache, v_cache, meta = _step(seqs, shared=shared)
+    tables = [t[:-(-n // BLOCK)] for t, n in zip(meta.decode_block_tables.tolist(), meta.decode_context_lens.tolist())]
+    share_prefixes(meta, tables, meta.decode_context_lens.tolist(), BLOCK, torch.float32, min_tokens=BLOCK)
+    assert len(meta.shared_prefixes) == len({source for source, _ in shared.values()})
     scale = DIM ** -0.5
     fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)

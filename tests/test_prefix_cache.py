@@ -42,6 +42,23 @@ def test_shared_system_prompt_hits_and_outputs_are_identical(llm):
     assert all(o.num_cached_tokens == 0 for o in cold)
 
 
+def test_decodes_sharing_a_long_prefix_read_it_once_and_match_alone(llm, monkeypatch):
+    from pathlib import Path
+
+    from kvbank.attention import fast
+    text = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
+    manual = llm.render_chat([{"role": "system", "content": text[:1200]}], add_generation_prompt=False)
+    prompts = [manual + llm.get_tokenizer().encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+               for q in QUESTIONS]
+    alone = [_generate(llm, [p])[0].outputs[0].token_ids for p in prompts]
+    cascades = []
+    decode = fast._cascade_decode
+    monkeypatch.setattr(fast, "_cascade_decode", lambda q, *rest: cascades.append(q.shape[0]) or decode(q, *rest))
+    together = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
+    assert together == alone
+    assert cascades and max(cascades) == len(prompts)   # the four decodes read the manual's blocks once
+
+
 def test_num_cached_tokens_counts_whole_blocks_and_keeps_the_last_token(llm):
     prompt = list(range(1000, 1048))                  # exactly 3 blocks
     first = _generate(llm, [prompt])[0]

@@ -2,7 +2,8 @@
 
 Decodes: all single-token sequences in one call; their cached blocks are gathered whole into a
 padded [batch, heads, blocks*block_size, dim] view and padding is masked. Query heads of one KV
-head are laid along the query axis, so grouped-query attention needs no K/V expansion.
+head are laid along the query axis, so grouped-query attention needs no K/V expansion. Leading
+blocks that several decodes share are read once (attention/cascade.py).
 Prefills: one call per chunk; a chunk that starts at position 0 attends to its own fresh K/V with
 the causal kernel, a chunk that continues a cached sequence gathers its blocks and uses a mask.
 """
@@ -12,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbank.attention.metadata import AttentionMetadata
+
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -29,10 +32,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decode_tokens
     if n:
-        keys = _gather_blocks(k_cache, meta.decode_block_tables)
-        values = _gather_blocks(v_cache, meta.decode_block_tables)
         queries = q[:n].view(n, num_kv_heads, group, head_dim)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale)
+        if meta.shared_prefixes:
+            attended = _cascade_decode(queries, k_cache, v_cache, meta, scale)
+        else:
+            keys = _gather_blocks(k_cache, meta.decode_block_tables)
+            values = _gather_blocks(v_cache, meta.decode_block_tables)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale)
         out[:n] = attended.reshape(n, -1, head_dim)
     for chunk in meta.prefills:
         queries = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
@@ -51,13 +57,40 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
+def cascade_available(device: torch.device) -> bool:
+    """Shared-prefix decoding merges partial results by log-sum-exp, which only the CPU flash kernel returns."""
+    return device.type == "cpu" and _flash_with_lse is not None
+
+
+def _cascade_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # Decode attention (queries [n, kv_heads, group, dim]) with shared prefixes read once; float32 out.
+    n, num_kv_heads, group, head_dim = queries.shape
+    out, lse = _flash_with_lse(queries, _gather_blocks(k_cache, meta.suffix_block_tables),
+                               _gather_blocks(v_cache, meta.suffix_block_tables), 0.0, False,
+                               attn_mask=meta.suffix_mask, scale=scale)[:2]
+    out = out.float()
+    for prefix in meta.shared_prefixes:
+        rows, m = prefix.rows, prefix.rows.numel()
+        # All of the group's queries attend the shared blocks as one sequence: nothing is masked.
+        together = queries[rows].transpose(0, 1).reshape(1, num_kv_heads, m * group, head_dim)
+        table = prefix.block_table.unsqueeze(0)
+        shared_out, shared_lse = _flash_with_lse(together, _gather_blocks(k_cache, table),
+                                                 _gather_blocks(v_cache, table), 0.0, False, scale=scale)[:2]
+        shared_out = shared_out.view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
+        shared_lse = shared_lse.view(num_kv_heads, m, group).transpose(0, 1)
+        own_lse = lse[rows]
+        total = torch.logaddexp(shared_lse, own_lse)
+        out[rows] = (shared_out * (shared_lse - total).exp_().unsqueeze(-1)
+                     + out[rows] * (own_lse - total).exp_().unsqueeze(-1))
+    return out
+
+
 #: Quantized layers dequantize at most this many tokens of a sequence's context at a time; None
 #: reads the whole context at once. int4/int2 ("block") dequantizing is several passes over the
 #: data, which run faster on pieces that stay in cache; int8/fp8 ("token") is one pass, and there
 #: the cost of merging outweighs that (bench/kv_quant.py, 16 x 2k-token decode).
 DEQUANT_CHUNK_TOKENS: dict[str, int] | None = {"token": 2048, "block": 1024}
-
-_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class _Merged:

@@ -30,11 +30,21 @@ class PrefillChunk:
 
 
 @dataclass
+class SharedPrefix:
+    """Decodes `rows` (indices among the decodes) all begin with the blocks of `block_table`."""
+
+    rows: torch.Tensor
+    block_table: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Slot mapping plus the decode and prefill views of the batch.
 
     `decode_mask` is additive ([decodes, 1, 1, blocks * block_size]) and hides the padding of
-    shorter sequences in the gathered block tables.
+    shorter sequences in the gathered block tables. When decodes share leading blocks,
+    `shared_prefixes` lists the groups, and `suffix_block_tables` / `suffix_mask` describe every
+    decode's blocks after its group's shared ones (see attention/cascade.py).
     """
 
     slot_mapping: torch.Tensor
@@ -45,6 +55,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     views: dict[str, QuantizedView] = field(default_factory=dict)
     residual_plan: ResidualPlan | None = None
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    suffix_block_tables: torch.Tensor | None = None
+    suffix_mask: torch.Tensor | None = None
 
 
 @dataclass

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbank.attention import AttentionMetadata, PrefillChunk
+from kvbank.attention.cascade import share_prefixes
+from kvbank.attention.fast import cascade_available
 from kvbank.attention.metadata import QuantizedView, ResidualPlan
 from kvbank.cache.storage import KVStorage
 from kvbank.engine.scheduler import ScheduledSeq
@@ -35,6 +37,8 @@ class ModelRunner:
         self.device = device
         self.block_size = storage.block_size
         self.dtype = model.embed_tokens.weight.dtype
+        # Only dense layers read shared prefixes once; quantized ones dequantize per sequence.
+        self.cascade = cascade_available(device) and "dense" in storage.kinds
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> StepLogits:
@@ -84,6 +88,8 @@ class ModelRunner:
             meta.decode_context_lens = self._tensor(decode_lens)
             visible = torch.arange(width * bs, device=self.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
             meta.decode_mask = self._additive(visible[:, None, None, :])
+            if self.cascade:
+                share_prefixes(meta, decode_tables, decode_lens, bs, self.dtype)
         if "token" in self.storage.kinds:
             meta.views["token"] = self._token_view(batch, meta)
         if "block" in self.storage.kinds:
