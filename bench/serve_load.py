@@ -442,17 +442,20 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
         "rss_first": rss[0] if rss else None, "rss_last_sample": rss[-1] if rss else None, "rss_final": final_rss,
         "rss_max": max(rss) if rss else None,
         "rss_growth_bytes": (rss[-1] - rss[0]) if len(rss) >= 2 else None,
+        # After warm-up: caches and allocator pools fill early; a leak keeps growing.
+        "rss_growth_second_half_bytes": (rss[-1] - rss[len(rss) // 2]) if len(rss) >= 4 else None,
     }
     report["levels"].append({"clients": clients, **summary})
     print(f"\n{args.label}: soak totals, {clients} clients")
     print_level(clients, summary)
     soak = summary["soak"]
-    growth = soak["rss_growth_bytes"]
+    growth, late = soak["rss_growth_bytes"], soak["rss_growth_second_half_bytes"]
     print(f"  hung up on {run.cancelled} in-flight request(s) at the end; drained: "
           f"{'yes' if drained else 'NO' if drained is False else 'n/a (no /metrics)'} in {drain_s:.1f} s; "
           f"final KV usage {fmt(kv_final, '{:.4f}')} -> leak check {soak['leak_check']}; "
           f"RSS first {mib(soak['rss_first'])}, last {mib(soak['rss_last_sample'])}, after drain {mib(final_rss)}, "
-          f"growth {'n/a' if growth is None else f'{growth / 2**20:+.1f} MiB'}")
+          f"growth {'n/a' if growth is None else f'{growth / 2**20:+.1f} MiB'}, in the second half "
+          f"{'n/a' if late is None else f'{late / 2**20:+.1f} MiB'}")
 
 
 async def wait_drained(side: httpx.AsyncClient, url: str, timeout: float) -> tuple[bool | None, float, dict | None]:

@@ -4,7 +4,8 @@ import torch
 
 from kvbank.attention import AttentionMetadata, PrefillChunk, write_kv
 from kvbank.attention.cascade import find_shared_prefixes, share_prefixes
-from kvbank.attention.fast import paged_attention
+from kvbank.attention import fast
+from kvbank.attention.fast import chunk_visibility, paged_attention
 from kvbank.attention.paged import paged_attention_reference
 
 BLOCK = 4
@@ -34,7 +35,7 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, l
         else:
             mask = None
             if cached:
-                visible = torch.arange(cached + new).unsqueeze(0) <= torch.arange(cached, cached + new).unsqueeze(1)
+                visible = chunk_visibility(cached, cached + new, BLOCK)
                 mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
             prefills.append(PrefillChunk(offset, offset + new, cached, torch.tensor(table), mask))
         offset += new
@@ -58,14 +59,15 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, l
     [(0, 9)],                                  # fresh prefill
     [(8, 5)],                                  # prefill continuing a cached prefix
     [(7, 1), (0, 6), (10, 3), (2, 1)][:3],     # a mixed step
+    [(8, 40), (0, 45)],                        # chunks long enough for padded queries and keys
 ])
 def test_fast_path_matches_reference(seqs):
     seqs = sorted(seqs, key=lambda s: s[1] > 1)
     q, k, v, k_cache, v_cache, meta = _step(seqs)
     scale = DIM ** -0.5
-    fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
-    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_shared_prefixes_group_decodes_by_their_common_leading_blocks():
@@ -81,20 +83,23 @@ def test_shared_prefixes_group_decodes_by_their_common_leading_blocks():
     assert find_shared_prefixes([[1, 2, 3]], [10], 4, 1) == []
 
 
-@pytest.mark.parametrize("seqs, shared", [
-    ([(13, 1), (14, 1), (21, 1)], {1: (0, 3), 2: (0, 3)}),                  # one group, different lengths
-    ([(16, 1), (17, 1), (9, 1), (12, 1), (5, 1)], {1: (0, 4), 3: (2, 2)}),  # two groups and a loner
-    ([(12, 1), (12, 1), (0, 6)], {1: (0, 3)}),                              # with a prefill in the step
+@pytest.mark.parametrize("seqs, shared, key_pad", [
+    ([(13, 1), (14, 1), (21, 1)], {1: (0, 3), 2: (0, 3)}, BLOCK),                  # one group, different lengths
+    ([(16, 1), (17, 1), (9, 1), (12, 1), (5, 1)], {1: (0, 4), 3: (2, 2)}, BLOCK),  # two groups and a loner
+    ([(12, 1), (12, 1), (0, 6)], {1: (0, 3)}, BLOCK),                              # with a prefill in the step
+    ([(70, 1), (75, 1), (90, 1)] * 4, {i: (0, 18) for i in range(1, 12)}, 64),     # 16 of 18 blocks; 36 rows padded
 ])
-def test_shared_prefix_decodes_match_reference(seqs, shared):
-    q, k, v, k_cache, v_cache, meta = _step(seqs, shared=shared)
+def test_shared_prefix_decodes_match_reference(seqs, shared, key_pad, monkeypatch):
+    monkeypatch.setattr(fast, "KEY_PAD", key_pad)
+    q, k, v, k_cache, v_cache, meta = _step(seqs, num_blocks=256, shared=shared)
     tables = [t[:-(-n // BLOCK)] for t, n in zip(meta.decode_block_tables.tolist(), meta.decode_context_lens.tolist())]
     share_prefixes(meta, tables, meta.decode_context_lens.tolist(), BLOCK, torch.float32, min_tokens=BLOCK)
     assert len(meta.shared_prefixes) == len({source for source, _ in shared.values()})
+    assert all(len(p.block_table) * BLOCK % key_pad == 0 for p in meta.shared_prefixes)
     scale = DIM ** -0.5
-    fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
-    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_puts_tokens_in_their_slots():

@@ -201,3 +201,25 @@ def test_bad_engine_config_raises():
         LLM(dtype="float16", device="cpu")
     with pytest.raises(ValueError, match="max_model_len=100000"):
         LLM(max_model_len=100000)
+
+
+def test_padded_rows_come_from_few_sizes_and_waste_little():
+    from kvbank.models.llama import padded_rows
+    sizes = {padded_rows(n) for n in range(1, 2049)}
+    assert len(sizes) == 8 + 47
+    assert all(n <= padded_rows(n) <= max(n + 7, n * 1.125) for n in range(1, 5000))
+
+
+def test_bfloat16_matmul_row_padding_changes_no_result():
+    llm = LLM(dtype="bfloat16", num_gpu_blocks=64, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.pad_rows                              # CPU bfloat16 pads its matmul rows
+    prompts = [list(range(1000, 1037)), list(range(2000, 2020))]   # 57 prefill rows: 64 padded
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    padded = llm.generate(prompts, params)
+    model.pad_rows = False
+    exact = llm.generate(prompts, params)
+    for a, b in zip(padded, exact):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in d.items()} for d in a.prompt_logprobs[1:]] == \
+               [{t: p.logprob for t, p in d.items()} for d in b.prompt_logprobs[1:]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvbank.attention.fast import padded_key_length, padded_length
 from kvbank.attention.metadata import AttentionMetadata, SharedPrefix
 
 #: A group shares at least this many tokens; below that the extra kernel call costs more than it saves.
@@ -58,7 +59,11 @@ def _best_groups(order: list[int], lcp: list[int], lo: int, hi: int,
 def share_prefixes(meta: AttentionMetadata, tables: list[list[int]], lens: list[int], block_size: int,
                    mask_dtype: torch.dtype, min_tokens: int = MIN_SHARED_TOKENS) -> None:
     """Record the decodes' shared prefixes in `meta` (decode tables and context lengths as lists)."""
-    groups = find_shared_prefixes(tables, lens, block_size, max(1, min_tokens // block_size))
+    # Shared ranges are whole multiples of the flash kernel's key padding, so they need none.
+    unit = padded_key_length(1, block_size) // block_size
+    min_blocks = padded_length(max(1, min_tokens // block_size), unit)
+    groups = [(rows, shared // unit * unit)
+              for rows, shared in find_shared_prefixes(tables, lens, block_size, min_blocks)]
     if not groups:
         return
     device = meta.slot_mapping.device

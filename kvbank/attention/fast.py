@@ -16,6 +16,49 @@ from kvbank.attention.metadata import AttentionMetadata
 
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
+#: The CPU flash kernel compiles, and keeps for good, a kernel for every new tail shape of its
+#: query and key blocks; with prompt lengths arbitrary, a server would keep compiling (~160 KB
+#: each). Queries past this many rows are padded to a multiple of it, and keys to one of KEY_PAD,
+#: so the shapes come from a small set (bench/serve_load.py --soak: memory stays flat).
+QUERY_PAD = 32
+KEY_PAD = 64
+
+
+def padded_length(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def padded_query_rows(n: int) -> int:
+    """Query rows for an attention call over `n` new tokens: short calls need no padding."""
+    return n if n < QUERY_PAD else padded_length(n, QUERY_PAD)
+
+
+def padded_key_length(n: int, block_size: int) -> int:
+    """Keys for an attention call over `n` cached tokens: whole blocks, at least KEY_PAD at a time."""
+    return padded_length(n, padded_length(KEY_PAD, block_size))
+
+
+def chunk_visibility(start: int, end: int, block_size: int) -> torch.Tensor:
+    """Which keys (0..end-1) the new tokens at start..end-1 see, padded for the kernel.
+
+    Extra key columns are hidden; extra query rows see key 0 only, so that no row is empty.
+    """
+    rows, width = padded_query_rows(end - start), padded_key_length(end, block_size)
+    positions = torch.arange(start, start + rows).unsqueeze(1)
+    visible = torch.arange(width).unsqueeze(0) <= positions
+    visible[end - start:] = False
+    visible[end - start:, 0] = True
+    return visible
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
+
+
+def _cover(table: torch.Tensor, blocks: int) -> torch.Tensor:
+    # Padding keys read any valid block; the mask hides them.
+    return table if len(table) >= blocks else torch.cat((table, table[:1].expand(blocks - len(table))))
+
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     # [num_blocks, bs, H, D] -> [batch, H, n*bs, D]
@@ -41,19 +84,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale)
         out[:n] = attended.reshape(n, -1, head_dim)
     for chunk in meta.prefills:
-        queries = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        n = chunk.end - chunk.start
         if chunk.context_start == 0:
-            keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            # Causal: padding rows at the end changes nothing for the rows before them.
+            rows = padded_length(n, KEY_PAD)
+            queries, keys, values = (_pad_rows(x[chunk.start:chunk.end], rows).transpose(0, 1).unsqueeze(0)
+                                     for x in (q, k, v))
             attended = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
                                                       enable_gqa=group > 1)
         else:
-            table = chunk.block_table.unsqueeze(0)
-            keys = _gather_blocks(k_cache, table)[:, :, :chunk.kv_len]
-            values = _gather_blocks(v_cache, table)[:, :, :chunk.kv_len]
+            rows, width = chunk.mask.shape[-2:]
+            queries = _pad_rows(q[chunk.start:chunk.end], rows).transpose(0, 1).unsqueeze(0)
+            table = _cover(chunk.block_table, -(-width // k_cache.shape[1])).unsqueeze(0)
+            keys = _gather_blocks(k_cache, table)[:, :, :width]
+            values = _gather_blocks(v_cache, table)[:, :, :width]
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, scale=scale,
                                                       enable_gqa=group > 1)
-        out[chunk.start:chunk.end] = attended.squeeze(0).transpose(0, 1)
+        out[chunk.start:chunk.end] = attended.squeeze(0)[:, :n].transpose(0, 1)
     return out
 
 
@@ -73,12 +120,13 @@ def _cascade_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for prefix in meta.shared_prefixes:
         rows, m = prefix.rows, prefix.rows.numel()
         # All of the group's queries attend the shared blocks as one sequence: nothing is masked.
-        together = queries[rows].transpose(0, 1).reshape(1, num_kv_heads, m * group, head_dim)
+        together = queries[rows].transpose(1, 2).reshape(m * group, num_kv_heads, head_dim)
+        together = _pad_rows(together, padded_query_rows(m * group)).transpose(0, 1).unsqueeze(0)
         table = prefix.block_table.unsqueeze(0)
         shared_out, shared_lse = _flash_with_lse(together, _gather_blocks(k_cache, table),
                                                  _gather_blocks(v_cache, table), 0.0, False, scale=scale)[:2]
-        shared_out = shared_out.view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
-        shared_lse = shared_lse.view(num_kv_heads, m, group).transpose(0, 1)
+        shared_out = shared_out[0, :, :m * group].view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
+        shared_lse = shared_lse[0, :, :m * group].view(num_kv_heads, m, group).transpose(0, 1)
         own_lse = lse[rows]
         total = torch.logaddexp(shared_lse, own_lse)
         out[rows] = (shared_out * (shared_lse - total).exp_().unsqueeze(-1)

@@ -14,8 +14,9 @@ import torch
 class PrefillChunk:
     """A run of new tokens of one sequence that already has `context_start` tokens cached.
 
-    `mask` is additive ([new, context_start + new]; 0 where visible, -inf elsewhere), or None
-    for a chunk that starts at position 0 and so needs only the causal kernel.
+    `mask` is additive (0 where visible, -inf elsewhere), or None for a chunk that starts at
+    position 0 and so needs only the causal kernel. It is [new, context_start + new], or larger:
+    padded rows and columns (fast.chunk_visibility) are ignored.
     """
 
     start: int

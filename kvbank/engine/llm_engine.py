@@ -69,6 +69,8 @@ class LLMEngine:
             model = LlamaForCausalLM(mc)
         model.load_weights({k: v.to(self.device) for k, v in loaded.state_dict.items()}, self.dtype)
         self.packed_layers = self._pack_weights(model, loaded)
+        # CPU half-precision matmuls cache a kernel per row count (models/llama.padded_rows).
+        model.pad_rows = self.device.type == "cpu" and self.dtype != torch.float32
         del loaded
         self.block_size = config.block_size
         self.pool_plan = self._plan_pool()

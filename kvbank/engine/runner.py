@@ -7,7 +7,7 @@ import torch
 
 from kvbank.attention import AttentionMetadata, PrefillChunk
 from kvbank.attention.cascade import share_prefixes
-from kvbank.attention.fast import cascade_available
+from kvbank.attention.fast import cascade_available, chunk_visibility
 from kvbank.attention.metadata import QuantizedView, ResidualPlan
 from kvbank.cache.storage import KVStorage
 from kvbank.engine.scheduler import ScheduledSeq
@@ -73,8 +73,7 @@ class ModelRunner:
             else:
                 mask = None
                 if start:
-                    visible = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
-                    mask = self._additive(visible.to(self.device))
+                    mask = self._additive(chunk_visibility(start, end, bs).to(self.device))
                 prefills.append(PrefillChunk(offset, offset + item.num_tokens, start,
                                              self._tensor(table[:num_blocks]), mask))
         meta = AttentionMetadata(
