@@ -112,7 +112,7 @@ def cascade_available(device: torch.device) -> bool:
 def _cascade_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # Decode attention (queries [n, kv_heads, group, dim]) with shared prefixes read once; float32 out.
-    n, num_kv_heads, group, head_dim = queries.shape
+    num_kv_heads, group, head_dim = queries.shape[1:]
     out, lse = _flash_with_lse(queries, _gather_blocks(k_cache, meta.suffix_block_tables),
                                _gather_blocks(v_cache, meta.suffix_block_tables), 0.0, False,
                                attn_mask=meta.suffix_mask, scale=scale)[:2]

@@ -51,8 +51,9 @@ class ServerLimits:
     """What one server accepts: an optional API key, a queue bound and per-request caps.
 
     `max_queued_requests`: requests accepted but still waiting for their first token (queued or
-    being prefilled) beyond which new ones get 429 with Retry-After. `max_tokens_cap` bounds max_tokens (and is the default when a
-    chat request names none); `max_n` bounds n. None means no limit.
+    being prefilled) beyond which new ones get 429 with Retry-After. `max_tokens_cap` bounds
+    max_tokens (and is the default when a chat request names none); `max_n` bounds n. None means
+    no limit.
     """
 
     api_key: str | None = None
