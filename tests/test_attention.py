@@ -1,7 +1,10 @@
 """The batched paged attention against the one-query-at-a-time reference."""
+import os
+
 import pytest
 import torch
 
+from kvbank import kernels
 from kvbank.attention import AttentionMetadata, PrefillChunk, write_kv
 from kvbank.attention.cascade import find_shared_prefixes, share_prefixes
 from kvbank.attention import fast
@@ -110,3 +113,70 @@ def test_write_kv_puts_tokens_in_their_slots():
     assert k_cache[1, 1].tolist() == [[1.0, 1.0]] and k_cache[2, 3].tolist() == [[2.0, 2.0]]
     assert v_cache[2, 3].tolist() == [[-2.0, -2.0]]
     assert k_cache.abs().sum() == 6
+
+
+def _native_or_fail():
+    """The native module; under CI a machine that cannot build it fails the test instead of skipping."""
+    module = kernels.native()
+    if module is None and not os.environ.get("CI"):
+        pytest.skip(f"native kernels unavailable here: {kernels.failure()}")
+    assert module is not None, kernels.failure()
+    return module
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, dim, block, lens, partition", [
+    (torch.bfloat16, 9, 3, 64, 16, [1, 17, 300, 944, 33], 256),   # the bundled model's shape; several partitions
+    (torch.bfloat16, 9, 3, 64, 16, [130, 7], 32),                 # many partitions merged
+    (torch.bfloat16, 8, 2, 128, 32, [5, 600], 256),               # group of 4, head dim 128, larger blocks
+    (torch.bfloat16, 4, 4, 64, 16, [64, 65], 64),                 # no grouping; a partition exactly full
+    (torch.float32, 6, 2, 8, 4, [3, 9, 30], 8),                   # the portable path (no AVX-512 needed)
+])
+def test_native_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, block, lens, partition):
+    module = _native_or_fail()
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-n // block) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
+    width = max(map(len, tables))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             torch.tensor(lens), None, [])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    scale = dim ** -0.5
+    got = module.paged_decode_attention(q.view(len(lens), kv_heads, heads // kv_heads, dim), k_cache, v_cache,
+                                        meta.decode_block_tables, meta.decode_context_lens, scale, partition)
+    ref = paged_attention_reference(q.float(), k_cache, v_cache, meta, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.view(len(lens), heads, dim).float(), ref, atol=tolerance, rtol=tolerance)
+
+
+def test_native_decode_kernel_rejects_bad_input_by_name():
+    module = _native_or_fail()
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        module.paged_decode_attention(q.float(), cache, cache, tables, lens, 1.0, 256)
+    with pytest.raises(RuntimeError, match="multiple of the block size"):
+        module.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 100)
+    with pytest.raises(RuntimeError, match="int64"):
+        module.paged_decode_attention(q, cache, cache, tables.int(), lens, 1.0, 256)
+
+
+def test_decodes_use_the_native_kernel_where_it_has_a_fast_path():
+    cpu = torch.device("cpu")
+    kernel = fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 64, 16)
+    if kernel is None:
+        module = _native_or_fail()
+        assert not module.has_bf16_fast_path()  # built, but this CPU lacks AVX-512 BF16
+        return
+    assert fast.native_decode_kernel(cpu, torch.float32, 9, 3, 64, 16) is None   # float32 keeps PyTorch's path
+    assert fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 48, 16) is None  # no fast path for this head size
+    q, k, v, k_cache, v_cache, meta = _step([(40, 1), (70, 1)])
+    expanded = [x.to(torch.bfloat16).repeat_interleave(8, dim=-1) for x in (q, k, v, k_cache, v_cache)]
+    q, k, v, k_cache, v_cache = expanded                                      # head dim 64
+    meta.decode_kernel = kernel
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)
+    ref = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

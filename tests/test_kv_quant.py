@@ -160,6 +160,7 @@ class _Runner(ModelRunner):
     def __init__(self, storage: KVStorage) -> None:
         self.storage, self.device, self.block_size, self.dtype = storage, torch.device("cpu"), 16, torch.float32
         self.cascade = False
+        self.decode_kernel = None
 
 
 def _expected(codecs, kind, q, k, v, scale):

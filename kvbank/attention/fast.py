@@ -1,9 +1,11 @@
 """Batched paged attention on top of scaled_dot_product_attention.
 
-Decodes: all single-token sequences in one call; their cached blocks are gathered whole into a
-padded [batch, heads, blocks*block_size, dim] view and padding is masked. Query heads of one KV
-head are laid along the query axis, so grouped-query attention needs no K/V expansion. Leading
-blocks that several decodes share are read once (attention/cascade.py).
+Decodes: all single-token sequences in one call. Where the native kernel runs (bfloat16 on an
+AVX-512 BF16 CPU, kvbank/kernels/paged_decode.cpp), it reads each sequence's blocks in place
+through the block table. Otherwise the cached blocks are gathered whole into a padded
+[batch, heads, blocks*block_size, dim] view and padding is masked; query heads of one KV head are
+laid along the query axis, so grouped-query attention needs no K/V expansion, and leading blocks
+that several decodes share are read once (attention/cascade.py).
 Prefills: one call per chunk; a chunk that starts at position 0 attends to its own fresh K/V with
 the causal kernel, a chunk that continues a cached sequence gathers its blocks and uses a mask.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvbank import kernels
 from kvbank.attention.metadata import AttentionMetadata
 
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -22,6 +25,22 @@ _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 #: so the shapes come from a small set (bench/serve_load.py --soak: memory stays flat).
 QUERY_PAD = 32
 KEY_PAD = 64
+
+
+#: Decode contexts are split into pieces of this many tokens for the native kernel, so that a
+#: few long sequences still give every thread work; the pieces merge by log-sum-exp.
+DECODE_PARTITION = 256
+
+
+def native_decode_kernel(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                         head_dim: int, block_size: int):
+    """The native decode-attention module if it has a fast path for this model and cache, else None."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or num_heads % num_kv_heads:
+        return None
+    if num_heads // num_kv_heads > 8 or head_dim not in (64, 128) or block_size > 64 or DECODE_PARTITION % block_size:
+        return None
+    module = kernels.native()
+    return module if module is not None and module.has_bf16_fast_path() else None
 
 
 def padded_length(n: int, multiple: int) -> int:
@@ -76,7 +95,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     n = meta.num_decode_tokens
     if n:
         queries = q[:n].view(n, num_kv_heads, group, head_dim)
-        if meta.shared_prefixes:
+        if meta.decode_kernel is not None:
+            attended = meta.decode_kernel.paged_decode_attention(
+                queries, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                DECODE_PARTITION)
+        elif meta.shared_prefixes:
             attended = _cascade_decode(queries, k_cache, v_cache, meta, scale)
         else:
             keys = _gather_blocks(k_cache, meta.decode_block_tables)

@@ -45,7 +45,8 @@ class AttentionMetadata:
     `decode_mask` is additive ([decodes, 1, 1, blocks * block_size]) and hides the padding of
     shorter sequences in the gathered block tables. When decodes share leading blocks,
     `shared_prefixes` lists the groups, and `suffix_block_tables` / `suffix_mask` describe every
-    decode's blocks after its group's shared ones (see attention/cascade.py).
+    decode's blocks after its group's shared ones (see attention/cascade.py). `decode_kernel`,
+    when set, is the native module that reads decodes straight from the blocks (attention/fast.py).
     """
 
     slot_mapping: torch.Tensor
@@ -59,6 +60,7 @@ class AttentionMetadata:
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)
     suffix_block_tables: torch.Tensor | None = None
     suffix_mask: torch.Tensor | None = None
+    decode_kernel: object | None = None
 
 
 @dataclass

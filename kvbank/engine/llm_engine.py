@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvbank import kernels
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
@@ -71,6 +72,9 @@ class LLMEngine:
         self.packed_layers = self._pack_weights(model, loaded)
         # CPU half-precision matmuls cache a kernel per row count (models/llama.padded_rows).
         model.pad_rows = self.device.type == "cpu" and self.dtype != torch.float32
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            # Fused norms and rotary embedding: a bfloat16 decode step is mostly small ops on a CPU.
+            model.use_native(kernels.native())
         del loaded
         self.block_size = config.block_size
         self.pool_plan = self._plan_pool()

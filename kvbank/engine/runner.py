@@ -7,7 +7,7 @@ import torch
 
 from kvbank.attention import AttentionMetadata, PrefillChunk
 from kvbank.attention.cascade import share_prefixes
-from kvbank.attention.fast import cascade_available, chunk_visibility
+from kvbank.attention.fast import cascade_available, chunk_visibility, native_decode_kernel
 from kvbank.attention.metadata import QuantizedView, ResidualPlan
 from kvbank.cache.storage import KVStorage
 from kvbank.engine.scheduler import ScheduledSeq
@@ -37,8 +37,14 @@ class ModelRunner:
         self.device = device
         self.block_size = storage.block_size
         self.dtype = model.embed_tokens.weight.dtype
-        # Only dense layers read shared prefixes once; quantized ones dequantize per sequence.
-        self.cascade = cascade_available(device) and "dense" in storage.kinds
+        config = model.config
+        #: reads decodes of dense layers in place (attention/fast.py); None keeps the PyTorch path
+        self.decode_kernel = None
+        if "dense" in storage.kinds:
+            self.decode_kernel = native_decode_kernel(device, self.dtype, config.num_heads, config.num_kv_heads,
+                                                      config.head_dim, self.block_size)
+        # Without the kernel, dense layers read shared prefixes once; quantized ones dequantize per sequence.
+        self.cascade = self.decode_kernel is None and cascade_available(device) and "dense" in storage.kinds
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> StepLogits:
@@ -80,7 +86,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_tables),
             decode_block_tables=None, decode_context_lens=None, decode_mask=None,
-            prefills=prefills)
+            prefills=prefills, decode_kernel=self.decode_kernel)
         if decode_tables:
             width = max(map(len, decode_tables))
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])

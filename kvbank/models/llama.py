@@ -18,6 +18,9 @@ from kvbank.models.packed import Int4Blocks, PackedLinear
 
 
 class RMSNorm(nn.Module):
+    #: kvbank's native module (kvbank/kernels) when the model runs its fused CPU ops, else None
+    native = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -26,6 +29,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op; it accumulates in float32 for bfloat16 inputs.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm of x + residual, and that sum (the new residual); the first layer passes no residual.
+
+        The native op adds into `residual` in place and norms in the same pass over the rows.
+        """
+        if self.native is not None:
+            return self.native.add_rms_norm(x, residual, self.weight, self.eps), x if residual is None else residual
+        if residual is not None:
+            x = x + residual
+        return self.forward(x), x
 
 
 def padded_rows(n: int) -> int:
@@ -80,6 +94,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    native = None  # see RMSNorm.native
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -93,14 +109,22 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """cos, sin: [rows, head_dim] rotary tables at the tokens' positions."""
         rows, T = x.shape[0], meta.slot_mapping.shape[0]  # rows past T only pad the matmuls
-        qk, v = self.qkv_proj(x).split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
-        qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
         heads = (self.num_heads, self.num_kv_heads)
-        if self.q_norm is not None:
-            q, k = qk.split(heads, dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = apply_rope(qk, cos, sin).split(heads, dim=1)
+        if self.native is not None and self.q_norm is None:
+            # Rotate q and k where the projection left them: no copies, one op.
+            self.native.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)
+            q, k, v = qkv.split(self.sizes, dim=-1)
+            q, k = q.view(rows, self.num_heads, self.head_dim), k.view(rows, self.num_kv_heads, self.head_dim)
+        else:
+            qk, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
+            qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = qk.split(heads, dim=1)
+                qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            q, k = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)).split(heads, dim=1)
         q, k, v = q[:T], k[:T], v[:T].view(T, self.num_kv_heads, self.head_dim)
         kv_cache.write(k, v, meta)
         out = kv_cache.attend(q, k, v, meta, self.scale).view(T, -1)
@@ -126,10 +150,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (None in the first layer).
+
+        Returns this layer's output and the residual stream it was added to; the norms do the adds.
+        """
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,10 +184,11 @@ class LlamaForCausalLM(nn.Module):
         if rows > T:
             input_ids, positions = F.pad(input_ids, (0, rows - T)), F.pad(positions, (0, rows - T))
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return x[:T]
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return (x + residual)[:T]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of hidden states."""
@@ -174,6 +204,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _rows(self, n: int) -> int:
         return padded_rows(n) if self.pad_rows else n
+
+    def use_native(self, module) -> None:
+        """Run the norms and rotary embedding through kvbank's fused CPU ops (None: PyTorch's)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention)):
+                m.native = module
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Take Hugging Face-named float32 weights, fuse them, and cast to `dtype`."""

@@ -1,0 +1,348 @@
+// Decode attention straight from the paged KV cache: one query token per sequence, grouped-query
+// heads, the context read block by block through the block table (no gathered copy), in float32
+// with an online softmax. Long contexts are split into partitions merged by log-sum-exp, so that
+// a few sequences still keep every core busy.
+#include "native.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxGroup = 16;
+constexpr int kMaxDim = 256;
+constexpr int kMaxBlock = 64;
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// e^x for x <= 0 (e^-inf = 0) in plain arithmetic, so loops over it vectorize.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;  // x / ln 2
+  const float n = std::floor(t);
+  const float f = (t - n) * 0.69314718055994531f;  // in [0, ln 2)
+  float p = 1.0f / 5040;
+  p = p * f + 1.0f / 720;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+
+#ifdef KVBANK_X86
+
+// bfloat16 q and cache, G query heads per KV head, head dim D (a multiple of 32): q.k by
+// bfloat16 pair dot products into float32, softmax and the value sum in float32 registers.
+template <int G, int D>
+KVBANK_AVX512 void attend_range_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                     const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
+                                     int64_t heads, int64_t head, float scale, float* acc_out, float* max_out,
+                                     float* sum_out) {
+  constexpr int C = D / 32;
+  constexpr int V = D / 16;
+  __m512bh qv[G][C];
+  __m512 acc[G][V];
+  float m[G], l[G];
+  alignas(64) float scores[G][kMaxBlock];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+  }
+  const int64_t token_stride = heads * D;
+  for (int64_t start = begin; start < end; start += block_size - start % block_size) {
+    const int64_t block = table[start / block_size];
+    const int64_t first = start % block_size;
+    const int count = static_cast<int>(std::min(end - start, block_size - first));
+    const int64_t base = (block * block_size + first) * token_stride + head * D;
+    const int64_t next = start + count;
+    if (next < end) {
+      // The next block is elsewhere in memory: ask for its rows now, so they arrive while this one computes.
+      const int64_t next_base = (table[next / block_size] * block_size) * token_stride + head * D;
+      const int ahead = static_cast<int>(std::min(end - next, block_size));
+      for (int t = 0; t < ahead; ++t) {
+        for (int c = 0; c < D * 2; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next_base + t * token_stride) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next_base + t * token_stride) + c, _MM_HINT_T0);
+        }
+      }
+    }
+    for (int t = 0; t < count; ++t) {
+      const uint16_t* kp = k_cache + base + t * token_stride;
+      __m512bh kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + c * 32);
+      for (int g = 0; g < G; ++g) {
+        __m512 s = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) s = _mm512_dpbf16_ps(s, qv[g][c], kv[c]);
+        scores[g][t] = _mm512_reduce_add_ps(s) * scale;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float best = m[g];
+      for (int j = 0; j < count; j += 16) {
+        const __mmask16 lanes = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+        best = std::max(best, _mm512_mask_reduce_max_ps(lanes, _mm512_maskz_loadu_ps(lanes, scores[g] + j)));
+      }
+      if (best > m[g]) {
+        const __m512 correction = exp_neg_v(_mm512_set1_ps(m[g] - best));
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], correction);
+        l[g] *= _mm512_cvtss_f32(correction);
+        m[g] = best;
+      }
+      const __m512 top = _mm512_set1_ps(best);
+      __m512 total = _mm512_setzero_ps();
+      for (int j = 0; j < count; j += 16) {
+        const __mmask16 lanes = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(lanes, exp_neg_v(_mm512_sub_ps(_mm512_loadu_ps(scores[g] + j), top)));
+        _mm512_storeu_ps(scores[g] + j, p);
+        total = _mm512_add_ps(total, p);
+      }
+      l[g] += _mm512_reduce_add_ps(total);
+    }
+    for (int t = 0; t < count; ++t) {
+      const uint16_t* vp = v_cache + base + t * token_stride;
+      __m512 vv[V];
+      for (int v = 0; v < V; ++v) vv[v] = bf16_to_f32(vp + v * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g][t]);
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc_out + g * D + v * 16, acc[g][v]);
+    max_out[g] = m[g];
+    sum_out[g] = l[g];
+  }
+}
+#endif
+
+template <typename T, int D>
+void attend_range(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin, int64_t end,
+                  int64_t block_size, int64_t heads, int64_t head, int64_t group, int64_t dim_rt, float scale,
+                  float* acc, float* max_out, float* sum_out) {
+  const int64_t dim = D > 0 ? D : dim_rt;
+  float qf[kMaxGroup][kMaxDim];
+  float scores[kMaxGroup][kMaxBlock];
+  float kf[kMaxDim];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) qf[g][d] = load(q, g * dim + d) * scale;
+    for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] = 0.0f;
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+  }
+  const int64_t token_stride = heads * dim;
+  for (int64_t start = begin; start < end; start += block_size - start % block_size) {
+    const int64_t block = table[start / block_size];
+    const int64_t first = start % block_size;
+    const int64_t count = std::min(end - start, block_size - first);
+    const int64_t base = (block * block_size + first) * token_stride + head * dim;
+    for (int64_t t = 0; t < count; ++t) {
+      const T* kp = k_cache + base + t * token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) kf[d] = load(kp, d);
+      for (int64_t g = 0; g < group; ++g) {
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; ++d) s += qf[g][d] * kf[d];
+        scores[g][t] = s;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float best = m[g];
+      for (int64_t t = 0; t < count; ++t) best = std::max(best, scores[g][t]);
+      if (best > m[g]) {
+        const float correction = exp_neg(m[g] - best);
+        l[g] *= correction;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= correction;
+        m[g] = best;
+      }
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < count; ++t) {
+        const float p = exp_neg(scores[g][t] - best);
+        scores[g][t] = p;
+        total += p;
+      }
+      l[g] += total;
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const T* vp = v_cache + base + t * token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) kf[d] = load(vp, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g][t];
+        float* a = acc + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * kf[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    max_out[g] = m[g];
+    sum_out[g] = l[g];
+  }
+}
+
+using FastRange = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, float, float*, float*, float*);
+
+template <int D>
+FastRange fast_range(int64_t group) {
+#ifdef KVBANK_X86
+  if constexpr (D == 64 || D == 128) {
+    if (!avx512_bf16_supported()) return nullptr;
+    switch (group) {
+      case 1: return attend_range_bf16<1, D>;
+      case 2: return attend_range_bf16<2, D>;
+      case 3: return attend_range_bf16<3, D>;
+      case 4: return attend_range_bf16<4, D>;
+      case 5: return attend_range_bf16<5, D>;
+      case 6: return attend_range_bf16<6, D>;
+      case 7: return attend_range_bf16<7, D>;
+      case 8: return attend_range_bf16<8, D>;
+      default: return nullptr;
+    }
+  }
+#endif
+  return nullptr;
+}
+
+template <typename T, int D>
+void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& tables, const torch::Tensor& lens, double scale, int64_t partition,
+            torch::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t width = tables.size(1);
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lens_p[i]);
+  const int64_t parts = std::max<int64_t>(1, (longest + partition - 1) / partition);
+  // Partial results: [n, heads, parts, group, dim] and [n, heads, parts, group] (max, sum).
+  std::vector<float> acc(n * heads * parts * group * dim);
+  std::vector<float> maxes(n * heads * parts * group), sums(n * heads * parts * group);
+  const T* q_p = q.data_ptr<T>();
+  const T* k_p = k_cache.data_ptr<T>();
+  const T* v_p = v_cache.data_ptr<T>();
+  const int64_t* t_p = tables.data_ptr<int64_t>();
+  T* o_p = out.data_ptr<T>();
+  const float s = static_cast<float>(scale);
+  const FastRange fast = std::is_same_v<T, c10::BFloat16> ? fast_range<D>(group) : nullptr;
+  at::parallel_for(0, n * heads * parts, 1, [&](int64_t from, int64_t to) {
+    for (int64_t item = from; item < to; ++item) {
+      const int64_t i = item / (heads * parts), h = item / parts % heads, part = item % parts;
+      const int64_t begin = part * partition, end = std::min(lens_p[i], begin + partition);
+      const int64_t row = item * group;
+      if (begin >= end) {
+        for (int64_t g = 0; g < group; ++g) {
+          maxes[row + g] = -std::numeric_limits<float>::infinity();
+          sums[row + g] = 0.0f;
+        }
+        continue;
+      }
+      const T* q_i = q_p + (i * heads + h) * group * dim;
+      if (fast != nullptr) {
+        fast(reinterpret_cast<const uint16_t*>(q_i), reinterpret_cast<const uint16_t*>(k_p),
+             reinterpret_cast<const uint16_t*>(v_p), t_p + i * width, begin, end, block_size, heads, h, s,
+             acc.data() + row * dim, maxes.data() + row, sums.data() + row);
+      } else {
+        attend_range<T, D>(q_i, k_p, v_p, t_p + i * width, begin, end, block_size, heads, h, group, dim, s,
+                           acc.data() + row * dim, maxes.data() + row, sums.data() + row);
+      }
+    }
+  });
+  at::parallel_for(0, n * heads, 1, [&](int64_t from, int64_t to) {
+    for (int64_t pair = from; pair < to; ++pair) {
+      for (int64_t g = 0; g < group; ++g) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t part = 0; part < parts; ++part) best = std::max(best, maxes[(pair * parts + part) * group + g]);
+        float total = 0.0f;
+        float merged[kMaxDim] = {};
+        for (int64_t part = 0; part < parts; ++part) {
+          const int64_t row = (pair * parts + part) * group + g;
+          if (sums[row] == 0.0f) continue;
+          const float w = exp_neg(maxes[row] - best);
+          total += w * sums[row];
+          const float* a = acc.data() + row * dim;
+          for (int64_t d = 0; d < dim; ++d) merged[d] += w * a[d];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        T* o = o_p + (pair * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(merged[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tables,
+                const torch::Tensor& lens, double scale, int64_t partition, torch::Tensor& out) {
+  switch (q.size(3)) {
+    case 64: return decode<T, 64>(q, k, v, tables, lens, scale, partition, out);
+    case 128: return decode<T, 128>(q, k, v, tables, lens, scale, partition, out);
+    default: return decode<T, 0>(q, k, v, tables, lens, scale, partition, out);
+  }
+}
+
+}  // namespace
+
+bool has_bf16_fast_path() {
+#ifdef KVBANK_X86
+  return avx512_bf16_supported();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t partition) {
+  TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and caches must share a dtype");
+  TORCH_CHECK(q.size(1) == k_cache.size(2) && q.size(3) == k_cache.size(3), "q heads/dim do not match the cache");
+  TORCH_CHECK(q.size(2) <= kMaxGroup && q.size(3) <= kMaxDim && k_cache.size(1) <= kMaxBlock,
+              "group <= ", kMaxGroup, ", head dim <= ", kMaxDim, ", block size <= ", kMaxBlock);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "block tables and lengths must be int64");
+  TORCH_CHECK(partition > 0 && partition % k_cache.size(1) == 0, "partition must be a multiple of the block size");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  auto out = torch::empty_like(q);
+  switch (q.scalar_type()) {
+    case torch::kFloat: decode_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
+    case torch::kBFloat16: decode_dim<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
+    case torch::kHalf: decode_dim<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
