@@ -49,7 +49,6 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
-
 #ifdef KVBANK_X86
 
 // bfloat16 q and cache, G query heads per KV head, head dim D (a multiple of 32): q.k by
