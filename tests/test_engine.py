@@ -278,3 +278,19 @@ def test_bfloat16_engine_with_native_layers_matches_pytorch_ops():
     # then; bfloat16 amplifies that as it amplifies any rounding. Both must be as close to float32.
     fused_error, plain_error = (fused - exact).abs().mean(), (plain - exact).abs().mean()
     assert fused_error < 1.5 * plain_error and plain_error < 0.1, (fused_error, plain_error)
+
+
+def test_engine_without_a_compiler_runs_on_pytorch_alone(tmp_path):
+    import subprocess
+    import sys
+    script = (
+        "from kvbank import LLM, SamplingParams, kernels\n"
+        "llm = LLM(dtype='bfloat16', num_gpu_blocks=32)\n"
+        "assert kernels.native() is None and 'Error building extension' in kernels.failure(), kernels.failure()\n"
+        "assert llm.engine.runner.decode_kernel is None and llm.engine.runner.model.norm.native is None\n"
+        "out = llm.generate([list(range(1000, 1020))] * 2, SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]\n")
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "native CPU kernels unavailable" in result.stderr

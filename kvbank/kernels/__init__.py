@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -33,17 +34,28 @@ def _build(name: str):
             return _modules.get(name)
         try:
             from torch.utils.cpp_extension import load
-            logger.info("building the native kernel %s (once; cached afterwards)", name)
-            # parallel_for in the kernel is OpenMP: without -fopenmp it would run on one thread.
             digest = hashlib.sha256(b"".join((_SOURCE_DIR / f).read_bytes() for f in SOURCES)).hexdigest()[:12]
-            module = load(name=f"kvbank_{name}_{digest}", sources=[str(_SOURCE_DIR / SOURCES[0])],
+            full_name = f"kvbank_{name}_{digest}"
+            if not _cached(full_name):
+                print("kvbank: compiling the native CPU kernels (once, about a minute on two cores; "
+                      "KVBANK_NATIVE_KERNELS=0 skips them)", file=sys.stderr, flush=True)
+            # parallel_for in the kernel is OpenMP: without -fopenmp it would run on one thread.
+            module = load(name=full_name, sources=[str(_SOURCE_DIR / SOURCES[0])],
                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler, no ninja, a build error: fall back, say why once
             _failed[name] = f"{type(exc).__name__}: {exc}"
-            logger.warning("native kernel %s unavailable, using the PyTorch path: %s", name, _failed[name][:500])
+            logger.warning("native CPU kernels unavailable, running on PyTorch alone: %s", _failed[name][:500])
             return None
         _modules[name] = module
         return module
+
+
+def _cached(full_name: str) -> bool:
+    try:  # where torch keeps builds: $TORCH_EXTENSIONS_DIR or its per-version cache folder
+        from torch.utils.cpp_extension import _get_build_directory
+        return (Path(_get_build_directory(full_name, verbose=False)) / f"{full_name}.so").exists()
+    except Exception:
+        return False
 
 
 def native():
