@@ -1,4 +1,4 @@
-"""Shared fixtures for tests that run kvbank in subprocesses."""
+"""Shared fixtures: kvbank in subprocesses, and the native CPU kernels."""
 import os
 from pathlib import Path
 
@@ -16,3 +16,14 @@ def kvbank_env() -> dict[str, str]:
     # makes every matmul dozens of times slower; one thread each is far faster.
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+@pytest.fixture(scope="session")
+def native():
+    """kvbank's native kernel module; under CI a machine that cannot build it fails instead of skipping."""
+    from kvbank import kernels
+    module = kernels.native()
+    if module is None and not os.environ.get("CI"):
+        pytest.skip(f"native kernels unavailable here: {kernels.failure()}")
+    assert module is not None, kernels.failure()
+    return module

@@ -1,10 +1,7 @@
 """The batched paged attention against the one-query-at-a-time reference."""
-import os
-
 import pytest
 import torch
 
-from kvbank import kernels
 from kvbank.attention import AttentionMetadata, PrefillChunk, write_kv
 from kvbank.attention.cascade import find_shared_prefixes, share_prefixes
 from kvbank.attention import fast
@@ -115,15 +112,6 @@ def test_write_kv_puts_tokens_in_their_slots():
     assert k_cache.abs().sum() == 6
 
 
-def _native_or_fail():
-    """The native module; under CI a machine that cannot build it fails the test instead of skipping."""
-    module = kernels.native()
-    if module is None and not os.environ.get("CI"):
-        pytest.skip(f"native kernels unavailable here: {kernels.failure()}")
-    assert module is not None, kernels.failure()
-    return module
-
-
 @pytest.mark.parametrize("dtype, heads, kv_heads, dim, block, lens, partition", [
     (torch.bfloat16, 9, 3, 64, 16, [1, 17, 300, 944, 33], 256),   # the bundled model's shape; several partitions
     (torch.bfloat16, 9, 3, 64, 16, [130, 7], 32),                 # many partitions merged
@@ -131,8 +119,7 @@ def _native_or_fail():
     (torch.bfloat16, 4, 4, 64, 16, [64, 65], 64),                 # no grouping; a partition exactly full
     (torch.float32, 6, 2, 8, 4, [3, 9, 30], 8),                   # the portable path (no AVX-512 needed)
 ])
-def test_native_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, block, lens, partition):
-    module = _native_or_fail()
+def test_native_decode_kernel_matches_reference(native, dtype, heads, kv_heads, dim, block, lens, partition):
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-n // block) for n in lens) + 3
     k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
@@ -144,32 +131,30 @@ def test_native_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, blo
                              torch.tensor(lens), None, [])
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
     scale = dim ** -0.5
-    got = module.paged_decode_attention(q.view(len(lens), kv_heads, heads // kv_heads, dim), k_cache, v_cache,
+    got = native.paged_decode_attention(q.view(len(lens), kv_heads, heads // kv_heads, dim), k_cache, v_cache,
                                         meta.decode_block_tables, meta.decode_context_lens, scale, partition)
     ref = paged_attention_reference(q.float(), k_cache, v_cache, meta, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.view(len(lens), heads, dim).float(), ref, atol=tolerance, rtol=tolerance)
 
 
-def test_native_decode_kernel_rejects_bad_input_by_name():
-    module = _native_or_fail()
+def test_native_decode_kernel_rejects_bad_input_by_name(native):
     cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        module.paged_decode_attention(q.float(), cache, cache, tables, lens, 1.0, 256)
+        native.paged_decode_attention(q.float(), cache, cache, tables, lens, 1.0, 256)
     with pytest.raises(RuntimeError, match="multiple of the block size"):
-        module.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 100)
+        native.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 100)
     with pytest.raises(RuntimeError, match="int64"):
-        module.paged_decode_attention(q, cache, cache, tables.int(), lens, 1.0, 256)
+        native.paged_decode_attention(q, cache, cache, tables.int(), lens, 1.0, 256)
 
 
-def test_decodes_use_the_native_kernel_where_it_has_a_fast_path():
+def test_decodes_use_the_native_kernel_where_it_has_a_fast_path(native):
     cpu = torch.device("cpu")
     kernel = fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 64, 16)
     if kernel is None:
-        module = _native_or_fail()
-        assert not module.has_bf16_fast_path()  # built, but this CPU lacks AVX-512 BF16
+        assert not native.has_bf16_fast_path()  # built, but this CPU lacks AVX-512 BF16
         return
     assert fast.native_decode_kernel(cpu, torch.float32, 9, 3, 64, 16) is None   # float32 keeps PyTorch's path
     assert fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 48, 16) is None  # no fast path for this head size

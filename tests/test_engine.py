@@ -225,20 +225,10 @@ def test_bfloat16_matmul_row_padding_changes_no_result():
                [{t: p.logprob for t, p in d.items()} for d in b.prompt_logprobs[1:]]
 
 
-def _native_layers():
-    from kvbank import kernels
-    module = kernels.native()
-    if module is None and not os.environ.get("CI"):
-        pytest.skip(f"native kernels unavailable here: {kernels.failure()}")
-    assert module is not None, kernels.failure()
-    return module
-
-
-def test_native_norm_and_rope_match_pytorch_ops():
+def test_native_norm_and_rope_match_pytorch_ops(native):
     import torch.nn.functional as F
 
     from kvbank.models.llama import apply_rope
-    native = _native_layers()
     gen = torch.Generator().manual_seed(0)
     x, res = (torch.randn(11, 576, generator=gen).bfloat16() for _ in range(2))
     weight = (1 + torch.randn(576, generator=gen) * 0.1).bfloat16()
@@ -258,9 +248,8 @@ def test_native_norm_and_rope_match_pytorch_ops():
         native.add_rms_norm(x, res[:3], weight, 1e-5)
 
 
-def test_bfloat16_engine_with_native_layers_matches_pytorch_ops():
+def test_bfloat16_engine_with_native_layers_matches_pytorch_ops(native):
     from pathlib import Path
-    native = _native_layers()
     llm = LLM(dtype="bfloat16", num_gpu_blocks=64, enable_prefix_caching=False)
     model = llm.engine.runner.model
     assert model.norm.native is native                 # CPU bfloat16 runs the fused ops

@@ -43,7 +43,7 @@ class AttentionMetadata:
     """Slot mapping plus the decode and prefill views of the batch.
 
     `decode_mask` is additive ([decodes, 1, 1, blocks * block_size]) and hides the padding of
-    shorter sequences in the gathered block tables. When decodes share leading blocks,
+    shorter sequences in the gathered block tables (None where only the native kernel reads decodes). When decodes share leading blocks,
     `shared_prefixes` lists the groups, and `suffix_block_tables` / `suffix_mask` describe every
     decode's blocks after its group's shared ones (see attention/cascade.py). `decode_kernel`,
     when set, is the native module that reads decodes straight from the blocks (attention/fast.py).

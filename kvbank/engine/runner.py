@@ -91,8 +91,9 @@ class ModelRunner:
             width = max(map(len, decode_tables))
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
-            visible = torch.arange(width * bs, device=self.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
-            meta.decode_mask = self._additive(visible[:, None, None, :])
+            if self.decode_kernel is None or self.storage.kinds != {"dense"}:  # the kernel needs no mask
+                visible = torch.arange(width * bs, device=self.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
+                meta.decode_mask = self._additive(visible[:, None, None, :])
             if self.cascade:
                 share_prefixes(meta, decode_tables, decode_lens, bs, self.dtype)
         if "token" in self.storage.kinds:
