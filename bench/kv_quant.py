@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvbank import LLM, SamplingParams  # noqa: E402
 from kvbank.cache.quant import KV_CACHE_DTYPES  # noqa: E402
+from kvbank.cache.format import KVFormat  # noqa: E402
 from kvbank.cache.storage import plan_pool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +65,7 @@ def agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) ->
 
 def capacity(llm_args: dict, kv: str, model_config, dtype, block_size: int, group: int) -> tuple[int, int]:
     """Sequences of CONTEXT tokens that fit in POOL_BYTES: planned, and the engine's block count."""
-    planned = plan_pool(model_config, dtype, POOL_BYTES, block_size, kv, group_size=group).sequences_that_fit(CONTEXT)
+    planned = plan_pool(model_config, dtype, POOL_BYTES, block_size, KVFormat(kv, group_size=group)).sequences_that_fit(CONTEXT)
     engine = LLM(**llm_args, kv_cache_dtype=kv, kv_cache_memory_gb=POOL_BYTES / 2**30,
                  max_num_seqs=max(planned, 1)).engine
     return planned, min(planned, engine.num_blocks // -(-CONTEXT // block_size))
@@ -133,11 +134,11 @@ def main() -> None:
     decode_corpus = rest[args.prompts * 256:]
     del base
     rows: dict[str, dict] = {}
-    full_bytes = plan_pool(model_config, model_dtype, POOL_BYTES, bs, "auto").bytes_per_token
+    full_bytes = plan_pool(model_config, model_dtype, POOL_BYTES, bs).bytes_per_token
     reference: list[list[int]] = []
     for kv in dtypes:
-        row = rows[kv] = {"bytes_per_token": plan_pool(model_config, model_dtype, POOL_BYTES, bs, kv,
-                                                       group_size=group).bytes_per_token}
+        row = rows[kv] = {"bytes_per_token": plan_pool(model_config, model_dtype, POOL_BYTES, bs,
+                                                       KVFormat(kv, group_size=group)).bytes_per_token}
         row["ratio"] = row["bytes_per_token"] / full_bytes
         llm = LLM(**llm_args, kv_cache_dtype=kv, kv_cache_memory_gb=1.0, enable_prefix_caching=False)
         if "ppl" not in args.skip:

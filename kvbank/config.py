@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbank.cache.format import KVFormat
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -71,6 +72,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be > 0")
         if self.max_model_len is not None:
             _require_positive("max_model_len", self.max_model_len)
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """How the KV pool stores keys and values."""
+        return KVFormat(self.kv_cache_dtype, self.kv_cache_dtype_skip_layers, self.kv_quant_group_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

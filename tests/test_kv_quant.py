@@ -18,7 +18,7 @@ from kvbank.cache.quant import (
 )
 from kvbank.cache.storage import KVStorage, plan_pool
 from kvbank.engine.runner import ModelRunner
-from kvbank.models.loader import ModelConfig
+from kvbank.models.config import ModelConfig
 
 TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
 SMOL = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvbank.attention.fast import padded_key_length, padded_length
-from kvbank.attention.metadata import AttentionMetadata, SharedPrefix
+from kvbank.attention.fast import DenseStep, padded_key_length, padded_length
+from kvbank.attention.metadata import SharedPrefix, additive_mask
 
 #: A group shares at least this many tokens; below that the extra kernel call costs more than it saves.
 MIN_SHARED_TOKENS = 128
@@ -56,9 +56,9 @@ def _best_groups(order: list[int], lcp: list[int], lo: int, hi: int,
     return whole, [(order[lo:hi], shared)] if whole else []
 
 
-def share_prefixes(meta: AttentionMetadata, tables: list[list[int]], lens: list[int], block_size: int,
-                   mask_dtype: torch.dtype, min_tokens: int = MIN_SHARED_TOKENS) -> None:
-    """Record the decodes' shared prefixes in `meta` (decode tables and context lengths as lists)."""
+def share_prefixes(step: DenseStep, tables: list[list[int]], lens: list[int], block_size: int,
+                   mask_dtype: torch.dtype, device: torch.device, min_tokens: int = MIN_SHARED_TOKENS) -> None:
+    """Record the decodes' shared prefixes in `step` (decode tables and context lengths as lists)."""
     # Shared ranges are whole multiples of the flash kernel's key padding, so they need none.
     unit = padded_key_length(1, block_size) // block_size
     min_blocks = padded_length(max(1, min_tokens // block_size), unit)
@@ -66,19 +66,17 @@ def share_prefixes(meta: AttentionMetadata, tables: list[list[int]], lens: list[
               for rows, shared in find_shared_prefixes(tables, lens, block_size, min_blocks)]
     if not groups:
         return
-    device = meta.slot_mapping.device
     skip = [0] * len(tables)
     for rows, shared in groups:
-        meta.shared_prefixes.append(SharedPrefix(_tensor(rows, device), _tensor(tables[rows[0]][:shared], device)))
+        step.shared_prefixes.append(SharedPrefix(_tensor(rows, device), _tensor(tables[rows[0]][:shared], device)))
         for i in rows:
             skip[i] = shared
     suffixes = [table[s:] for table, s in zip(tables, skip)]
     width = max(map(len, suffixes))
-    meta.suffix_block_tables = _tensor([t + [0] * (width - len(t)) for t in suffixes], device)
+    step.suffix_block_tables = _tensor([t + [0] * (width - len(t)) for t in suffixes], device)
     remaining = _tensor([n - s * block_size for n, s in zip(lens, skip)], device)
     hidden = torch.arange(width * block_size, device=device).unsqueeze(0) >= remaining.unsqueeze(1)
-    meta.suffix_mask = torch.zeros(hidden.shape, dtype=mask_dtype, device=device).masked_fill_(
-        hidden, float("-inf"))[:, None, None, :]
+    step.suffix_mask = additive_mask(~hidden, mask_dtype)[:, None, None, :]
 
 
 def _tensor(values: list, device: torch.device) -> torch.Tensor:

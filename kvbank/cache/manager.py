@@ -5,16 +5,34 @@ Plain Python, no tensors: block contents are moved by the runner, which drains
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from collections import Counter
 from collections.abc import Sequence as Tokens
+from typing import Protocol
 
 from kvbank.cache.blocks import Block, BlockPool
 from kvbank.cache.prefix import block_hash
 
-if TYPE_CHECKING:
-    from kvbank.engine.sequence import Sequence
+#: What block_states() reports per block.
+FREE, IN_USE, CACHED, PINNED = range(4)
+
+
+class Sequence(Protocol):
+    """What the manager reads and writes of a sequence (kvbank.engine.sequence.Sequence has it)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    block_hashes: list[bytes]
+    chain_serials: list[int | None]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def root_hash(self) -> bytes: ...
+
+    @property
+    def no_prefix_cache(self) -> bool: ...
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -43,6 +61,26 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def usable_blocks(self, token_ids: Tokens[int], root_hash: bytes) -> int:
+        """The most blocks one sequence starting with `token_ids` can ever hold: every block not
+        pinned, plus the pinned ones its own prefix would share."""
+        if not self.pinned_blocks:
+            return self.pool.num_blocks
+        shared = sum(1 for block in self._walk(token_ids, root_hash) if block.block_id in self.pinned_blocks)
+        return self.pool.num_blocks - len(self.pinned_blocks) + shared
+
+    def block_states(self) -> bytes:
+        """One byte per block: FREE (empty), IN_USE, CACHED (evictable) or PINNED."""
+        states = bytearray(self.pool.num_blocks)
+        for block_id in self.pool.cached:
+            states[block_id] = CACHED
+        for block in self.pool.blocks:
+            if block.ref_count:
+                states[block.block_id] = IN_USE
+        for block_id in self.pinned_blocks:
+            states[block_id] = PINNED
+        return bytes(states)
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._prefix_hits(seq)
@@ -100,10 +138,11 @@ class KVCacheManager:
                 serial = self.pool.register(block, seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), parent)
             seq.chain_serials.append(serial)
 
-    def pin(self, token_ids: Tokens[int], root_hash: bytes) -> int:
+    def pin(self, token_ids: Tokens[int], root_hash: bytes, keep_free: int = 0) -> int:
         """Keep the cached full blocks of this prefix out of eviction; returns the tokens pinned.
 
-        Every full block must be cached already (run the prefix once first).
+        Every full block must be cached already (run the prefix once first). At least `keep_free`
+        blocks stay unpinned, so that requests already admitted can still finish.
         """
         key = (root_hash, tuple(token_ids[: len(token_ids) // self.block_size * self.block_size]))
         if key in self.pins:
@@ -117,6 +156,9 @@ class KVCacheManager:
             raise ValueError(f"pinning {added} more blocks would pin {len(self.pinned_blocks) + added} of "
                              f"{self.pool.num_blocks}, over the limit of {self.max_pinned_blocks} "
                              f"(max_pinned_fraction)")
+        if self.pool.num_blocks - len(self.pinned_blocks) - added < keep_free:
+            raise ValueError(f"pinning {added} more blocks would leave {self.pool.num_blocks - len(self.pinned_blocks) - added}"
+                             f" unpinned, but a request in flight needs up to {keep_free}; pin before sending it")
         for block in blocks:
             self.pool.share(block)
             self.pinned_blocks[block.block_id] += 1

@@ -19,12 +19,3 @@ def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
-
-
-def chain_hashes(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Hashes of every full block of `token_ids`, in order."""
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size])
-        hashes.append(parent)
-    return hashes

@@ -22,10 +22,10 @@ Codecs:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
 DEFAULT_GROUP_SIZE = 32
 
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -43,8 +43,8 @@ class Codec:
     """Stores K or V of one layer; subclasses define the format."""
 
     name = "codec"
-    #: whole blocks only (True) or any token on its own (False)
-    per_block = False
+    #: the storage kind (kvbank.cache.layers.KINDS) that keeps a layer stored through this codec
+    kind = "token"
 
     def components(self, block_size: int, heads: int, dim: int) -> Components:
         raise NotImplementedError
@@ -58,9 +58,6 @@ class Codec:
     def bytes_per_block(self, block_size: int, heads: int, dim: int) -> int:
         return sum(math.prod(shape) * _element_size(dtype)
                    for shape, dtype in self.components(block_size, heads, dim).values())
-
-    def bytes_per_token(self, block_size: int, heads: int, dim: int) -> float:
-        return self.bytes_per_block(block_size, heads, dim) / block_size
 
 
 class FullPrecision(Codec):
@@ -163,7 +160,7 @@ def _asymmetric(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, tor
 class KiviKeys(Codec):
     """Keys per channel: one range per (block, head, channel), over the block's tokens."""
 
-    per_block = True
+    kind = "kivi"
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
@@ -187,7 +184,7 @@ class KiviKeys(Codec):
 class KiviValues(Codec):
     """Values per token: one range per (token, head, group of `group_size` channels)."""
 
-    per_block = True
+    kind = "kivi"
 
     def __init__(self, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         self.bits = bits
@@ -216,20 +213,24 @@ class KiviValues(Codec):
         return torch.addcmul(stored["min"].to(dtype).repeat_interleave(self.group_size, dim=-1), codes, scale)
 
 
-def codecs_for(kv_cache_dtype: str, model_dtype: torch.dtype, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[Codec, Codec]:
+CodecPair = tuple[Codec, Codec]
+
+#: kv_cache_dtype name -> (key, value) codecs, given the model dtype and the int4/int2 group size.
+CODECS: dict[str, Callable[[torch.dtype, int], CodecPair]] = {
+    "auto": lambda model_dtype, _: (FullPrecision(model_dtype), FullPrecision(model_dtype)),
+    "bfloat16": lambda *_: (FullPrecision(torch.bfloat16), FullPrecision(torch.bfloat16)),
+    "float32": lambda *_: (FullPrecision(torch.float32), FullPrecision(torch.float32)),
+    "fp8_e4m3": lambda *_: (PerTokenFP8(torch.float8_e4m3fn), PerTokenFP8(torch.float8_e4m3fn)),
+    "fp8_e5m2": lambda *_: (PerTokenFP8(torch.float8_e5m2), PerTokenFP8(torch.float8_e5m2)),
+    "int8": lambda *_: (PerTokenInt8(), PerTokenInt8()),
+    "int4": lambda _, group_size: (KiviKeys(4), KiviValues(4, group_size)),
+    "int2": lambda _, group_size: (KiviKeys(2), KiviValues(2, group_size)),
+}
+KV_CACHE_DTYPES = tuple(CODECS)
+
+
+def codecs_for(kv_cache_dtype: str, model_dtype: torch.dtype, group_size: int = DEFAULT_GROUP_SIZE) -> CodecPair:
     """The (key, value) codecs of one quantized layer for a `kv_cache_dtype` name."""
-    if kv_cache_dtype == "auto":
-        return FullPrecision(model_dtype), FullPrecision(model_dtype)
-    if kv_cache_dtype in ("bfloat16", "float32"):
-        dtype = getattr(torch, kv_cache_dtype)
-        return FullPrecision(dtype), FullPrecision(dtype)
-    if kv_cache_dtype == "int8":
-        return PerTokenInt8(), PerTokenInt8()
-    if kv_cache_dtype == "fp8_e4m3":
-        return PerTokenFP8(torch.float8_e4m3fn), PerTokenFP8(torch.float8_e4m3fn)
-    if kv_cache_dtype == "fp8_e5m2":
-        return PerTokenFP8(torch.float8_e5m2), PerTokenFP8(torch.float8_e5m2)
-    if kv_cache_dtype in ("int4", "int2"):
-        bits = int(kv_cache_dtype[3:])
-        return KiviKeys(bits), KiviValues(bits, group_size)
-    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype not in CODECS:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return CODECS[kv_cache_dtype](model_dtype, group_size)

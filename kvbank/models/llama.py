@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbank.attention import AttentionMetadata
-from kvbank.models.loader import ModelConfig
+from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Int4Blocks, PackedLinear
 
 
@@ -126,8 +126,8 @@ class Attention(nn.Module):
                 qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
             q, k = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)).split(heads, dim=1)
         q, k, v = q[:T], k[:T], v[:T].view(T, self.num_kv_heads, self.head_dim)
-        kv_cache.write(k, v, meta)
-        out = kv_cache.attend(q, k, v, meta, self.scale).view(T, -1)
+        written = kv_cache.write(k, v, meta)
+        out = kv_cache.attend(q, written, meta, self.scale).view(T, -1)
         return self.o_proj(out if rows == T else F.pad(out, (0, 0, 0, rows - T)))
 
 

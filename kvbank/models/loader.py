@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Q4_BLOCK_BYTES, Int4Blocks
 from kvbank.tokenizer import Tokenizer
 
@@ -26,33 +27,6 @@ SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 ProgressFn = Callable[[int, int], None]
-
-
-@dataclass
-class ModelConfig:
-    """The shape of a Llama-family decoder."""
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False
-    qk_norm: bool = False
-    rope_scaling: dict | None = None
-    name: str = ""
-    fingerprint: bytes = field(default=b"", repr=False)
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
 
 @dataclass

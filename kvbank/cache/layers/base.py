@@ -1,0 +1,107 @@
+"""The KV-layer seam: what every storage kind provides, and what the runner hands it per step.
+
+A storage kind (one module each: dense.py, token.py, kivi.py) owns every layer of the pool that
+is stored its way. Per step the runner calls `KVKind.prepare` once per kind; what it returns is
+the kind's own step state, handed to its layers in `AttentionMetadata.kinds[name]` and opaque to
+everyone else. In the model each layer then does `written = layer.write(k, v, meta)` followed by
+`layer.attend(q, written, meta, scale)`; `written` is whatever attend needs of this step's fresh
+K/V, so nothing is left on the layer for a later call to pick up.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from kvbank.attention.metadata import AttentionMetadata
+from kvbank.cache.quant import CodecPair
+
+
+@dataclass(frozen=True, slots=True)
+class StepSeq:
+    """One sequence's part in a step: it computes positions [start, end) and holds `block_table`."""
+
+    start: int
+    end: int
+    block_table: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """The numbers every kind needs to allocate its part of the pool."""
+
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    #: sequences the pool expects at once (KIVI reserves a residual block for each)
+    reserved_seqs: int = 0
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return self.block_size, self.num_kv_heads, self.head_dim
+
+
+class KVLayer(Protocol):
+    """One layer's keys and values in the pool."""
+
+    #: every tensor the layer allocated, [num_blocks, ...] each: copied whole by copy_blocks
+    tensors: list[torch.Tensor]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> Any:
+        """Store this step's new K/V ([T, kv_heads, dim]) at their slots; returns what `attend` needs."""
+
+    def attend(self, q: torch.Tensor, written: Any, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of every new token (q: [T, heads, dim]) over its sequence's cached past."""
+
+
+class KVKind(ABC):
+    """Every layer of one storage kind, built from each layer's (key, value) codecs."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
+        self.spec = spec
+        self.layers: list[KVLayer] = []
+
+    @classmethod
+    def bytes_per_block(cls, spec_shape: tuple[int, int, int], codecs: list[CodecPair]) -> int:
+        """Pool bytes one block takes in all of this kind's layers, scales included."""
+        return sum(k.bytes_per_block(*spec_shape) + v.bytes_per_block(*spec_shape) for k, v in codecs)
+
+    @classmethod
+    def bytes_per_seq(cls, spec_shape: tuple[int, int, int], codecs: list[CodecPair], dtype: torch.dtype) -> int:
+        """Memory outside the pool this kind reserves for every running sequence (none by default)."""
+        return 0
+
+    @abstractmethod
+    def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> Any:
+        """This step's state for the kind's layers, built once from the batch (`steps` in batch order)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kind's share of the block pool."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors)
+
+    @property
+    def extra_nbytes(self) -> int:
+        """Bytes the kind holds outside the block pool."""
+        return 0
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (ids `src` -> `dst`; `pairs` the same as a list) in every layer."""
+        for layer in self.layers:
+            for t in layer.tensors:
+                t[dst] = t[src]
+
+    def release_block(self, block_id: int) -> None:
+        """A block went back to the free list without being indexed."""

@@ -1,0 +1,240 @@
+"""KIVI storage (int4, int2): whole blocks are quantized; a block that is not yet full keeps its
+tokens in a full-precision residual slot and is quantized when it fills.
+
+Residual slots belong to blocks (not sequences), so forks share them and copy-on-write copies
+them. They are this kind's alone: the pool reserves one per expected sequence, grows the table
+when more blocks are open at once (many forks), and gives the extra back once they close.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbank.attention.metadata import AttentionMetadata, additive_mask
+from kvbank.attention.quantized import QuantizedView, pad_visibility, quantized_paged_attention
+from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
+from kvbank.cache.layers.token import CodecLayer
+from kvbank.cache.quant import CodecPair, FullPrecision
+
+
+class ResidualSlots:
+    """Full-precision homes of not-yet-full blocks, keyed by block id.
+
+    `k[layer]` and `v[layer]` are [slots, block_size, heads, dim]. The table doubles when more
+    blocks are open at once than it has slots, and shrinks back (never below `reserved`) once at
+    most a quarter of it is in use.
+    """
+
+    def __init__(self, num_layers: int, reserved: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.reserved = max(reserved, 1)
+        self.k = [self._zeros(self.reserved) for _ in range(num_layers)]
+        self.v = [self._zeros(self.reserved) for _ in range(num_layers)]
+        self.free = list(range(self.reserved - 1, -1, -1))
+        self.of_block: dict[int, int] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def slot(self, block_id: int) -> int:
+        """The slot of `block_id`, taking a free one if it has none."""
+        slot = self.of_block.get(block_id)
+        if slot is None:
+            if not self.free:
+                self._resize(2 * self.capacity)
+            slot = self.of_block[block_id] = self.free.pop()
+        return slot
+
+    def release(self, block_id: int) -> None:
+        slot = self.of_block.pop(block_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def copy(self, src_block: int, dst_block: int) -> None:
+        if src_block not in self.of_block:
+            return
+        src, dst = self.of_block[src_block], self.slot(dst_block)
+        for tensors in (self.k, self.v):
+            for t in tensors:
+                t[dst] = t[src]
+
+    def shrink(self) -> None:
+        """Give back slots a burst of open blocks needed, once at most a quarter are in use."""
+        target = max(self.reserved, 2 * len(self.of_block))
+        if 4 * len(self.of_block) <= self.capacity and target < self.capacity:
+            self._resize(target)
+
+    def _resize(self, capacity: int) -> None:
+        # Live slots move to the front, in slot order; everything after them is free.
+        live = sorted(self.of_block, key=self.of_block.__getitem__)
+        assert len(live) <= capacity
+        index = torch.tensor([self.of_block[b] for b in live], dtype=torch.long, device=self.device)
+        for tensors in (self.k, self.v):
+            for i, t in enumerate(tensors):
+                resized = self._zeros(capacity)
+                resized[:len(live)] = t.index_select(0, index)
+                tensors[i] = resized
+        self.of_block = {block_id: slot for slot, block_id in enumerate(live)}
+        self.free = list(range(capacity - 1, len(live) - 1, -1))
+
+    def _zeros(self, slots: int) -> torch.Tensor:
+        return torch.zeros(slots, *self.shape, dtype=self.dtype, device=self.device)
+
+
+@dataclass
+class ResidualPlan:
+    """How this step's new K/V reach the KIVI layers.
+
+    Every block that receives tokens gets a scratch row: its earlier tokens are loaded from its
+    residual slot, the new tokens are written in, and then blocks that are now full are quantized
+    into the pool while the others go back to their residual slots.
+    """
+
+    rows: int
+    scratch_slots: torch.Tensor
+    preload_rows: torch.Tensor | None
+    preload_slots: torch.Tensor | None
+    full_rows: torch.Tensor | None
+    full_blocks: torch.Tensor | None
+    keep_rows: torch.Tensor | None
+    keep_slots: torch.Tensor | None
+
+
+@dataclass
+class KiviStep:
+    """The KIVI kind's state for one step: the attention view and the residual plan."""
+
+    view: QuantizedView
+    plan: ResidualPlan
+
+
+class KiviLayer(CodecLayer):
+    """A layer quantized a whole block at a time, its open blocks in residual slots."""
+
+    def __init__(self, spec: PoolSpec, codecs: CodecPair, residual: ResidualSlots, index: int) -> None:
+        super().__init__(spec, codecs)
+        self.residual, self.index = residual, index
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([T, heads, dim]); returns this step's scratch blocks (K, V)."""
+        plan = meta.kinds[KiviKind.name].plan
+        stores = (self.residual.k[self.index], self.residual.v[self.index])
+        scratch = []
+        for x, store in zip((k, v), stores):
+            rows = x.new_zeros(plan.rows, *store.shape[1:])
+            if plan.preload_rows is not None:
+                rows.index_copy_(0, plan.preload_rows, store.index_select(0, plan.preload_slots))
+            rows.view(-1, *x.shape[1:]).index_copy_(0, plan.scratch_slots, x)
+            scratch.append(rows)
+        if plan.full_rows is not None:
+            self._store_blocks(plan.full_blocks, scratch[0].index_select(0, plan.full_rows),
+                               scratch[1].index_select(0, plan.full_rows))
+        if plan.keep_rows is not None:
+            for rows, store in zip(scratch, stores):
+                store.index_copy_(0, plan.keep_slots, rows.index_select(0, plan.keep_rows))
+        return scratch[0], scratch[1]
+
+    def attend(self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        view = meta.kinds[KiviKind.name].view
+        return quantized_paged_attention(q, self, KiviKind.name, view, meta, scale, scratch=written)
+
+    def _store_blocks(self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize whole blocks [n, block_size, heads, dim] into `block_ids`."""
+        for codec, side, x in zip(self.codecs, self.sides, (k, v)):
+            for name, value in codec.quantize(x).items():
+                side[name].index_copy_(0, block_ids, value)
+
+
+class KiviKind(KVKind):
+    """The layers stored through KIVI codecs, and the residual slots they share."""
+
+    name = "kivi"
+
+    def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
+        super().__init__(spec, codecs)
+        self.residual = ResidualSlots(len(codecs), spec.reserved_seqs, spec.block_shape, spec.dtype, spec.device)
+        self.layers = [KiviLayer(spec, pair, self.residual, i) for i, pair in enumerate(codecs)]
+
+    @classmethod
+    def bytes_per_seq(cls, spec_shape: tuple[int, int, int], codecs: list[CodecPair], dtype: torch.dtype) -> int:
+        # one full-precision block of K and V per layer: the sequence's open block
+        return len(codecs) * 2 * FullPrecision(dtype).bytes_per_block(*spec_shape)
+
+    @property
+    def extra_nbytes(self) -> int:
+        return self.residual.nbytes
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        super().copy_blocks(src, dst, pairs)
+        for s, d in pairs:
+            self.residual.copy(s, d)
+
+    def release_block(self, block_id: int) -> None:
+        self.residual.release(block_id)
+
+    def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> KiviStep:
+        """Masks over [quantized blocks ; scratch blocks] and the residual plan."""
+        self.residual.shrink()
+        bs, device = self.spec.block_size, self.spec.device
+        residual = self.residual
+        rows = 0
+        scratch_slots: list[int] = []
+        preload: tuple[list[int], list[int]] = ([], [])
+        full: tuple[list[int], list[int]] = ([], [])
+        keep: tuple[list[int], list[int]] = ([], [])
+        filled: list[int] = []
+        own_blocks: list[int] = []
+        masks: list[torch.Tensor] = []
+        chunk_rows: list[tuple[int, int]] = []
+        for s in steps:
+            first_block, last_block = s.start // bs, (s.end - 1) // bs
+            first_row = rows
+            for j in range(first_block, last_block + 1):
+                block_id = s.block_table[j]
+                if s.start > j * bs:
+                    slot = residual.of_block.get(block_id)
+                    if slot is None:
+                        raise RuntimeError(f"block {block_id} holds {s.start - j * bs} tokens but has no residual slot")
+                    preload[0].append(rows)
+                    preload[1].append(slot)
+                if min(s.end, (j + 1) * bs) == (j + 1) * bs:
+                    full[0].append(rows)
+                    full[1].append(block_id)
+                    filled.append(block_id)
+                else:
+                    keep[0].append(rows)
+                    keep[1].append(residual.slot(block_id))
+                rows += 1
+            scratch_slots.extend((first_row + p // bs - first_block) * bs + p % bs for p in range(s.start, s.end))
+            if s.num_tokens == 1:
+                own_blocks.append(first_block)
+                continue
+            positions = torch.arange(s.start, s.end).unsqueeze(1)
+            own_block = positions // bs * bs
+            cache = torch.arange((last_block + 1) * bs).unsqueeze(0) < own_block
+            scratch_pos = torch.arange(first_block * bs, (last_block + 1) * bs).unsqueeze(0)
+            visible = torch.cat((cache, (scratch_pos >= own_block) & (scratch_pos <= positions)), dim=1)
+            masks.append(additive_mask(pad_visibility(visible).to(device), self.spec.dtype))
+            chunk_rows.append((first_row, rows))
+        for block_id in filled:
+            residual.release(block_id)
+        plan = ResidualPlan(rows, _tensor(scratch_slots, device), *_pair(preload, device), *_pair(full, device),
+                            *_pair(keep, device))
+        view = QuantizedView(masks, chunk_rows, _tensor(own_blocks, device) if own_blocks else None)
+        return KiviStep(view, plan)
+
+
+def _pair(lists: tuple[list[int], list[int]], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (_tensor(lists[0], device), _tensor(lists[1], device)) if lists[0] else (None, None)
+
+
+def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

@@ -1,0 +1,68 @@
+"""Per-token storage: every token is quantized as it is written (int8, fp8, or a float dtype
+other than the model's), and attention reads whole blocks back through the codec."""
+from __future__ import annotations
+
+import torch
+
+from kvbank.attention.metadata import AttentionMetadata, additive_mask
+from kvbank.attention.quantized import QuantizedView, pad_visibility, quantized_paged_attention
+from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
+from kvbank.cache.quant import CodecPair
+
+
+class CodecLayer:
+    """K and V stored through codecs: a dict of tensors per side, each [num_blocks, *component]."""
+
+    def __init__(self, spec: PoolSpec, codecs: CodecPair) -> None:
+        self.codecs = codecs
+        self.dtype = spec.dtype
+        self.block_size = spec.block_size
+        self.heads = spec.num_kv_heads
+        self.sides = [{name: torch.zeros(spec.num_blocks, *shape, dtype=cdtype, device=spec.device)
+                       for name, (shape, cdtype) in codec.components(*spec.block_shape).items()}
+                      for codec in codecs]
+        self.tensors = [t for side in self.sides for t in side.values()]
+
+    def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of whole blocks, [batch, blocks * block_size, heads, dim]."""
+        batch = block_tables.shape[0]
+        flat = block_tables.reshape(-1)
+        out = []
+        for codec, side in zip(self.codecs, self.sides):
+            gathered = {name: tensor.index_select(0, flat) for name, tensor in side.items()}
+            x = codec.dequantize(gathered, self.dtype)
+            out.append(x.view(batch, -1, *x.shape[2:]))
+        return out[0], out[1]
+
+
+class TokenLayer(CodecLayer):
+    """A layer whose tokens are quantized one by one at their slots."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        for codec, side, x in zip(self.codecs, self.sides, (k, v)):
+            for name, value in codec.quantize(x).items():
+                side[name].view(-1, *side[name].shape[2:]).index_copy_(0, meta.slot_mapping, value)
+
+    def attend(self, q: torch.Tensor, written: None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return quantized_paged_attention(q, self, TokenKind.name, meta.kinds[TokenKind.name], meta, scale)
+
+
+class TokenKind(KVKind):
+    """The layers stored through a per-token codec."""
+
+    name = "token"
+
+    def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
+        super().__init__(spec, codecs)
+        self.layers = [TokenLayer(spec, pair) for pair in codecs]
+
+    def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> QuantizedView:
+        # Every token, new ones included, is read back from the quantized pool.
+        bs = self.spec.block_size
+        masks = []
+        for s in steps:
+            if s.num_tokens > 1:
+                width = -(-s.end // bs) * bs
+                visible = torch.arange(width).unsqueeze(0) <= torch.arange(s.start, s.end).unsqueeze(1)
+                masks.append(additive_mask(pad_visibility(visible).to(self.spec.device), self.spec.dtype))
+        return QuantizedView(masks)
