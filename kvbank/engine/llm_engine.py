@@ -1,50 +1,31 @@
 """The engine loop: admit requests, run one scheduled step at a time, turn logits into outputs."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from kvbank import kernels
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
 from kvbank.config import EngineConfig
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
+from kvbank.engine.prompts import ParsedPrompt, PromptType, parse_prompt
 from kvbank.engine.runner import ModelRunner, StepLogits
 from kvbank.engine.sampler import Sampled, Sampler, token_logprobs
 from kvbank.engine.scheduler import ScheduledSeq, Scheduler
 from kvbank.engine.sequence import Request, Sequence
-from kvbank.models.llama import LlamaForCausalLM
-from kvbank.models.loader import load_model
-from kvbank.models.packed import packed_matmul_available
+from kvbank.kernels.allocator import keep_freed_memory
+from kvbank.models.build import build_model
 from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
 
-PromptType = str | list[int] | dict[str, Any]
+__all__ = ["LLMEngine", "PromptType"]
+
 DEFAULT_KV_CACHE_GB = 1.0
-# Up to this many tokens in a step, 4-bit weights beat dense bfloat16 on a CPU (bench/throughput.py).
-PACKED_MAX_ROWS = 8
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc's malloc reuse freed memory for allocations up to 32 MiB instead of returning it.
-
-    Every layer of a step allocates and frees the same large temporaries (gathered and
-    dequantized K/V). By default glibc maps each one afresh, and the kernel zeroes every page on
-    first touch, which made int4 KV decoding over 2x slower. Returns whether the setting took.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 32 * 2**20)) and bool(libc.mallopt(m_trim_threshold, 2**30))
-    except (OSError, AttributeError):
-        return False
 
 
 class LLMEngine:
@@ -53,44 +34,30 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        if config.device == "cpu":
-            keep_freed_memory()
-        loaded = load_model(config.model, progress)
-        self.model_config = mc = loaded.config
-        self.model_path = loaded.path
-        self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length "
-                             f"{mc.max_position_embeddings}")
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        mc.max_position_embeddings = self.max_model_len
-        with torch.device("meta"):
-            model = LlamaForCausalLM(mc)
-        model.load_weights({k: v.to(self.device) for k, v in loaded.state_dict.items()}, self.dtype)
-        self.packed_layers = self._pack_weights(model, loaded)
-        # CPU half-precision matmuls cache a kernel per row count (models/llama.padded_rows).
-        model.pad_rows = self.device.type == "cpu" and self.dtype != torch.float32
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            # Fused norms and rotary embedding: a bfloat16 decode step is mostly small ops on a CPU.
-            model.use_native(kernels.native())
-        del loaded
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        built = build_model(config.model, self.device, self.dtype, config.weight_format, config.max_model_len,
+                            progress)
+        self.model_config = built.config
+        self.model_path = built.path
+        self.tokenizer: Tokenizer | None = built.tokenizer
+        self.packed_layers = built.packed_layers
+        self.max_model_len = built.config.max_position_embeddings
         self.block_size = config.block_size
+        self.kv_format = config.kv_format
         self.pool_plan = self._plan_pool()
         self.num_blocks = config.num_gpu_blocks or self.pool_plan.num_blocks
-        storage = KVStorage(mc, self.num_blocks, self.block_size, self.dtype, self.device, config.kv_cache_dtype,
-                            config.kv_cache_dtype_skip_layers, config.kv_quant_group_size, config.max_num_seqs)
+        storage = KVStorage(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
+                            self.kv_format, config.max_num_seqs)
         self.manager = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
                                       config.max_pinned_fraction)
         self.manager.pool.on_empty = storage.release
         # K/V written in another format are not interchangeable: keep their cache chains apart.
-        skip = ",".join(map(str, config.kv_cache_dtype_skip_layers))
-        self.cache_namespace = mc.fingerprint + (
-            f"|kv={config.kv_cache_dtype}/{skip}/{config.kv_quant_group_size}".encode()
-            if config.kv_cache_dtype != "auto" else b"")
+        self.cache_namespace = self.model_config.fingerprint + self.kv_format.namespace
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model.eval(), storage, self.device)
+        self.runner = ModelRunner(built.model, storage, self.device)
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
         token_text = self.tokenizer.token_text if self.tokenizer else str
         self.sampler = Sampler(self.eos_token_ids, token_text, torch.Generator(self.device).manual_seed(config.seed))
@@ -98,15 +65,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                          "prefix_cache_hits": 0, "finished_requests": 0}
-
-    def _pack_weights(self, model: LlamaForCausalLM, loaded) -> int:
-        wanted = self.config.weight_format
-        usable = bool(loaded.int4) and packed_matmul_available(self.device) and self.dtype == torch.bfloat16
-        if wanted == "int4" and not usable:
-            raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
-        if wanted == "dense" or not usable:
-            return 0
-        return model.pack_weights(loaded.int4, PACKED_MAX_ROWS)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -116,8 +74,7 @@ class LLMEngine:
     def _plan_pool(self) -> PoolPlan:
         config = self.config
         gigabytes = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
-        plan = plan_pool(self.model_config, self.dtype, int(gigabytes * 2**30), self.block_size,
-                         config.kv_cache_dtype, config.kv_cache_dtype_skip_layers, config.kv_quant_group_size,
+        plan = plan_pool(self.model_config, self.dtype, int(gigabytes * 2**30), self.block_size, self.kv_format,
                          reserved_seqs=config.max_num_seqs)
         if plan.num_blocks < 1 and config.num_gpu_blocks is None:
             raise ValueError(f"kv_cache_memory_gb={gigabytes} holds less than one block of "
@@ -134,13 +91,16 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids, salt = self._parse_prompt(prompt)
-        params = self._resolve_max_tokens(params, len(token_ids))
+        parsed = self._parse(prompt)
+        root = root_hash(self.cache_namespace, parsed.salt)
+        params = self._resolve_max_tokens(params, parsed.token_ids, root)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
-        namespace = self.cache_namespace
-        request = Request(request_id, text, token_ids, params, root_hash(namespace, salt), arrival_time or time.time())
-        first = Sequence(request, 0, token_ids, self._generator(params, 0))
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is more sequences than max_num_seqs={self.config.max_num_seqs} "
+                             "runs at once")
+        request = Request(request_id, parsed.text, parsed.token_ids, params, root, arrival_time or time.time())
+        first = Sequence(request, 0, parsed.token_ids, self._generator(params, 0))
         self._attach_detokenizer(first)
         request.seqs.append(first)
         self.requests[request_id] = request
@@ -161,9 +121,14 @@ class LLMEngine:
         return request.output()
 
     def pin_prefix(self, prompt: PromptType) -> int:
-        """Keep a computed prompt prefix's full blocks cached until `unpin_prefix`; returns tokens pinned."""
+        """Keep a computed prompt prefix's full blocks cached until `unpin_prefix`; returns tokens pinned.
+
+        Refused (ValueError) if what stays unpinned could no longer hold a request in flight.
+        """
         token_ids, root = self._prefix_key(prompt)
-        return self.manager.pin(token_ids, root)
+        in_flight = (blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, self.block_size)
+                     for r in self.requests.values())
+        return self.manager.pin(token_ids, root, keep_free=max(in_flight, default=0))
 
     def unpin_prefix(self, prompt: PromptType) -> int:
         """Release a pinned prefix to normal LRU eviction; returns tokens unpinned (0 if not pinned)."""
@@ -173,41 +138,20 @@ class LLMEngine:
     def _prefix_key(self, prompt: PromptType) -> tuple[list[int], bytes]:
         if not self.config.enable_prefix_caching:
             raise ValueError("pinning needs enable_prefix_caching=True")
-        _, token_ids, salt = self._parse_prompt(prompt)
-        if len(token_ids) < self.block_size:
-            raise ValueError(f"a prefix of {len(token_ids)} tokens fills no block of {self.block_size}; nothing to pin")
-        return token_ids, root_hash(self.cache_namespace, salt)
+        parsed = self._parse(prompt)
+        if len(parsed.token_ids) < self.block_size:
+            raise ValueError(f"a prefix of {len(parsed.token_ids)} tokens fills no block of {self.block_size}; "
+                             "nothing to pin")
+        return parsed.token_ids, root_hash(self.cache_namespace, parsed.salt)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
-        salt = None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-            if unknown:
-                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}")
-            salt = prompt.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError(f"cache_salt={salt!r} must be a string")
-            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            text, token_ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty: it must have at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        return text, token_ids, salt
+    def _parse(self, prompt: PromptType) -> ParsedPrompt:
+        return parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
-    def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _resolve_max_tokens(self, params: SamplingParams, token_ids: list[int], root: bytes) -> SamplingParams:
+        prompt_len = len(token_ids)
         limit = self.max_model_len
         if prompt_len >= limit:
             raise ValueError(f"prompt has {prompt_len} tokens; max_model_len={limit} leaves no room to generate")
@@ -220,6 +164,12 @@ class LLMEngine:
         if needed > self.num_blocks:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks "
                              f"but the pool has only {self.num_blocks}")
+        usable = self.manager.usable_blocks(token_ids, root)
+        if needed > usable:
+            pinned = len(self.manager.pinned_blocks)
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks "
+                             f"but only {usable} of the pool's {self.num_blocks} can hold it: {pinned} are pinned "
+                             "(unpin a prefix or lower max_tokens)")
         return params
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -238,6 +188,11 @@ class LLMEngine:
         """Run one batch; returns the (cumulative) outputs of requests that made progress."""
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.waiting:
+                # Admission checks make this unreachable; failing beats a caller spinning on step().
+                raise RuntimeError(f"{len(self.scheduler.waiting)} sequences wait but none can be scheduled "
+                                   f"({self.manager.num_free_blocks} of {self.num_blocks} blocks free, "
+                                   f"{len(self.manager.pinned_blocks)} pinned)")
             return []
         copies, self.manager.pending_copies = self.manager.pending_copies, []
         try:
@@ -321,41 +276,16 @@ class LLMEngine:
             seq.cumulative_logprob += sample.logprob
         new_text = seq.detokenizer.push([token]) if seq.detokenizer is not None else ""
         seq.text += new_text
-        reason = self._stop_reason(seq, token, len(new_text))
+        reason = seq.check_stop(token, len(new_text), self.eos_token_ids, self.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             self.scheduler.finish(seq)
-
-    def _stop_reason(self, seq: Sequence, token: int, new_len: int) -> tuple[str, int | str | None] | None:
-        params = seq.params
-        if seq.num_output_tokens > params.min_tokens:
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            for stop in params.stop_strings:
-                index = seq.text.find(stop, max(0, len(seq.text) - new_len - len(stop) + 1))
-                if index >= 0:
-                    seq.text = seq.text[:index + (len(stop) if params.include_stop_str_in_output else 0)]
-                    return "stop", stop
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None
 
     # --- introspection ------------------------------------------------------------------------
 
     def block_states(self) -> bytes:
         """One byte per KV block: 0 free (empty), 1 in use, 2 cached and evictable, 3 pinned."""
-        states = bytearray(self.num_blocks)
-        pool = self.manager.pool
-        for block_id in pool.cached:
-            states[block_id] = 2
-        for block in pool.blocks:
-            if block.ref_count:
-                states[block.block_id] = 1
-        for block_id in self.manager.pinned_blocks:
-            states[block_id] = 3
-        return bytes(states)
+        return self.manager.block_states()
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges: prefix-cache hit rate, pool usage, queue depths, preemptions."""

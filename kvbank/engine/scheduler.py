@@ -1,8 +1,10 @@
 """Continuous batching: which sequences compute how many tokens this step.
 
 Running sequences go first in arrival order (decodes and unfinished prefill chunks alike), then
-waiting ones are admitted FCFS while the token budget, `max_num_seqs` and the pool allow. When a
-running sequence cannot grow, the newest running sequence is preempted by recompute.
+waiting ones are admitted FCFS while the token budget, `max_num_seqs` and the pool allow. A
+request with `n > 1` runs as one sequence until its prompt is done and then forks, so it is
+admitted only with room for all n. When a running sequence cannot grow, the newest running
+sequence is preempted by recompute.
 """
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequences running now, counting the siblings unforked requests will fork into."""
+        return sum(map(_slots, self.running))
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
@@ -61,10 +65,12 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        slots = self.num_seq_slots
+        while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.manager.can_allocate(seq):
+            if slots + _slots(seq) > self.max_num_seqs or not self.manager.can_allocate(seq):
                 break
+            slots += _slots(seq)
             self.waiting.popleft()
             self.manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
@@ -93,3 +99,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _slots(seq: Sequence) -> int:
+    return 1 if seq.request.forked else seq.request.params.n

@@ -81,6 +81,25 @@ class Sequence:
         child.status = self.status
         return child
 
+    def check_stop(self, token: int, new_len: int, eos_token_ids: frozenset[int],
+                    max_model_len: int) -> tuple[str, int | str | None] | None:
+        """(finish reason, stop reason) once `token`, just appended with `new_len` new characters, ends
+        the sequence; None while it goes on. A matched stop string is cut from the text here."""
+        params = self.params
+        if self.num_output_tokens > params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in eos_token_ids:
+                return "stop", None
+            for stop in params.stop_strings:
+                index = self.text.find(stop, max(0, len(self.text) - new_len - len(stop) + 1))
+                if index >= 0:
+                    self.text = self.text[:index + (len(stop) if params.include_stop_str_in_output else 0)]
+                    return "stop", stop
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length", None
+        return None
+
     def settled_text(self) -> str:
         """The text later steps can no longer change.
 
