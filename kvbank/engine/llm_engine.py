@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvbank import kernels
+from kvbank import kernels, memory
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
@@ -21,13 +21,10 @@ from kvbank.engine.runner import ModelRunner, StepLogits
 from kvbank.engine.sampler import Sampled, Sampler, token_logprobs
 from kvbank.engine.scheduler import ScheduledSeq, Scheduler
 from kvbank.engine.sequence import Request, Sequence
-from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import load_model
-from kvbank.models.packed import packed_matmul_available
 from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
-DEFAULT_KV_CACHE_GB = 1.0
 # Up to this many tokens in a step, 4-bit weights beat dense bfloat16 on a CPU (bench/throughput.py).
 PACKED_MAX_ROWS = 8
 
@@ -55,6 +52,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if config.device == "cpu":
             keep_freed_memory()
+        load_peak = memory.PeakTracker()
         loaded = load_model(config.model, progress)
         self.model_config = mc = loaded.config
         self.model_path = loaded.path
@@ -66,10 +64,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         mc.max_position_embeddings = self.max_model_len
-        with torch.device("meta"):
-            model = LlamaForCausalLM(mc)
-        model.load_weights({k: v.to(self.device) for k, v in loaded.state_dict.items()}, self.dtype)
-        self.packed_layers = self._pack_weights(model, loaded)
+        model, self.packed_layers = memory.build_model(mc, {k: v.to(self.device) for k, v in loaded.state_dict.items()},
+                                                       loaded.int4, config, self.dtype, PACKED_MAX_ROWS)
+        load_peak.stop()
         # CPU half-precision matmuls cache a kernel per row count (models/llama.padded_rows).
         model.pad_rows = self.device.type == "cpu" and self.dtype != torch.float32
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -98,15 +95,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                          "prefix_cache_hits": 0, "finished_requests": 0}
-
-    def _pack_weights(self, model: LlamaForCausalLM, loaded) -> int:
-        wanted = self.config.weight_format
-        usable = bool(loaded.int4) and packed_matmul_available(self.device) and self.dtype == torch.bfloat16
-        if wanted == "int4" and not usable:
-            raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
-        if wanted == "dense" or not usable:
-            return 0
-        return model.pack_weights(loaded.int4, PACKED_MAX_ROWS)
+        self.memory = memory.measure(self, load_peak.peak)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -115,7 +104,7 @@ class LLMEngine:
 
     def _plan_pool(self) -> PoolPlan:
         config = self.config
-        gigabytes = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
+        gigabytes = config.kv_cache_memory_gb
         plan = plan_pool(self.model_config, self.dtype, int(gigabytes * 2**30), self.block_size,
                          config.kv_cache_dtype, config.kv_cache_dtype_skip_layers, config.kv_quant_group_size,
                          reserved_seqs=config.max_num_seqs)
