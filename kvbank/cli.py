@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import uvicorn
 
 from kvbank import memory
@@ -336,7 +335,8 @@ def _engine_flags() -> argparse.ArgumentParser:
 
 def _add_config_flag(group, config_field: dataclasses.Field, aliases: Sequence[str] = ()) -> None:
     meta = config_field.metadata
-    _add_flag(group, config_field.name, _ENGINE_TYPES[config_field.name], config_field.default, meta["help"],
+    help_text = meta.get("help", config_field.name.replace("_", " "))
+    _add_flag(group, config_field.name, _ENGINE_TYPES[config_field.name], config_field.default, help_text,
               choices=meta.get("choices"), metavar=meta.get("metavar"), default_text=meta.get("default_text"),
               aliases=aliases)
 

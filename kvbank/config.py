@@ -21,9 +21,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 _WEIGHT_FORMATS = ("auto", "dense", "int4")
 
 
-def option(default: Any, help: str, **metadata: Any) -> Any:
+def option(default: Any, help_text: str, **metadata: Any) -> Any:
     """A config field with its command-line help; see the module docstring for the metadata keys."""
-    return field(default=default, metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help_text, **metadata})
 
 
 @dataclass

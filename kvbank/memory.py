@@ -108,6 +108,8 @@ def weight_parts(model: LlamaForCausalLM) -> dict[str, int]:
 
 
 def _classified_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    # The first part to name a storage gets it: the specific parts come first, then every
+    # tensor of the model, so whatever is left (projections, norms, biases) counts as dense.
     yield "embeddings", model.embed_tokens.weight
     yield "lm_head", model.lm_head.weight
     yield "rope_tables", model.rope_cos
