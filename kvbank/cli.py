@@ -6,19 +6,22 @@ import dataclasses
 import json
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
 import uvicorn
 
+from kvbank import memory
 from kvbank.cache.quant import KV_CACHE_DTYPES
 from kvbank.cache.storage import plan_pool
 from kvbank.config import EngineConfig
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
-from kvbank.models.loader import describe_model
+from kvbank.models.loader import BUNDLED_FILE, describe_model
 from kvbank.server.api import ServerLimits, build_app
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.tokenizer import Tokenizer
@@ -26,8 +29,10 @@ from kvbank.tokenizer import Tokenizer
 CLI_DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_QUEUED = 512
 DEFAULT_MAX_N = 16
-_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-_SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
+_ENGINE_TYPES = typing.get_type_hints(EngineConfig)
+_SAMPLING_TYPES = typing.get_type_hints(SamplingParams)
+# `kvbank plan` has spelled the pool's size --memory-gb from the start.
+_PLAN_ALIASES = {"kv_cache_memory_gb": ("--memory-gb",)}
 
 
 class ChatSession:
@@ -125,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
     for file in args.pin_prompt:
         pinned = llm.pin_prefix(Path(file).read_text())
         print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
-    name = args.served_model_name or args.model or Path(llm.engine.model_path).stem
+    name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
     async_engine = AsyncEngine(llm.engine)
     app = build_app(async_engine, name, limits)
     url = f"http://{args.host}:{args.port}"
@@ -146,44 +151,61 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    info = describe_model(args.model)
-    config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", block_size=args.block_size,
-                          max_num_seqs=args.max_num_seqs, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
-                          kv_quant_group_size=args.kv_quant_group_size)
+    config = EngineConfig(**{name: getattr(args, name) for name in _plan_options()})
+    info = describe_model(config.model)
+    predicted = memory.predict(config)
     dtype = config.torch_dtype
-    context = args.context_len or info.config.max_position_embeddings
-    budget = int(args.memory_gb * 2**30)
-    rows = []
-    for kv in KV_CACHE_DTYPES:
-        plan = plan_pool(info.config, dtype, budget, args.block_size, kv, config.kv_cache_dtype_skip_layers,
-                         config.kv_quant_group_size, reserved_seqs=args.max_num_seqs)
-        per_seq = -(-context // args.block_size)
-        rows.append({"kv_cache_dtype": kv, "bytes_per_token": plan.bytes_per_token,
-                     "residual_bytes_per_seq": plan.residual_bytes_per_seq, "num_blocks": plan.num_blocks,
-                     "num_tokens": plan.num_tokens,
-                     "sequences": min(args.max_num_seqs, plan.num_blocks // per_seq),
-                     "max_sequences": plan.sequences_that_fit(context)})
-    full = rows[0]["bytes_per_token"]
-    weights = info.num_params * torch.empty(0, dtype=dtype).element_size()
+    context = args.context_len or config.max_model_len or info.config.max_position_embeddings
+    budget = int(config.kv_cache_memory_gb * 2**30)
+    rows = [_plan_row(info.config, config, kv, context) for kv in KV_CACHE_DTYPES]
     if args.json:
         print(json.dumps({"model": info.path, "num_params": info.num_params, "file_bytes": info.file_bytes,
-                          "weights_bytes": weights, "dtype": str(dtype).removeprefix("torch."),
-                          "memory_bytes": budget, "context_len": context, "block_size": args.block_size,
-                          "max_num_seqs": args.max_num_seqs, "rows": rows}, indent=1))
+                          "dtype": str(dtype).removeprefix("torch."), "device": config.device,
+                          "weight_format": config.weight_format, "kv_cache_dtype": config.kv_cache_dtype,
+                          "memory": {**predicted.parts(), "total": predicted.total,
+                                     "load_peak": predicted.load_peak},
+                          "tied_embeddings": predicted.tied_embeddings, "memory_bytes": budget,
+                          "context_len": context, "block_size": config.block_size,
+                          "max_num_seqs": config.max_num_seqs, "rows": rows}, indent=1))
         return 0
-    print(f"model    {info.config.name}: {info.num_params / 1e6:.1f}M parameters, file {_mib(info.file_bytes)}, "
-          f"weights at {str(dtype).removeprefix('torch.')} {_mib(weights)}")
-    print(f"KV pool  {_mib(budget)}, blocks of {args.block_size} tokens, context {context} tokens; "
+    print(f"model    {info.config.name}: {info.num_params / 1e6:.1f}M parameters, file {_mib(info.file_bytes)}; "
+          f"{str(dtype).removeprefix('torch.')} on {config.device}, --weight-format {config.weight_format}, "
+          f"--kv-cache-dtype {config.kv_cache_dtype}")
+    print("\n".join(predicted.lines()))
+    print()
+    print(f"KV pool  {_mib(budget)}, blocks of {config.block_size} tokens, context {context} tokens; "
           f"{info.config.num_layers} layers x {info.config.num_kv_heads} KV heads x {info.config.head_dim} dims")
     print(f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'vs auto':>9}{'residual/seq':>14}{'tokens':>11}"
           f"{'seqs':>7}{'max seqs':>10}")
+    full = rows[0]["bytes_per_token"]
     for row in rows:
         print(f"{row['kv_cache_dtype']:<15}{row['bytes_per_token']:>12.1f}{row['bytes_per_token'] / full:>8.3f}x"
               f"{_mib(row['residual_bytes_per_seq']):>14}{row['num_tokens']:>11}{row['sequences']:>7}"
               f"{row['max_sequences']:>10}")
-    print(f"seqs: full-length sequences at --max-num-seqs {args.max_num_seqs} (int4/int2 reserve one residual "
+    print(f"seqs: full-length sequences at --max-num-seqs {config.max_num_seqs} (int4/int2 reserve one residual "
           "block per sequence); max seqs: with --max-num-seqs set to that number")
     return 0
+
+
+def _plan_options() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("plan", True)]
+
+
+def _plan_row(model_config, config: EngineConfig, kv: str, context: int) -> dict[str, Any]:
+    plan = plan_pool(model_config, config.torch_dtype, int(config.kv_cache_memory_gb * 2**30), config.block_size,
+                     dataclasses.replace(config.kv_format, dtype=kv),
+                     reserved_seqs=config.max_num_seqs)
+    per_seq = -(-context // config.block_size)
+    return {"kv_cache_dtype": kv, "bytes_per_token": plan.bytes_per_token,
+            "residual_bytes_per_seq": plan.residual_bytes_per_seq, "num_blocks": plan.num_blocks,
+            "num_tokens": plan.num_tokens, "sequences": min(config.max_num_seqs, plan.num_blocks // per_seq),
+            "max_sequences": plan.sequences_that_fit(context)}
+
+
+def served_model_name(flag: str | None, model: str | None, model_path: str) -> str:
+    """The name clients send: --served-model-name, else --model exactly as given (as in vLLM),
+    else (the bundled model) its file name without the extension."""
+    return flag or model or Path(model_path).stem
 
 
 def _mib(n: float) -> str:
@@ -206,19 +228,17 @@ class _GracefulServer(uvicorn.Server):
 # --- helpers -------------------------------------------------------------------------------------
 
 def _load(args: argparse.Namespace) -> LLM:
-    engine_args = {name: getattr(args, name) for name in _ENGINE_DEFAULTS}
-    llm = LLM(**engine_args, show_progress=True)
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    llm = LLM(args.model, **options, show_progress=True)
     engine = llm.engine
     print(f"KV cache: {engine.num_blocks} blocks of {engine.block_size} tokens, {args.kv_cache_dtype}, "
-          f"{engine.kv_bytes_per_token:.0f} bytes per token", file=sys.stderr, flush=True)
+          f"{engine.kv_bytes_per_token:.0f} bytes per token", file=sys.stderr)
+    print("\n".join(f"memory: {line}" for line in engine.memory.lines()), file=sys.stderr, flush=True)
     return llm
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
+    return SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_HELP})
 
 
 def _print_streamed(llm: LLM, prompt: str | list[int], params: SamplingParams) -> RequestOutput:
@@ -259,8 +279,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                 description="Serve /v1/completions, /v1/chat/completions and /v1/models.")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--served-model-name", help="the model name clients send (default: --model, or the "
-                                                   "bundled model's file name)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: the --model value as "
+                                                   "given, as in vLLM; for the bundled model, its file name "
+                                                   f"{Path(BUNDLED_FILE).stem})")
     serve.add_argument("--pin-prompt", action="append", default=[], metavar="FILE",
                        help="compute this file's text once and keep it cached (repeatable); the text must be "
                             "exactly how prompts begin, e.g. a system turn rendered with the chat template")
@@ -281,20 +302,19 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="uvicorn's log level (default: %(default)s)")
     _bind(serve, _serve)
 
-    plan = commands.add_parser("plan", help="how much KV cache fits in a memory budget",
-                               description="For a model, a KV memory budget and a context length: weight bytes, "
-                                           "KV bytes per token for every --kv-cache-dtype, and how many tokens and "
-                                           "full-length sequences fit. The engine sizes its pool the same way.")
-    plan.add_argument("--model", help="a .gguf file or a Hugging Face model folder (default: the bundled model)")
-    plan.add_argument("--memory-gb", type=float, default=1.0, help="KV pool budget in GiB (default: %(default)s)")
-    plan.add_argument("--context-len", type=int, help="tokens per sequence (default: the model's context length)")
-    plan.add_argument("--dtype", default="auto", help="model dtype: auto (bfloat16), bfloat16 or float32")
-    d = _ENGINE_DEFAULTS
-    plan.add_argument("--block-size", type=int, default=d["block_size"], help="(default: %(default)s)")
-    plan.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
-                      help="sequences the engine reserves int4/int2 residual blocks for (default: %(default)s)")
-    plan.add_argument("--kv-cache-dtype-skip-layers", type=_layer_list, default=(), metavar="I,J,...")
-    plan.add_argument("--kv-quant-group-size", type=int, default=d["kv_quant_group_size"])
+    plan = commands.add_parser("plan", help="where memory goes, and how much KV cache fits",
+                               description="From the model's metadata alone: the memory the engine will hold, "
+                                           "part by part (packed and dense weights, embeddings, LM head, KV pool, "
+                                           "residual slots) and the peak while loading; then KV bytes per token "
+                                           "for every --kv-cache-dtype and how many tokens and full-length "
+                                           "sequences fit. The engine builds its model and sizes its pool the "
+                                           "same way.")
+    group = plan.add_argument_group("engine (the options that change these numbers)")
+    for config_field in dataclasses.fields(EngineConfig):
+        if config_field.name in _plan_options():
+            _add_config_flag(group, config_field, aliases=_PLAN_ALIASES.get(config_field.name, ()))
+    plan.add_argument("--context-len", type=int, help="tokens per sequence (default: --max-model-len, else the "
+                                                      "model's context length)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _bind(plan, _plan)
     return parser
@@ -307,67 +327,79 @@ def _bind(parser: argparse.ArgumentParser, command: Callable[[argparse.Namespace
 def _engine_flags() -> argparse.ArgumentParser:
     flags = argparse.ArgumentParser(add_help=False)
     group = flags.add_argument_group("engine")
-    d = _ENGINE_DEFAULTS
-    group.add_argument("--model", default=d["model"],
-                       help="a .gguf file or a Hugging Face model folder (default: bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", default=d["dtype"], help="auto (bfloat16), bfloat16, float16 or float32 "
-                                                           "(default: %(default)s)")
-    group.add_argument("--device", default=d["device"], help="cpu, cuda, cuda:N or auto (default: %(default)s)")
-    group.add_argument("--block-size", type=int, default=d["block_size"],
-                       help="tokens per KV block (default: %(default)s)")
-    group.add_argument("--kv-cache-memory-gb", type=float, default=d["kv_cache_memory_gb"],
-                       help="memory for the KV pool in GiB (default: 1)")
-    group.add_argument("--num-gpu-blocks", type=int, default=d["num_gpu_blocks"],
-                       help="size the KV pool in blocks instead of memory")
-    group.add_argument("--max-model-len", type=int, default=d["max_model_len"],
-                       help="context limit in tokens (default: the model's)")
-    group.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
-                       help="most sequences in one batch (default: %(default)s)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
-                       help="most tokens in one step (default: %(default)s)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d["enable_prefix_caching"], help="reuse KV blocks of shared prefixes "
-                                                                "(default: on)")
-    group.add_argument("--max-pinned-fraction", type=float, default=d["max_pinned_fraction"],
-                       help="most of the KV pool pinned prefixes may hold (default: %(default)s)")
-    group.add_argument("--weight-format", choices=("auto", "dense", "int4"), default=d["weight_format"],
-                       help="auto keeps a GGUF's 4-bit weights 4-bit for small batches in bfloat16 on CPU; "
-                            "dense dequantizes everything (default: %(default)s)")
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d["kv_cache_dtype"],
-                       help="how the KV pool stores keys and values; auto is the model dtype (default: %(default)s)")
-    group.add_argument("--kv-cache-dtype-skip-layers", type=_layer_list, default=d["kv_cache_dtype_skip_layers"],
-                       metavar="I,J,...", help="layers kept in the model dtype, e.g. 0,-1 (default: none)")
-    group.add_argument("--kv-quant-group-size", type=int, default=d["kv_quant_group_size"],
-                       help="channels sharing one scale in int4/int2 values (default: %(default)s)")
-    group.add_argument("--seed", type=int, default=d["seed"], help="random seed (default: %(default)s)")
+    for config_field in dataclasses.fields(EngineConfig):
+        _add_config_flag(group, config_field)
     return flags
 
 
-def _layer_list(text: str) -> tuple[int, ...]:
+def _add_config_flag(group, config_field: dataclasses.Field, aliases: Sequence[str] = ()) -> None:
+    meta = config_field.metadata
+    help_text = meta.get("help", config_field.name.replace("_", " "))
+    _add_flag(group, config_field.name, _ENGINE_TYPES[config_field.name], config_field.default, help_text,
+              choices=meta.get("choices"), metavar=meta.get("metavar"), default_text=meta.get("default_text"),
+              aliases=aliases)
+
+
+def _add_flag(group, name: str, hint: Any, default: Any, help_text: str, *, choices: Sequence[str] | None = None,
+              metavar: str | None = None, default_text: str | None = None, aliases: Sequence[str] = ()) -> None:
+    """One `--kebab-case` flag for a field, its kind read from the field's type."""
+    shown = "%(default)s" if default_text is None else default_text.replace("%", "%%")
+    kwargs: dict[str, Any] = {"dest": name, "default": default, "help": f"{help_text.replace('%', '%%')} "
+                                                                         f"(default: {shown})"}
+    union = typing.get_origin(hint) in (types.UnionType, typing.Union)
+    kinds = {arg for arg in typing.get_args(hint) if arg is not type(None)} if union else {hint}
+    if kinds == {bool}:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif any(typing.get_origin(kind) in (tuple, list) and typing.get_args(kind)[0] is int for kind in kinds):
+        kwargs.update(type=_int_list, metavar=metavar or "I,J,...")
+    elif any(typing.get_origin(kind) is list for kind in kinds):
+        kwargs["action"] = "append"  # repeatable, e.g. --stop A --stop B
+    else:
+        (kind,) = kinds
+        kwargs.update(type=kind, choices=choices, metavar=metavar)
+    group.add_argument("--" + name.replace("_", "-"), *aliases, **kwargs)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+# What each SamplingParams field means on the command line. Every field is here or in
+# _SAMPLING_NOT_ON_CLI (tests/test_cli.py checks), so the flags follow SamplingParams.
+_SAMPLING_HELP = {
+    "temperature": "0 is greedy",
+    "top_p": "nucleus sampling: sample from the most likely tokens that hold this much probability",
+    "top_k": "sample from the k most likely tokens; 0 or -1 keeps all",
+    "min_p": "drop tokens less likely than this fraction of the most likely one",
+    "presence_penalty": "lower (or, negative, raise) the logits of tokens already in the output",
+    "frequency_penalty": "like --presence-penalty, scaled by how often the token occurred",
+    "repetition_penalty": "divide positive (multiply negative) logits of tokens seen in prompt or output",
+    "max_tokens": "most tokens to generate",
+    "min_tokens": "tokens to generate before EOS or a stop may end the reply",
+    "stop": "a string that ends the reply (repeatable)",
+    "stop_token_ids": "token ids that end the reply, e.g. 2,7",
+    "include_stop_str_in_output": "keep the stop string that ended the reply",
+    "ignore_eos": "keep generating past the end-of-sequence token",
+    "skip_special_tokens": "leave special tokens out of the printed text",
+}
+_SAMPLING_NOT_ON_CLI = {
+    "n": "the terminal shows one reply",
+    "seed": "--seed seeds the sampler of the one engine a command runs",
+    "logprobs": "the terminal prints text only",
+    "prompt_logprobs": "the terminal prints text only",
+}
+_SAMPLING_DEFAULT_TEXT = {"stop": "none", "stop_token_ids": "none"}
 
 
 def _sampling_flags() -> argparse.ArgumentParser:
     flags = argparse.ArgumentParser(add_help=False)
     group = flags.add_argument_group("sampling")
-    d = _SAMPLING_DEFAULTS
-    group.add_argument("--max-tokens", type=int, default=CLI_DEFAULT_MAX_TOKENS,
-                       help="most tokens to generate (default: %(default)s)")
-    group.add_argument("--min-tokens", type=int, default=d["min_tokens"],
-                       help="tokens to generate before EOS or a stop may end the reply (default: %(default)s)")
-    group.add_argument("--temperature", type=float, default=d["temperature"],
-                       help="0 is greedy (default: %(default)s)")
-    group.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus sampling mass (default: %(default)s)")
-    group.add_argument("--top-k", type=int, default=d["top_k"], help="0 disables (default: %(default)s)")
-    group.add_argument("--min-p", type=float, default=d["min_p"], help="(default: %(default)s)")
-    group.add_argument("--presence-penalty", type=float, default=d["presence_penalty"], help="(default: %(default)s)")
-    group.add_argument("--frequency-penalty", type=float, default=d["frequency_penalty"],
-                       help="(default: %(default)s)")
-    group.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"],
-                       help="(default: %(default)s)")
-    group.add_argument("--stop", action="append", help="a string that ends the reply (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    for param in dataclasses.fields(SamplingParams):
+        if param.name in _SAMPLING_HELP:
+            default = CLI_DEFAULT_MAX_TOKENS if param.name == "max_tokens" else param.default
+            _add_flag(group, param.name, _SAMPLING_TYPES[param.name], default, _SAMPLING_HELP[param.name],
+                      default_text=_SAMPLING_DEFAULT_TEXT.get(param.name))
     return flags

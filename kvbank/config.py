@@ -1,12 +1,20 @@
-"""Engine configuration, validated when it is built so mistakes surface before any model loads."""
+"""Engine configuration, validated when it is built so mistakes surface before any model loads.
+
+`EngineConfig` is the one place engine options and their defaults live: `LLM(model, **kw)`
+builds it, and the `kvbank` command generates its flags from the fields and their metadata
+(`help`, and optionally `choices`, `metavar`, `default_text` for a default that is not a value,
+and `plan=False` for options that change none of the numbers `kvbank plan` prints).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvbank.cache.format import KVFormat
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES
+from kvbank.models.packed import packed_matmul_available
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -14,35 +22,49 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 _WEIGHT_FORMATS = ("auto", "dense", "int4")
 
 
+def option(default: Any, help_text: str, **metadata: Any) -> Any:
+    """A config field with its command-line help; see the module docstring for the metadata keys."""
+    return field(default=default, metadata={"help": help_text, **metadata})
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know before it loads a model.
 
-    `model=None` means the bundled SmolLM2-135M-Instruct GGUF. Sizes of the KV pool come from
-    `num_gpu_blocks` when given, else from `kv_cache_memory_gb`. `weight_format` "auto" keeps a
-    GGUF's 4-bit weights 4-bit for small batches when running bfloat16 on a CPU ("int4" demands
+    `model=None` means the bundled SmolLM2-135M-Instruct GGUF. The KV pool holds `num_gpu_blocks`
+    blocks when given, else as many as fit in `kv_cache_memory_gb`. `weight_format` "auto" keeps
+    a GGUF's 4-bit weights 4-bit for small batches when running bfloat16 on a CPU ("int4" demands
     it, "dense" turns it off); float32 always runs dense, exactly like the reference.
     `kv_cache_dtype` is how the KV pool stores keys and values (see kvbank.cache.quant); the
     layers in `kv_cache_dtype_skip_layers` stay in the model dtype; `kv_quant_group_size` is the
     number of channels that share a scale in int4/int2 values.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory_gb: float | None = None
-    num_gpu_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    max_pinned_fraction: float = 0.5
-    weight_format: str = "auto"
-    kv_cache_dtype: str = "auto"
-    kv_cache_dtype_skip_layers: tuple[int, ...] = ()
-    kv_quant_group_size: int = DEFAULT_GROUP_SIZE
-    seed: int = 0
+    model: str | None = option(None, "a .gguf file or a Hugging Face model folder",
+                               default_text="the bundled SmolLM2-135M-Instruct")
+    dtype: str = option("auto", "weights and activations; auto is bfloat16 (float16 is refused on CPU)",
+                        choices=("auto", *_DTYPES))
+    device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory_gb: float = option(1.0, "memory for the KV pool in GiB")
+    num_gpu_blocks: int | None = option(None, "size the KV pool in blocks instead of memory",
+                                        default_text="from --kv-cache-memory-gb")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens",
+                                       default_text="the model's context length")
+    max_num_seqs: int = option(64, "most sequences running at once (int4/int2 reserve a residual slot for each)")
+    max_num_batched_tokens: int = option(2048, "most tokens in one step; longer prompts prefill in chunks",
+                                         plan=False)
+    enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prefixes", plan=False)
+    max_pinned_fraction: float = option(0.5, "most of the KV pool that pinned prefixes may hold", plan=False)
+    weight_format: str = option("auto", "auto keeps a GGUF's Q4_0/Q4_1 weights 4-bit for steps of at most 8 "
+                                "tokens in bfloat16 on CPU; dense dequantizes everything; int4 requires the "
+                                "4-bit path", choices=_WEIGHT_FORMATS)
+    kv_cache_dtype: str = option("auto", "how the KV pool stores keys and values; auto is the model dtype",
+                                 choices=KV_CACHE_DTYPES)
+    kv_cache_dtype_skip_layers: tuple[int, ...] = option((), "layers kept in the model dtype, e.g. 0,-1",
+                                                         metavar="I,J,...", default_text="none")
+    kv_quant_group_size: int = option(DEFAULT_GROUP_SIZE, "channels sharing one scale in int4/int2 values")
+    seed: int = option(0, "seed of the sampler (a request's own seed overrides it)", plan=False)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -55,12 +77,8 @@ class EngineConfig:
             raise ValueError("dtype=float16 is far too slow on CPU; use bfloat16 or float32")
         if self.weight_format not in _WEIGHT_FORMATS:
             raise ValueError(f"weight_format={self.weight_format!r} is not one of {', '.join(_WEIGHT_FORMATS)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
-        if not all(isinstance(i, int) for i in self.kv_cache_dtype_skip_layers):
-            raise ValueError(f"kv_cache_dtype_skip_layers={self.kv_cache_dtype_skip_layers!r} must be layer indices")
-        _require_positive("kv_quant_group_size", self.kv_quant_group_size)
+        KVFormat(self.kv_cache_dtype, self.kv_cache_dtype_skip_layers, self.kv_quant_group_size)  # raises if bad
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction={self.max_pinned_fraction} must be in [0, 1]")
         _require_positive("block_size", self.block_size)
@@ -68,8 +86,8 @@ class EngineConfig:
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_gpu_blocks is not None:
             _require_positive("num_gpu_blocks", self.num_gpu_blocks)
-        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be > 0")
+        if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         if self.max_model_len is not None:
             _require_positive("max_model_len", self.max_model_len)
 
@@ -82,6 +100,17 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype weights and activations run in: bfloat16 unless asked otherwise."""
         return torch.bfloat16 if self.dtype == "auto" else _DTYPES[self.dtype]
+
+    def packs_int4_weights(self, has_int4_weights: bool) -> bool:
+        """Whether the engine keeps a model's 4-bit GGUF weights 4-bit (see `weight_format`).
+
+        Raises ValueError when `weight_format="int4"` asks for what this model or device cannot do.
+        """
+        usable = (has_int4_weights and packed_matmul_available(torch.device(self.device))
+                  and self.torch_dtype == torch.bfloat16)
+        if self.weight_format == "int4" and not usable:
+            raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
+        return usable and self.weight_format != "dense"
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -1,7 +1,14 @@
-"""The `kvbank` command line, run as real `python -m kvbank` processes."""
+"""The `kvbank` command line: real `python -m kvbank` processes, and its flags parsed in process."""
+import dataclasses
 import re
 import subprocess
 import sys
+
+import pytest
+
+from kvbank import LLM, cli
+from kvbank.config import EngineConfig
+from kvbank.engine.params import SamplingParams
 
 BLOCK_SIZE = 16
 STATUS = re.compile(r"\[cached (\d+)/(\d+) prompt tokens, TTFT (\d+) ms\]")
@@ -59,3 +66,105 @@ def test_bad_kv_cache_dtype_is_refused_by_every_command(kvbank_env):
         result = _kvbank(kvbank_env, *args, "--kv-cache-dtype", "int3")
         assert result.returncode == 2
         assert "invalid choice: 'int3'" in result.stderr and "int4" in result.stderr
+
+
+# --- options generated from EngineConfig and SamplingParams --------------------------------------
+
+def test_every_sampling_param_is_a_flag_or_says_why_not():
+    fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+    assert fields == set(cli._SAMPLING_HELP) | set(cli._SAMPLING_NOT_ON_CLI)
+
+
+def test_sampling_flags_become_the_sampling_params():
+    args = cli._build_parser().parse_args([
+        "generate", "Hi", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1",
+        "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--repetition-penalty", "1.1",
+        "--max-tokens", "7", "--min-tokens", "2", "--stop", "a", "--stop", "b", "--stop-token-ids", "2,7",
+        "--include-stop-str-in-output", "--ignore-eos", "--no-skip-special-tokens"])
+    assert cli._sampling_params(args) == SamplingParams(
+        temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.1, max_tokens=7, min_tokens=2, stop=["a", "b"], stop_token_ids=[2, 7],
+        include_stop_str_in_output=True, ignore_eos=True, skip_special_tokens=False)
+    defaults = cli._sampling_params(cli._build_parser().parse_args(["chat"]))
+    assert defaults == SamplingParams(max_tokens=cli.CLI_DEFAULT_MAX_TOKENS)
+
+
+def test_every_engine_option_is_a_flag_of_every_engine_command():
+    parser = cli._build_parser()
+    for command in (["generate", "Hi"], ["chat"], ["serve"]):
+        args = parser.parse_args([*command, "--no-enable-prefix-caching", "--kv-cache-dtype-skip-layers", "0,-1"])
+        config = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+        assert config == {**_defaults(EngineConfig), "enable_prefix_caching": False,
+                          "kv_cache_dtype_skip_layers": (0, -1)}
+
+
+def test_plan_takes_the_options_that_change_its_numbers():
+    args = cli._build_parser().parse_args(["plan", "--memory-gb", "0.5", "--weight-format", "dense", "--dtype",
+                                           "float32", "--kv-cache-dtype", "int4", "--max-model-len", "1024",
+                                           "--num-gpu-blocks", "8", "--device", "cpu"])
+    assert (args.kv_cache_memory_gb, args.weight_format, args.dtype, args.kv_cache_dtype, args.max_model_len,
+            args.num_gpu_blocks) == (0.5, "dense", "float32", "int4", 1024, 8)
+    assert not hasattr(args, "seed") and not hasattr(args, "enable_prefix_caching")
+
+
+def test_llm_names_an_unknown_option_before_loading():
+    with pytest.raises(TypeError, match="kv_cache_dtpye"):
+        LLM(kv_cache_dtpye="int4")
+
+
+def test_served_model_name_is_the_model_as_given_like_vllm():
+    assert cli.served_model_name(None, "~/models/x.gguf", "/home/u/models/x.gguf") == "~/models/x.gguf"
+    assert cli.served_model_name(None, None, "/site/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert cli.served_model_name("mine", "~/models/x.gguf", "/home/u/models/x.gguf") == "mine"
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+# --- the flags are honoured ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory_gb=0.05, max_num_seqs=4)
+
+
+def _run(llm, *flags: str, prompt: str = "The capital of France is"):
+    args = cli._build_parser().parse_args(["generate", prompt, *flags])
+    return llm.generate(prompt, cli._sampling_params(args))[0].outputs[0]
+
+
+def test_max_tokens_min_tokens_and_stop_token_ids_are_honoured(llm):
+    greedy = _run(llm, "--temperature", "0", "--max-tokens", "6", "--ignore-eos")
+    assert len(greedy.token_ids) == 6
+    third = greedy.token_ids[2]
+    stopped = _run(llm, "--temperature", "0", "--stop-token-ids", str(third))
+    assert stopped.token_ids == greedy.token_ids[:greedy.token_ids.index(third) + 1]
+    held = _run(llm, "--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--stop-token-ids", str(third),
+                "--min-tokens", "5")
+    # Until min_tokens, stop tokens cannot even be sampled (as in vLLM).
+    assert held.token_ids[:2] == greedy.token_ids[:2] and third not in held.token_ids[:5]
+
+
+def test_stop_strings_are_honoured(llm):
+    greedy = _run(llm, "--temperature", "0", "--max-tokens", "6")
+    word = greedy.text.split()[0]
+    assert _run(llm, "--temperature", "0", "--max-tokens", "6", "--stop", word).text == greedy.text[:greedy.text.index(word)]
+    kept = _run(llm, "--temperature", "0", "--max-tokens", "6", "--stop", word, "--include-stop-str-in-output")
+    assert kept.text == greedy.text[:greedy.text.index(word) + len(word)]
+
+
+def test_top_k_of_one_is_greedy(llm):
+    greedy = _run(llm, "--temperature", "0", "--max-tokens", "8")
+    assert _run(llm, "--temperature", "1.5", "--top-k", "1", "--max-tokens", "8").token_ids == greedy.token_ids
+
+
+def test_seed_makes_sampling_reproducible(capsys):
+    def sample(seed: str) -> str:
+        assert cli.main(["generate", "Once upon a time", "--max-tokens", "12", "--temperature", "1.5",
+                         "--kv-cache-memory-gb", "0.05", "--seed", seed]) == 0
+        return capsys.readouterr().out
+
+    first = sample("1")
+    assert sample("1") == first
+    assert sample("2") != first

@@ -1,38 +1,33 @@
 """The offline Python API, shaped like vLLM's `LLM`."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvbank.cache.quant import DEFAULT_GROUP_SIZE
 from kvbank.config import EngineConfig
 from kvbank.engine.llm_engine import LLMEngine, PromptType
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.tokenizer import Tokenizer
 
+_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+
 
 class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     `model=None` runs the bundled SmolLM2-135M-Instruct; otherwise pass a .gguf file or a Hugging
-    Face model folder. Keyword arguments are those of `EngineConfig`.
+    Face model folder. Keyword arguments are the fields of `EngineConfig`; an unknown one is a
+    TypeError naming it.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", block_size: int = 16,
-                 kv_cache_memory_gb: float | None = None, num_gpu_blocks: int | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, max_pinned_fraction: float = 0.5, weight_format: str = "auto",
-                 kv_cache_dtype: str = "auto", kv_cache_dtype_skip_layers: Sequence[int] = (),
-                 kv_quant_group_size: int = DEFAULT_GROUP_SIZE, seed: int = 0, show_progress: bool = False) -> None:
-        config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
-                              kv_cache_memory_gb=kv_cache_memory_gb, num_gpu_blocks=num_gpu_blocks,
-                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=enable_prefix_caching, max_pinned_fraction=max_pinned_fraction,
-                              weight_format=weight_format, kv_cache_dtype=kv_cache_dtype,
-                              kv_cache_dtype_skip_layers=tuple(kv_cache_dtype_skip_layers),
-                              kv_quant_group_size=kv_quant_group_size, seed=seed)
+    def __init__(self, model: str | None = None, *, show_progress: bool = False, **options: Any) -> None:
+        unknown = sorted(set(options) - _ENGINE_OPTIONS)
+        if unknown:
+            raise TypeError(f"LLM() got unknown option(s) {', '.join(unknown)}; "
+                            f"EngineConfig takes {', '.join(sorted(_ENGINE_OPTIONS))}")
+        config = EngineConfig(model=model, **options)
         self.engine = LLMEngine(config, progress=_progress_bar() if show_progress else None)
 
     def get_tokenizer(self) -> Tokenizer:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvbank import memory
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
@@ -25,8 +26,6 @@ from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLMEngine", "PromptType"]
 
-DEFAULT_KV_CACHE_GB = 1.0
-
 
 class LLMEngine:
     """One model, one KV pool, one scheduler; `step()` advances every running request by a step."""
@@ -38,8 +37,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype
         if self.device.type == "cpu":
             keep_freed_memory()
-        built = build_model(config.model, self.device, self.dtype, config.weight_format, config.max_model_len,
-                            progress)
+        built = build_model(config, progress)
         self.model_config = built.config
         self.model_path = built.path
         self.tokenizer: Tokenizer | None = built.tokenizer
@@ -65,6 +63,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                          "prefix_cache_hits": 0, "finished_requests": 0}
+        self.memory = memory.measure(self, built.load_peak)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -73,7 +72,7 @@ class LLMEngine:
 
     def _plan_pool(self) -> PoolPlan:
         config = self.config
-        gigabytes = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
+        gigabytes = config.kv_cache_memory_gb
         plan = plan_pool(self.model_config, self.dtype, int(gigabytes * 2**30), self.block_size, self.kv_format,
                          reserved_seqs=config.max_num_seqs)
         if plan.num_blocks < 1 and config.num_gpu_blocks is None:

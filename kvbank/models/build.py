@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvbank import kernels
+from kvbank.config import EngineConfig
 from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
-from kvbank.models.loader import LoadedModel, ProgressFn, load_model
-from kvbank.models.packed import packed_matmul_available
+from kvbank.models.loader import ProgressFn, load_model
+from kvbank.models.packed import Int4Blocks
 from kvbank.tokenizer import Tokenizer
 
 #: Up to this many tokens in a step, 4-bit weights beat dense bfloat16 on a CPU (bench/throughput.py).
@@ -26,34 +28,76 @@ class BuiltModel:
     path: str
     #: projections that run on packed 4-bit weights for small steps
     packed_layers: int
+    #: most resident memory loading added, in bytes (None where the OS does not say)
+    load_peak: int | None
 
 
-def build_model(path: str | None, device: torch.device, dtype: torch.dtype, weight_format: str = "auto",
-                max_model_len: int | None = None, progress: ProgressFn | None = None) -> BuiltModel:
-    """Load `path` (None: the bundled model) and make it ready to run; `max_model_len` caps its context."""
-    loaded = load_model(path, progress)
-    config = loaded.config
-    limit = max_model_len or config.max_position_embeddings
-    if limit > config.max_position_embeddings:
-        raise ValueError(f"max_model_len={limit} exceeds the model's context length {config.max_position_embeddings}")
-    config.max_position_embeddings = limit
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.load_weights({k: v.to(device) for k, v in loaded.state_dict.items()}, dtype)
-    packed = _pack_weights(model, loaded, device, dtype, weight_format)
+def build_model(config: EngineConfig, progress: ProgressFn | None = None) -> BuiltModel:
+    """Load `config.model` (None: the bundled model) and make it ready to run."""
+    device, dtype = torch.device(config.device), config.torch_dtype
+    peak = PeakTracker()
+    loaded = load_model(config.model, progress)
+    model_config = loaded.config
+    limit = config.max_model_len or model_config.max_position_embeddings
+    if limit > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={limit} exceeds the model's context length "
+                         f"{model_config.max_position_embeddings}")
+    model_config.max_position_embeddings = limit
+    model, packed = assemble(model_config, {k: v.to(device) for k, v in loaded.state_dict.items()}, loaded.int4,
+                             config.packs_int4_weights(bool(loaded.int4)), dtype)
+    built = BuiltModel(model.eval(), model_config, loaded.tokenizer, loaded.path, packed, None)
+    del loaded
+    built.load_peak = peak.stop()
     # CPU half-precision matmuls cache a kernel per row count (models/llama.padded_rows).
     model.pad_rows = device.type == "cpu" and dtype != torch.float32
     if device.type == "cpu" and dtype == torch.bfloat16:
         # Fused norms and rotary embedding: a bfloat16 decode step is mostly small ops on a CPU.
         model.use_native(kernels.native())
-    return BuiltModel(model.eval(), config, loaded.tokenizer, loaded.path, packed)
+    return built
 
 
-def _pack_weights(model: LlamaForCausalLM, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
-                  wanted: str) -> int:
-    usable = bool(loaded.int4) and packed_matmul_available(device) and dtype == torch.bfloat16
-    if wanted == "int4" and not usable:
-        raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
-    if wanted == "dense" or not usable:
-        return 0
-    return model.pack_weights(loaded.int4, PACKED_MAX_ROWS)
+def assemble(config: ModelConfig, state_dict: dict[str, torch.Tensor], int4: dict[str, Int4Blocks], pack: bool,
+             dtype: torch.dtype, max_rows: int = PACKED_MAX_ROWS) -> tuple[LlamaForCausalLM, int]:
+    """The model as the engine runs it: weights fused and cast, 4-bit ones packed if `pack`.
+    Returns the model and the number of packed projections.
+
+    With meta tensors in `state_dict` and `int4` this builds the same model without any data,
+    which is how kvbank.memory.predict sizes it.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_weights(state_dict, dtype)
+    return model, model.pack_weights(int4, max_rows) if pack else 0
+
+
+class PeakTracker:
+    """The most resident memory the process gains from now until `stop()`, from Linux's VmHWM.
+
+    Starting resets the process's high-water mark to its current size (/proc/self/clear_refs),
+    so an earlier, larger peak does not hide this one. Elsewhere `stop()` returns None.
+    """
+
+    def __init__(self) -> None:
+        self._start = _status_bytes("VmRSS") if _reset_high_water_mark() else None
+
+    def stop(self) -> int | None:
+        high = _status_bytes("VmHWM")
+        return None if self._start is None or high is None else high - self._start
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -96,6 +96,27 @@ def describe_model(path: str | None) -> ModelInfo:
     return ModelInfo(_gguf_config(reader, path), params, os.path.getsize(path), path)
 
 
+def keeps_int4(gguf_type: str, hf_name: str) -> bool:
+    """Whether loading keeps a GGUF tensor's 4-bit blocks beside its float32 copy (for packed matmuls)."""
+    return gguf_type in Q4_BLOCK_BYTES and hf_name.endswith("proj.weight")
+
+
+def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """From a GGUF header: Hugging Face name -> shape of every tensor loading keeps, and the names
+    whose 4-bit blocks it keeps too."""
+    import gguf
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    int4: set[str] = set()
+    for tensor in gguf.GGUFReader(path).tensors:
+        hf_name = _gguf_to_hf_name(tensor.name)
+        if hf_name is not None:
+            shapes[hf_name] = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+            if keeps_int4(tensor.tensor_type.name, hf_name):
+                int4.add(hf_name)
+    return shapes, int4
+
+
 def _fingerprint(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
@@ -152,7 +173,7 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
         if hf_name is not None:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             state_dict[hf_name] = _unpermute_gguf(hf_name, torch.from_numpy(np.array(array, dtype=np.float32)), config)
-            if tensor.tensor_type.name in Q4_BLOCK_BYTES and hf_name.endswith("proj.weight"):
+            if keeps_int4(tensor.tensor_type.name, hf_name):
                 blocks = Int4Blocks.from_gguf(tensor.data, tensor.tensor_type.name, array.shape[0])
                 int4[hf_name] = blocks.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
         if progress:

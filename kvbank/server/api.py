@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
+from kvbank import memory
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import AsyncEngine, RequestStream
@@ -169,8 +170,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerL
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(render_metrics(async_engine.stats(), timer),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        page = render_metrics(async_engine.stats(), timer, memory=memory.current(async_engine.engine))
+        return PlainTextResponse(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from kvbank.engine.outputs import RequestOutput
+from kvbank.memory import PARTS, MemoryReport
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -102,8 +103,9 @@ _GAUGES = (
 )
 
 
-def render_metrics(stats: dict[str, float], timer: RequestTimer, extra_gauges: dict[str, float] | None = None) -> str:
-    """The whole /metrics page."""
+def render_metrics(stats: dict[str, float], timer: RequestTimer, extra_gauges: dict[str, float] | None = None,
+                   memory: MemoryReport | None = None) -> str:
+    """The whole /metrics page; `memory` adds the engine's memory by part (kvbank.memory)."""
     lines: list[str] = []
     for key, name, help_text in _COUNTERS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {stats.get(key, 0)}"]
@@ -112,11 +114,25 @@ def render_metrics(stats: dict[str, float], timer: RequestTimer, extra_gauges: d
     for name, value in (extra_gauges or {}).items():
         lines += [f"# TYPE {name} gauge", f"{name} {value}"]
     lines += timer.render()
+    if memory is not None:
+        lines += render_memory(memory)
     rss = resident_memory_bytes()
     if rss is not None:
         lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
                   "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]
     return "\n".join(lines) + "\n"
+
+
+def render_memory(report: MemoryReport) -> list[str]:
+    """`kvbank:memory_bytes{part=...}` for every part, and `kvbank:load_peak_bytes` when known."""
+    name = "kvbank:memory_bytes"
+    parts = "; ".join(f"{part}: {what}" for part, what in PARTS.items())
+    lines = [f"# HELP {name} Bytes the engine holds, by part ({parts}).", f"# TYPE {name} gauge"]
+    lines += [f'{name}{{part="{part}"}} {value}' for part, value in report.parts().items()]
+    if report.load_peak is not None:
+        lines += ["# HELP kvbank:load_peak_bytes Most resident memory loading the weights added above the start.",
+                  "# TYPE kvbank:load_peak_bytes gauge", f"kvbank:load_peak_bytes {report.load_peak}"]
+    return lines
 
 
 def resident_memory_bytes() -> int | None:

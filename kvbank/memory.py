@@ -1,0 +1,217 @@
+"""Where an engine's memory goes, part by part: measured from a loaded engine's tensors, or
+predicted from a model's metadata by building the same model on the meta device.
+
+The parts are the ones that differ in kind: 4-bit packed weights (kept beside their dense copy,
+which serves large steps), the dense weights, the embedding table and the LM head (one tensor
+when tied), the rotary tables, the KV pool and the KIVI residual slots. Weight parts come from
+the same classification of the same modules in both cases, so a prediction is exact as long as
+the engine builds its model the way `predict` does (both call models.build.assemble).
+
+The load peak is separate: loading dequantizes every GGUF tensor to float32 first, so for a
+moment the process holds far more than the finished model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvbank.cache.storage import KVStorage, plan_pool
+from kvbank.config import EngineConfig
+from kvbank.models.build import assemble
+from kvbank.models.config import ModelConfig
+from kvbank.models.llama import LlamaForCausalLM
+from kvbank.models.loader import bundled_model_path, describe_model, gguf_tensor_plan
+from kvbank.models.packed import GROUP_SIZE, Int4Blocks, PackedLinear
+
+#: memory parts in the order they are shown, with what each one is
+PARTS = {
+    "packed_weights": "4-bit packed projections with their scales (steps of few tokens)",
+    "dense_weights": "projections and norms in the model dtype",
+    "embeddings": "the token embedding table",
+    "lm_head": "the output projection (0 when tied to the embeddings)",
+    "rope_tables": "rotary cos/sin tables for every position up to max_model_len",
+    "kv_pool": "the KV block pool",
+    "residual_slots": "full-precision slots of not-yet-full int4/int2 blocks",
+}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per part (see PARTS); `load_peak` is how much more than before loading the process
+    held at most while loading the weights (None where it cannot be known)."""
+
+    packed_weights: int
+    dense_weights: int
+    embeddings: int
+    lm_head: int
+    rope_tables: int
+    kv_pool: int
+    residual_slots: int
+    tied_embeddings: bool
+    load_peak: int | None = None
+
+    def parts(self) -> dict[str, int]:
+        """Part name -> bytes, in the order of PARTS."""
+        return {name: getattr(self, name) for name in PARTS}
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts().values())
+
+    def lines(self) -> list[str]:
+        """A compact human-readable block: weights on one line, KV on the next, then the totals."""
+        tied = " (tied)" if self.tied_embeddings else ""
+        peak = "unknown" if self.load_peak is None else _mib(self.load_peak)
+        return [f"weights  packed 4-bit {_mib(self.packed_weights)}, dense {_mib(self.dense_weights)}, "
+                f"embeddings {_mib(self.embeddings)}, lm_head {_mib(self.lm_head)}{tied}, "
+                f"rope tables {_mib(self.rope_tables)}",
+                f"KV       pool {_mib(self.kv_pool)}, residual slots {_mib(self.residual_slots)}",
+                f"total    {_mib(self.total)} held; loading peaks {peak} above the start"]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# --- the model -----------------------------------------------------------------------------
+
+def weight_parts(model: LlamaForCausalLM) -> dict[str, int]:
+    """Bytes of the model's tensors by part (the weight parts of PARTS), each storage counted once."""
+    parts = dict.fromkeys(("packed_weights", "dense_weights", "embeddings", "lm_head", "rope_tables"), 0)
+    seen: set[int] = set()
+    for part, tensor in _classified_tensors(model):
+        # _cdata names the storage itself, also on the meta device (where data_ptr is 0).
+        key = tensor.untyped_storage()._cdata
+        if key not in seen:
+            seen.add(key)
+            parts[part] += tensor.numel() * tensor.element_size()
+    return parts
+
+
+def _classified_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    # The first part to name a storage gets it: the specific parts come first, then every
+    # tensor of the model, so whatever is left (projections, norms, biases) counts as dense.
+    yield "embeddings", model.embed_tokens.weight
+    yield "lm_head", model.lm_head.weight
+    yield "rope_tables", model.rope_cos
+    yield "rope_tables", model.rope_sin
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            yield "packed_weights", module.packed
+            yield "packed_weights", module.scales_zeros
+    for _, tensor in _named_tensors(model):
+        yield "dense_weights", tensor
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def tied(model: LlamaForCausalLM) -> bool:
+    """Whether the LM head is the embedding table itself."""
+    return model.lm_head.weight.untyped_storage()._cdata == model.embed_tokens.weight.untyped_storage()._cdata
+
+
+def kv_bytes(storage: KVStorage) -> tuple[int, int]:
+    """(KV pool, residual slots) bytes of a KVStorage: the pool, and what its kinds hold beside it."""
+    return storage.nbytes, storage.extra_nbytes
+
+
+# --- a loaded engine -------------------------------------------------------------------------
+
+def measure(engine, load_peak: int | None = None) -> MemoryReport:
+    """Bytes of a loaded engine's actual tensors, part by part."""
+    model = engine.runner.model
+    kv_pool, residual = kv_bytes(engine.runner.storage)
+    return MemoryReport(**weight_parts(model), kv_pool=kv_pool, residual_slots=residual, tied_embeddings=tied(model),
+                        load_peak=load_peak)
+
+
+def current(engine) -> MemoryReport:
+    """The engine's report with the KV parts measured now (residual slots grow with open blocks)."""
+    kv_pool, residual = kv_bytes(engine.runner.storage)
+    return dataclasses.replace(engine.memory, kv_pool=kv_pool, residual_slots=residual)
+
+
+# --- a prediction from metadata ----------------------------------------------------------------
+
+def predict(config: EngineConfig) -> MemoryReport:
+    """What `LLMEngine(config)` will hold, from the model's metadata alone (no weights read)."""
+    path = bundled_model_path() if config.model is None else os.path.expanduser(str(config.model))
+    info = describe_model(path)
+    model_config = dataclasses.replace(info.config)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
+                         f"{model_config.max_position_embeddings}")
+    model_config.max_position_embeddings = max_model_len
+    shapes, int4_names = _tensor_shapes(path)
+    state_dict = {name: _meta(shape) for name, shape in shapes.items()}
+    if "rope_freqs" in state_dict:  # read by value to build the rotary tables; tiny
+        state_dict["rope_freqs"] = torch.ones(shapes["rope_freqs"])
+    int4 = {name: _meta_blocks(shapes[name]) for name in int4_names}
+    model, _ = assemble(model_config, state_dict, int4, config.packs_int4_weights(bool(int4)), config.torch_dtype)
+    kv_pool, residual = _predict_kv(model_config, config)
+    weights = weight_parts(model)
+    return MemoryReport(**weights, kv_pool=kv_pool, residual_slots=residual, tied_embeddings=tied(model),
+                        load_peak=_predict_load_peak(shapes, int4_names, weights, info.file_bytes))
+
+
+def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Hugging Face name -> shape of every tensor the loader keeps, and the names it also keeps 4-bit."""
+    if path.endswith(".gguf"):
+        return gguf_tensor_plan(path)
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+    return shapes, set()
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _meta_blocks(shape: tuple[int, ...]) -> Int4Blocks:
+    rows, cols = shape
+    return Int4Blocks(_meta(shape, torch.uint8), _meta((rows, cols // GROUP_SIZE)), _meta((rows, cols // GROUP_SIZE)))
+
+
+def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, int]:
+    plan = plan_pool(model_config, config.torch_dtype, int(config.kv_cache_memory_gb * 2**30), config.block_size,
+                     config.kv_format, reserved_seqs=config.max_num_seqs)
+    num_blocks = config.num_gpu_blocks or plan.num_blocks
+    residual_slots = max(config.max_num_seqs, 1) if plan.residual_bytes_per_seq else 0
+    return num_blocks * plan.bytes_per_block, residual_slots * plan.residual_bytes_per_seq
+
+
+def _predict_load_peak(shapes: dict[str, tuple[int, ...]], int4_names: set[str], weights: dict[str, int],
+                       file_bytes: int) -> int:
+    # What the loader holds at once: the file it reads, every tensor dequantized to float32, the
+    # unpacked 4-bit blocks (a byte per weight and two float32 per group), the float32 fused
+    # q/k/v and gate/up matrices, and the finished model.
+    numel = {name: _numel(shape) for name, shape in shapes.items()}
+    float32 = 4 * sum(numel.values())
+    blocks = sum(numel[name] + 8 * numel[name] // GROUP_SIZE for name in int4_names)
+    fused = 4 * sum(n for name, n in numel.items() if _fused(name))
+    return file_bytes + float32 + blocks + fused + sum(weights.values())
+
+
+def _fused(name: str) -> bool:
+    return name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
