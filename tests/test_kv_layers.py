@@ -75,8 +75,9 @@ def test_a_new_storage_kind_is_one_class_and_one_registry_line(monkeypatch):
 def test_residual_slots_grow_for_a_burst_and_shrink_back_keeping_live_data():
     slots = ResidualSlots(num_layers=2, reserved=2, shape=(4, 1, 2), dtype=torch.float32, device=torch.device("cpu"))
     for block_id in range(10):
-        slots.k[0][slots.slot(block_id)] = block_id
-        slots.v[1][slots.slot(block_id)] = -block_id
+        slot = slots.slot(block_id)
+        slots.k[0][slot] = block_id
+        slots.v[1][slot] = -block_id
     assert slots.capacity == 16
     for block_id in range(10):
         if block_id not in (3, 7):

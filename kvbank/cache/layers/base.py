@@ -56,6 +56,8 @@ class KVLayer(Protocol):
 
     #: every tensor the layer allocated, [num_blocks, ...] each: copied whole by copy_blocks
     tensors: list[torch.Tensor]
+    #: the name of the kind that owns the layer; its step state is `meta.kinds[kind]`
+    kind: str
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> Any:
         """Store this step's new K/V ([T, kv_heads, dim]) at their slots; returns what `attend` needs."""

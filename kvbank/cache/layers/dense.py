@@ -18,7 +18,9 @@ from kvbank.cache.quant import CodecPair
 class DenseLayer:
     """One layer's K and V in the model dtype."""
 
-    def __init__(self, spec: PoolSpec) -> None:
+    def __init__(self, spec: PoolSpec, kind: str) -> None:
+        #: the name of the kind that owns the layer: its step state is meta.kinds[kind]
+        self.kind = kind
         self.k = torch.zeros(spec.num_blocks, *spec.block_shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)
         self.tensors = [self.k, self.v]
@@ -29,7 +31,7 @@ class DenseLayer:
 
     def attend(self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        return paged_attention(q, *written, self.k, self.v, meta, meta.kinds[DenseKind.name], scale)
+        return paged_attention(q, *written, self.k, self.v, meta, meta.kinds[self.kind], scale)
 
 
 class DenseKind(KVKind):
@@ -39,7 +41,7 @@ class DenseKind(KVKind):
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
-        self.layers = [DenseLayer(spec) for _ in codecs]
+        self.layers = [DenseLayer(spec, self.name) for _ in codecs]
         self.decode_kernel = native_decode_kernel(spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads,
                                                   spec.head_dim, spec.block_size)
         self.cascade = self.decode_kernel is None and cascade_available(spec.device)

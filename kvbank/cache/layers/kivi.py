@@ -118,13 +118,13 @@ class KiviStep:
 class KiviLayer(CodecLayer):
     """A layer quantized a whole block at a time, its open blocks in residual slots."""
 
-    def __init__(self, spec: PoolSpec, codecs: CodecPair, residual: ResidualSlots, index: int) -> None:
-        super().__init__(spec, codecs)
+    def __init__(self, spec: PoolSpec, codecs: CodecPair, kind: str, residual: ResidualSlots, index: int) -> None:
+        super().__init__(spec, codecs, kind)
         self.residual, self.index = residual, index
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([T, heads, dim]); returns this step's scratch blocks (K, V)."""
-        plan = meta.kinds[KiviKind.name].plan
+        plan = meta.kinds[self.kind].plan
         stores = (self.residual.k[self.index], self.residual.v[self.index])
         scratch = []
         for x, store in zip((k, v), stores):
@@ -143,7 +143,7 @@ class KiviLayer(CodecLayer):
 
     def attend(self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        view = meta.kinds[KiviKind.name].view
+        view = meta.kinds[self.kind].view
         return quantized_paged_attention(q, self, KiviKind.name, view, meta, scale, scratch=written)
 
     def _store_blocks(self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -161,7 +161,7 @@ class KiviKind(KVKind):
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
         self.residual = ResidualSlots(len(codecs), spec.reserved_seqs, spec.block_shape, spec.dtype, spec.device)
-        self.layers = [KiviLayer(spec, pair, self.residual, i) for i, pair in enumerate(codecs)]
+        self.layers = [KiviLayer(spec, pair, self.name, self.residual, i) for i, pair in enumerate(codecs)]
 
     @classmethod
     def bytes_per_seq(cls, spec_shape: tuple[int, int, int], codecs: list[CodecPair], dtype: torch.dtype) -> int:

@@ -13,7 +13,9 @@ from kvbank.cache.quant import CodecPair
 class CodecLayer:
     """K and V stored through codecs: a dict of tensors per side, each [num_blocks, *component]."""
 
-    def __init__(self, spec: PoolSpec, codecs: CodecPair) -> None:
+    def __init__(self, spec: PoolSpec, codecs: CodecPair, kind: str) -> None:
+        #: the name of the kind that owns the layer: its step state is meta.kinds[kind]
+        self.kind = kind
         self.codecs = codecs
         self.dtype = spec.dtype
         self.block_size = spec.block_size
@@ -44,7 +46,7 @@ class TokenLayer(CodecLayer):
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
     def attend(self, q: torch.Tensor, written: None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return quantized_paged_attention(q, self, TokenKind.name, meta.kinds[TokenKind.name], meta, scale)
+        return quantized_paged_attention(q, self, TokenKind.name, meta.kinds[self.kind], meta, scale)
 
 
 class TokenKind(KVKind):
@@ -54,7 +56,7 @@ class TokenKind(KVKind):
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
-        self.layers = [TokenLayer(spec, pair) for pair in codecs]
+        self.layers = [TokenLayer(spec, pair, self.name) for pair in codecs]
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> QuantizedView:
         # Every token, new ones included, is read back from the quantized pool.
