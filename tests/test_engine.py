@@ -181,6 +181,8 @@ def test_chat_uses_template(llm):
     ([], None, "empty"),
     ([10**6], None, "out of range"),
     ("hi", SamplingParams(max_tokens=9000), "max_model_len=8192"),
+    ("hi", SamplingParams(logit_bias={10**6: 1.0}), r"logit_bias token id=1000000 is out of range \[0, 49152\)"),
+    ("hi", SamplingParams(stop_token_ids=[49152]), r"stop_token_ids=49152 is out of range"),
 ])
 def test_bad_requests_raise_and_leak_nothing(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):

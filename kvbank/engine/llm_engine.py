@@ -136,6 +136,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids, salt = self._parse_prompt(prompt)
         params = self._resolve_max_tokens(params, len(token_ids))
+        params.check_token_ids(self.model_config.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         namespace = self.cache_namespace
