@@ -154,6 +154,17 @@ def test_logprobs_and_stop_strings(llm):
     assert full.finish_reason == "length"
 
 
+def test_generation_ending_inside_a_character_keeps_its_bytes_as_a_replacement_character(llm):
+    tok = llm.get_tokenizer()
+    first_byte = tok.encode("☕")[0]   # ☕ takes three bytes; this token holds only the first
+    assert tok.decode([first_byte]) == "\ufffd"
+    forced = dict(temperature=0, max_tokens=1, logit_bias={first_byte: 100})
+    out = llm.generate(TEXTS[0], SamplingParams(**forced))[0].outputs[0]
+    assert out.token_ids == [first_byte] and out.text == "\ufffd" and out.finish_reason == "length"
+    cut = llm.generate(TEXTS[0], SamplingParams(stop=["\ufffd"], **forced))[0].outputs[0]
+    assert cut.text == "" and cut.finish_reason == "stop" and cut.stop_reason == "\ufffd"
+
+
 def test_stream_yields_growing_text(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     chunks = list(llm.stream(TEXTS[3], params))

@@ -323,6 +323,10 @@ class LLMEngine:
         new_text = seq.detokenizer.push([token]) if seq.detokenizer is not None else ""
         seq.text += new_text
         reason = self._stop_reason(seq, token, len(new_text))
+        if reason is not None and not isinstance(reason[1], str) and seq.detokenizer is not None:
+            # Bytes held back for an unfinished character end the text as U+FFFD (a whole decode's ending).
+            seq.text += (tail := seq.detokenizer.flush())
+            reason = self._stop_reason(seq, token, len(tail))
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             self.scheduler.finish(seq)
