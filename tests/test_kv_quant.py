@@ -149,9 +149,13 @@ def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def ids() -> list[int]:
-    llm = LLM(dtype="float32", num_gpu_blocks=64)
-    return llm.get_tokenizer().encode(TEXT[:4000])[:300]
+def full_precision() -> LLM:
+    return LLM(dtype="float32", num_gpu_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def ids(full_precision) -> list[int]:
+    return full_precision.get_tokenizer().encode(TEXT[:4000])[:300]
 
 
 class _Runner(ModelRunner):
@@ -303,12 +307,15 @@ def test_sampled_forks_copy_the_residual_block_on_write(ids):
         assert (sampled - prefilled).abs().mean() < 0.05, (sampled - prefilled).abs()
 
 
-def test_skip_layers_run(ids):
-    llm = LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype="int4", kv_cache_dtype_skip_layers=[0, -1])
-    kinds = [layer.kind for layer in llm.engine.runner.storage.kv_caches]
-    assert kinds.count("dense") == 2 and kinds.count("block") == 28
-    out = llm.generate([ids[:30]], SamplingParams(max_tokens=8, temperature=0))[0]
-    assert len(out.outputs[0].token_ids) == 8
+def test_an_int4_engine_skipping_every_layer_computes_what_full_precision_does(ids, full_precision):
+    # Which layers a skip list names is tested on the storage above; this is what a skipped one keeps.
+    skipped = LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype="int4", kv_cache_dtype_skip_layers=list(range(30)))
+    assert {layer.kind for layer in skipped.engine.runner.storage.kv_caches} == {"dense"}
+    prompt = ids[:120]
+    torch.testing.assert_close(_prompt_logprobs(skipped, prompt), _prompt_logprobs(full_precision, prompt), atol=0, rtol=0)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert skipped.generate([prompt], greedy)[0].outputs[0].token_ids == \
+           full_precision.generate([prompt], greedy)[0].outputs[0].token_ids
 
 
 def test_engine_and_kvbank_plan_agree(kvbank_env):
