@@ -70,7 +70,7 @@ def test_prompt_logprobs_match_transformers(llm, hf_model):
     for i in range(1, len(prompt)):
         entry = output.prompt_logprobs[i]
         assert abs(entry[prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-3
-        assert len(entry) >= 2
+        assert {token for token, lp in entry.items() if lp.rank <= 2} == set(ref[i - 1].topk(2).indices.tolist())
 
 
 def _mixed_prompts(llm) -> list[list[int]]:
@@ -181,10 +181,19 @@ def test_stream_abandoned_frees_blocks(llm):
     _assert_all_free(llm)
 
 
-def test_chat_uses_template(llm):
-    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=16))[0]
-    assert out.prompt_token_ids[:1] == llm.get_tokenizer().encode("<|im_start|>")
-    assert out.outputs[0].text
+def test_chat_renders_the_template_and_answers_like_transformers(llm, hf_model):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16))[0]
+    prompt = tok.apply_chat_template(messages, tokenize=True)
+    assert out.prompt_token_ids == prompt and prompt[:1] == tok.encode("<|im_start|>")
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                eos_token_id=sorted(tok.stop_token_ids))[0, len(prompt):].tolist()
+    answer = out.outputs[0]
+    assert answer.token_ids == ref
+    assert answer.text == tok.decode(ref) and answer.text.strip()
 
 
 @pytest.mark.parametrize("prompt, params, message", [
