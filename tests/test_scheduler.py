@@ -7,7 +7,7 @@ from kvbank.engine.sequence import Request, Sequence, SequenceStatus
 BLOCK = 4
 
 
-def _scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, prefix_caching: bool = False) -> Scheduler:
+def _scheduler(num_blocks=64, max_num_seqs=8, budget=64, prefix_caching=False) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching), max_num_seqs, budget)
 
 
