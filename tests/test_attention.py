@@ -5,7 +5,7 @@ import torch
 from kvbank.attention import AttentionMetadata, PrefillChunk, write_kv
 from kvbank.attention.cascade import find_shared_prefixes, share_prefixes
 from kvbank.attention import fast
-from kvbank.attention.fast import chunk_visibility, paged_attention
+from kvbank.attention.fast import DenseStep, chunk_visibility, paged_attention
 from kvbank.attention.paged import paged_attention_reference
 
 BLOCK = 4
@@ -13,7 +13,7 @@ HEADS, KV_HEADS, DIM = 6, 2, 8
 
 
 def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, list[int]] | None = None):
-    """Metadata and tensors for sequences given as (cached_len, new_len), decodes first.
+    """Metadata, dense step state and tensors for sequences given as (cached_len, new_len), decodes first.
 
     `shared` maps a sequence's index to the leading blocks it takes from another's table, given
     as (that sequence's index, number of blocks).
@@ -22,7 +22,7 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, l
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
     free = list(torch.randperm(num_blocks, generator=gen).tolist())
-    slots, tables, lens, prefills = [], [], [], []
+    slots, tables, lens, prefills, masks = [], [], [], [], []
     offset = 0
     for i, (cached, new) in enumerate(seqs):
         source, count = (shared or {}).get(i, (0, 0))
@@ -37,20 +37,19 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, l
             if cached:
                 visible = chunk_visibility(cached, cached + new, BLOCK)
                 mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-            prefills.append(PrefillChunk(offset, offset + new, cached, torch.tensor(table), mask))
+            prefills.append(PrefillChunk(offset, offset + new, cached, torch.tensor(table)))
+            masks.append(mask)
         offset += new
-    meta = AttentionMetadata(torch.tensor(slots), len(tables), None, None, None, prefills)
+    meta = AttentionMetadata(torch.tensor(slots), len(tables), None, None, prefills, BLOCK, torch.float32)
     if tables:
         width = max(map(len, tables))
         meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         meta.decode_context_lens = torch.tensor(lens)
-        visible = (torch.arange(width * BLOCK).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1))[:, None, None]
-        meta.decode_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     q = torch.randn(offset, HEADS, DIM, generator=gen)
     k = torch.randn(offset, KV_HEADS, DIM, generator=gen)
     v = torch.randn(offset, KV_HEADS, DIM, generator=gen)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return q, k, v, k_cache, v_cache, meta
+    return q, k, v, k_cache, v_cache, meta, DenseStep(None, masks)
 
 
 @pytest.mark.parametrize("seqs", [
@@ -63,9 +62,9 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, l
 ])
 def test_fast_path_matches_reference(seqs):
     seqs = sorted(seqs, key=lambda s: s[1] > 1)
-    q, k, v, k_cache, v_cache, meta = _step(seqs)
+    q, k, v, k_cache, v_cache, meta, step = _step(seqs)
     scale = DIM ** -0.5
-    got = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, step, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
@@ -91,13 +90,14 @@ def test_shared_prefixes_group_decodes_by_their_common_leading_blocks():
 ])
 def test_shared_prefix_decodes_match_reference(seqs, shared, key_pad, monkeypatch):
     monkeypatch.setattr(fast, "KEY_PAD", key_pad)
-    q, k, v, k_cache, v_cache, meta = _step(seqs, num_blocks=256, shared=shared)
+    q, k, v, k_cache, v_cache, meta, step = _step(seqs, num_blocks=256, shared=shared)
     tables = [t[:-(-n // BLOCK)] for t, n in zip(meta.decode_block_tables.tolist(), meta.decode_context_lens.tolist())]
-    share_prefixes(meta, tables, meta.decode_context_lens.tolist(), BLOCK, torch.float32, min_tokens=BLOCK)
-    assert len(meta.shared_prefixes) == len({source for source, _ in shared.values()})
-    assert all(len(p.block_table) * BLOCK % key_pad == 0 for p in meta.shared_prefixes)
+    share_prefixes(step, tables, meta.decode_context_lens.tolist(), BLOCK, torch.float32, torch.device("cpu"),
+                   min_tokens=BLOCK)
+    assert len(step.shared_prefixes) == len({source for source, _ in shared.values()})
+    assert all(len(p.block_table) * BLOCK % key_pad == 0 for p in step.shared_prefixes)
     scale = DIM ** -0.5
-    got = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, step, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
@@ -127,8 +127,9 @@ def test_native_decode_kernel_matches_reference(native, dtype, heads, kv_heads, 
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
     width = max(map(len, tables))
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             torch.tensor(lens), None, [])
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens),
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), [], block,
+                             dtype)
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
     scale = dim ** -0.5
     got = native.paged_decode_attention(q.view(len(lens), kv_heads, heads // kv_heads, dim), k_cache, v_cache,
@@ -153,15 +154,14 @@ def test_native_decode_kernel_rejects_bad_input_by_name(native):
 def test_decodes_use_the_native_kernel_where_it_has_a_fast_path(native):
     cpu = torch.device("cpu")
     kernel = fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 64, 16)
+    assert (kernel is not None) == native.has_bf16_fast_path()
     if kernel is None:
-        assert not native.has_bf16_fast_path()  # built, but this CPU lacks AVX-512 BF16
-        return
+        pytest.skip("this CPU lacks AVX-512 BF16: decodes keep PyTorch's path, the fast path is untested here")
     assert fast.native_decode_kernel(cpu, torch.float32, 9, 3, 64, 16) is None   # float32 keeps PyTorch's path
     assert fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 48, 16) is None  # no fast path for this head size
-    q, k, v, k_cache, v_cache, meta = _step([(40, 1), (70, 1)])
+    q, k, v, k_cache, v_cache, meta, _ = _step([(40, 1), (70, 1)])
     expanded = [x.to(torch.bfloat16).repeat_interleave(8, dim=-1) for x in (q, k, v, k_cache, v_cache)]
     q, k, v, k_cache, v_cache = expanded                                      # head dim 64
-    meta.decode_kernel = kernel
-    got = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, DenseStep(kernel, []), 0.125)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -70,7 +70,7 @@ def test_prompt_logprobs_match_transformers(llm, hf_model):
     for i in range(1, len(prompt)):
         entry = output.prompt_logprobs[i]
         assert abs(entry[prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-3
-        assert len(entry) >= 2
+        assert {token for token, lp in entry.items() if lp.rank <= 2} == set(ref[i - 1].topk(2).indices.tolist())
 
 
 def _mixed_prompts(llm) -> list[list[int]]:
@@ -154,6 +154,17 @@ def test_logprobs_and_stop_strings(llm):
     assert full.finish_reason == "length"
 
 
+def test_generation_ending_inside_a_character_keeps_its_bytes_as_a_replacement_character(llm):
+    tok = llm.get_tokenizer()
+    first_byte = tok.encode("☕")[0]   # ☕ takes three bytes; this token holds only the first
+    assert tok.decode([first_byte]) == "\ufffd"
+    forced = dict(temperature=0, max_tokens=1, logit_bias={first_byte: 100})
+    out = llm.generate(TEXTS[0], SamplingParams(**forced))[0].outputs[0]
+    assert out.token_ids == [first_byte] and out.text == "\ufffd" and out.finish_reason == "length"
+    cut = llm.generate(TEXTS[0], SamplingParams(stop=["\ufffd"], **forced))[0].outputs[0]
+    assert cut.text == "" and cut.finish_reason == "stop" and cut.stop_reason == "\ufffd"
+
+
 def test_stream_yields_growing_text(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     chunks = list(llm.stream(TEXTS[3], params))
@@ -170,10 +181,19 @@ def test_stream_abandoned_frees_blocks(llm):
     _assert_all_free(llm)
 
 
-def test_chat_uses_template(llm):
-    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=16))[0]
-    assert out.prompt_token_ids[:1] == llm.get_tokenizer().encode("<|im_start|>")
-    assert out.outputs[0].text
+def test_chat_renders_the_template_and_answers_like_transformers(llm, hf_model):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16))[0]
+    prompt = tok.apply_chat_template(messages, tokenize=True)
+    assert out.prompt_token_ids == prompt and prompt[:1] == tok.encode("<|im_start|>")
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                eos_token_id=sorted(tok.stop_token_ids))[0, len(prompt):].tolist()
+    answer = out.outputs[0]
+    assert answer.token_ids == ref
+    assert answer.text == tok.decode(ref) and answer.text.strip()
 
 
 @pytest.mark.parametrize("prompt, params, message", [
@@ -181,6 +201,8 @@ def test_chat_uses_template(llm):
     ([], None, "empty"),
     ([10**6], None, "out of range"),
     ("hi", SamplingParams(max_tokens=9000), "max_model_len=8192"),
+    ("hi", SamplingParams(logit_bias={10**6: 1.0}), r"logit_bias token id=1000000 is out of range \[0, 49152\)"),
+    ("hi", SamplingParams(stop_token_ids=[49152]), r"stop_token_ids=49152 is out of range"),
 ])
 def test_bad_requests_raise_and_leak_nothing(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
@@ -276,7 +298,7 @@ def test_engine_without_a_compiler_runs_on_pytorch_alone(tmp_path):
         "from kvbank import LLM, SamplingParams, kernels\n"
         "llm = LLM(dtype='bfloat16', num_gpu_blocks=32)\n"
         "assert kernels.native() is None and 'Error building extension' in kernels.failure(), kernels.failure()\n"
-        "assert llm.engine.runner.decode_kernel is None and llm.engine.runner.model.norm.native is None\n"
+        "assert llm.engine.runner.storage.kind('dense').decode_kernel is None and llm.engine.runner.model.norm.native is None\n"
         "out = llm.generate([list(range(1000, 1020))] * 2, SamplingParams(max_tokens=4, ignore_eos=True))\n"
         "assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]\n")
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))

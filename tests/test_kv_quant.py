@@ -16,6 +16,7 @@ from kvbank.cache.quant import (
     pack,
     unpack,
 )
+from kvbank.cache.format import KVFormat
 from kvbank.cache.storage import KVStorage, plan_pool
 from kvbank.engine.runner import ModelRunner
 from kvbank.models.config import ModelConfig
@@ -106,24 +107,24 @@ EXPECTED_PER_HEAD = {
 
 @pytest.mark.parametrize("kv", list(EXPECTED_PER_HEAD))
 def test_bytes_per_token_is_what_the_pool_allocates(kv):
-    plan = plan_pool(SMOL, torch.bfloat16, 64 * 2**20, 16, kv)
+    plan = plan_pool(SMOL, torch.bfloat16, 64 * 2**20, 16, KVFormat(kv))
     assert plan.bytes_per_token == EXPECTED_PER_HEAD[kv] * 30 * 3
-    storage = KVStorage(SMOL, 10, 16, torch.bfloat16, torch.device("cpu"), kv)
+    storage = KVStorage(SMOL, 10, 16, torch.bfloat16, torch.device("cpu"), KVFormat(kv))
     assert storage.nbytes == plan.bytes_per_block * 10 == plan.bytes_per_token * 10 * 16
 
 
 def test_skip_layers_stay_full_precision_and_are_counted():
-    plan = plan_pool(SMOL, torch.bfloat16, 2**30, 16, "int8", skip_layers=(0, -1))
+    plan = plan_pool(SMOL, torch.bfloat16, 2**30, 16, KVFormat("int8", skip_layers=(0, -1)))
     assert plan.bytes_per_token == (28 * EXPECTED_PER_HEAD["int8"] + 2 * EXPECTED_PER_HEAD["auto"]) * 3
-    storage = KVStorage(SMOL, 8, 16, torch.bfloat16, torch.device("cpu"), "int8", (0, -1))
-    kinds = [layer.kind for layer in storage.kv_caches]
+    storage = KVStorage(SMOL, 8, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int8", (0, -1)))
+    kinds = [layer.kind for layer in storage.layers]
     assert kinds[0] == kinds[-1] == "dense" and set(kinds[1:-1]) == {"token"}
     assert storage.nbytes == plan.bytes_per_block * 8
 
 
 def test_int4_pool_reserves_residual_blocks_out_of_the_budget():
     budget = 64 * 2**20
-    plan = plan_pool(SMOL, torch.bfloat16, budget, 16, "int4", reserved_seqs=8)
+    plan = plan_pool(SMOL, torch.bfloat16, budget, 16, KVFormat("int4"), reserved_seqs=8)
     residual = 2 * 16 * 3 * 64 * 2 * 30  # one bfloat16 block of K and V per layer
     assert plan.residual_bytes_per_seq == residual
     assert plan.num_blocks == (budget - 8 * residual) // plan.bytes_per_block
@@ -134,9 +135,9 @@ def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="kv_cache_dtype='int3'"):
         LLM(kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="layer 30"):
-        plan_pool(SMOL, torch.bfloat16, 2**30, 16, "int8", skip_layers=(30,))
+        plan_pool(SMOL, torch.bfloat16, 2**30, 16, KVFormat("int8", skip_layers=(30,)))
     with pytest.raises(ValueError, match="kv_quant_group_size=48 does not divide head_dim=64"):
-        plan_pool(SMOL, torch.bfloat16, 2**30, 16, "int4", group_size=48)
+        plan_pool(SMOL, torch.bfloat16, 2**30, 16, KVFormat("int4", group_size=48))
     with pytest.raises(ValueError, match="kv_cache_dtype="):
         codecs_for("q4_0", torch.bfloat16)
 
@@ -149,22 +150,17 @@ def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def ids() -> list[int]:
-    llm = LLM(dtype="float32", num_gpu_blocks=64)
-    return llm.get_tokenizer().encode(TEXT[:4000])[:300]
+def full_precision() -> LLM:
+    return LLM(dtype="float32", num_gpu_blocks=64)
 
 
-class _Runner(ModelRunner):
-    """The runner's metadata building without a model."""
-
-    def __init__(self, storage: KVStorage) -> None:
-        self.storage, self.device, self.block_size, self.dtype = storage, torch.device("cpu"), 16, torch.float32
-        self.cascade = False
-        self.decode_kernel = None
+@pytest.fixture(scope="module")
+def ids(full_precision) -> list[int]:
+    return full_precision.get_tokenizer().encode(TEXT[:4000])[:300]
 
 
 def _expected(codecs, kind, q, k, v, scale):
-    """Attention by definition: quantized K/V of earlier blocks; own block full precision ("block")
+    """Attention by definition: quantized K/V of earlier blocks; own block full precision ("kivi")
     or every token read back through its codec ("token")."""
     n, bs = k.shape[0], 16
     if kind == "token":
@@ -178,7 +174,7 @@ def _expected(codecs, kind, q, k, v, scale):
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
     for p in range(n):
-        own = p // bs * bs if kind == "block" else p + 1
+        own = p // bs * bs if kind == "kivi" else p + 1
         keys = torch.cat((kq[:own], k[own:p + 1])).repeat_interleave(group, 1)
         values = torch.cat((vq[:own], v[own:p + 1])).repeat_interleave(group, 1)
         weights = (torch.einsum("hd,lhd->hl", q[p], keys) * scale).softmax(-1)
@@ -202,11 +198,11 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
     config = ModelConfig(arch="llama", vocab_size=10, hidden_size=heads * dim, intermediate_size=8, num_layers=1,
                          num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-5,
                          rope_theta=1e4, max_position_embeddings=256, tie_word_embeddings=True)
-    storage = KVStorage(config, 24, 16, torch.float32, torch.device("cpu"), kv, residual_slots=1)
-    layer = storage.kv_caches[0]
+    storage = KVStorage(config, 24, 16, torch.float32, torch.device("cpu"), KVFormat(kv), reserved_seqs=1)
+    layer = storage.layers[0]
     pool = BlockPool(24)
     pool.on_empty = storage.release
-    runner = _Runner(storage)
+    runner = ModelRunner(None, storage, torch.device("cpu"))  # metadata building needs no model
     total = sum(steps)
     seqs, data, outs = [], [], []
     for lag in (0, 3):  # the second sequence starts later, so its steps mix with the first's
@@ -222,8 +218,7 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
         _, _, meta = runner._prepare(batch)
         q, k, v = (torch.cat([data[seqs.index(b.seq)][j][b.seq.num_computed_tokens:][:b.num_tokens] for b in batch])
                    for j in range(3))
-        layer.write(k, v, meta)
-        out = layer.attend(q, k, v, meta, scale)
+        out = layer.attend(q, layer.write(k, v, meta), meta, scale)
         offset = 0
         for b in batch:
             start = b.seq.num_computed_tokens
@@ -237,7 +232,8 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
     for seq in seqs:
         for block_id in seq.block_table:
             pool.release(pool.blocks[block_id])
-    assert not storage.residual.of_block
+    kivi = storage.kind("kivi")
+    assert kivi is None or not kivi.residual.of_block
 
 
 @pytest.mark.parametrize("kv", ["int4"])
@@ -283,7 +279,7 @@ def test_int4_with_prefix_caching_forks_and_preemption_gives_the_same_tokens(ids
     assert [o.outputs[0].token_ids for o in outs] == expected
     for llm in (cached, tight):
         assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
-        assert not llm.engine.runner.storage.residual.of_block, "residual slots leaked"
+        assert not llm.engine.runner.storage.kind("kivi").residual.of_block, "residual slots leaked"
 
 
 def test_sampled_forks_copy_the_residual_block_on_write(ids):
@@ -303,12 +299,15 @@ def test_sampled_forks_copy_the_residual_block_on_write(ids):
         assert (sampled - prefilled).abs().mean() < 0.05, (sampled - prefilled).abs()
 
 
-def test_skip_layers_run(ids):
-    llm = LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype="int4", kv_cache_dtype_skip_layers=[0, -1])
-    kinds = [layer.kind for layer in llm.engine.runner.storage.kv_caches]
-    assert kinds.count("dense") == 2 and kinds.count("block") == 28
-    out = llm.generate([ids[:30]], SamplingParams(max_tokens=8, temperature=0))[0]
-    assert len(out.outputs[0].token_ids) == 8
+def test_an_int4_engine_skipping_every_layer_computes_what_full_precision_does(ids, full_precision):
+    # Which layers a skip list names is tested on the storage above; this is what a skipped one keeps.
+    skipped = LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype="int4", kv_cache_dtype_skip_layers=list(range(30)))
+    assert {layer.kind for layer in skipped.engine.runner.storage.layers} == {"dense"}
+    prompt = ids[:120]
+    assert torch.equal(_prompt_logprobs(skipped, prompt), _prompt_logprobs(full_precision, prompt))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert skipped.generate([prompt], greedy)[0].outputs[0].token_ids == \
+           full_precision.generate([prompt], greedy)[0].outputs[0].token_ids
 
 
 def test_engine_and_kvbank_plan_agree(kvbank_env):
@@ -326,10 +325,10 @@ def test_engine_and_kvbank_plan_agree(kvbank_env):
     for kv in ("auto", "int4"):
         llm = LLM(kv_cache_dtype=kv, kv_cache_memory_gb=0.05, max_num_seqs=4)
         engine = llm.engine
-        plan = plan_pool(engine.model_config, engine.dtype, int(0.05 * 2**30), 16, kv, reserved_seqs=4)
+        plan = plan_pool(engine.model_config, engine.dtype, int(0.05 * 2**30), 16, KVFormat(kv), reserved_seqs=4)
         assert engine.num_blocks == plan.num_blocks
         assert engine.runner.storage.nbytes == plan.num_blocks * plan.bytes_per_block
-        assert engine.runner.storage.nbytes + engine.runner.storage.residual.nbytes <= 0.05 * 2**30
+        assert engine.runner.storage.nbytes + engine.runner.storage.extra_nbytes <= 0.05 * 2**30
         assert printed[kv]["num_blocks"] == engine.num_blocks
         assert printed[kv]["bytes_per_token"] == engine.kv_bytes_per_token
         assert printed[kv]["sequences"] == min(4, engine.num_blocks // 32)
@@ -385,8 +384,8 @@ def test_int8_greedy_agrees_with_full_precision(ids):
 @pytest.mark.parametrize("kv", ["int8", "int4"])
 def test_attention_over_block_ranges_merges_exactly(kv, monkeypatch):
     """Reading the context a block at a time (merged by log-sum-exp) gives the same outputs."""
-    from kvbank.attention import fast
+    from kvbank.attention import quantized
 
-    monkeypatch.setattr(fast, "DEQUANT_CHUNK_TOKENS", {"token": 16, "block": 16})
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_TOKENS", {"token": 16, "kivi": 16})
     test_paged_writes_and_attention_match_the_definition(kv, [20] + [1] * 25)
     test_paged_writes_and_attention_match_the_definition(kv, [7] * 6 + [3])

@@ -209,6 +209,19 @@ def test_incremental_detokenizer_flush(smollm):
     assert detokenizer.push([]) == ""
     assert detokenizer.flush() == "\ufffd"
     assert detokenizer.text == "ok \ufffd"
+    assert detokenizer.flush() == ""
+
+
+@pytest.mark.parametrize("text", ["ok ☕", "naïve 😀👍🏽", "你好"])
+def test_flushed_stream_ends_like_a_whole_decode_at_every_cut(smollm, text):
+    ids = smollm.encode(text)
+    endings = set()
+    for cut in range(1, len(ids) + 1):
+        detokenizer = IncrementalDetokenizer(smollm)
+        streamed = "".join(detokenizer.push([token_id]) for token_id in ids[:cut]) + detokenizer.flush()
+        assert streamed == detokenizer.text == smollm.decode(ids[:cut]), cut
+        endings.add(streamed.endswith("\ufffd"))
+    assert endings == {True, False}  # some cuts fall inside a character
 
 
 # --- Small hand-written GGUFs ---------------------------------------------------------------------
@@ -267,6 +280,11 @@ def test_sentencepiece_incremental_detokenizer(tmp_path):
     deltas = [detokenizer.push([token_id]) for token_id in ids]
     assert "".join(deltas) == tok.decode(ids) == "hello é world hello"
     assert not any("\ufffd" in delta for delta in deltas)
+    # A generation that stops between the two bytes of "é" ends as a whole decode would.
+    detokenizer = IncrementalDetokenizer(tok)
+    cut = ids[: ids.index(tok.encode("é", add_special_tokens=False)[-1])]
+    assert "".join(detokenizer.push([token_id]) for token_id in cut) == "hello "
+    assert detokenizer.flush() == "\ufffd" and detokenizer.text == tok.decode(cut)
     # After a prompt, the first generated word keeps its space.
     detokenizer = IncrementalDetokenizer(tok, prompt_ids=tok.encode("hello"))
     assert detokenizer.push(tok.encode("world", add_special_tokens=False)) == " world"

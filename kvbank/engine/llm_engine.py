@@ -93,6 +93,7 @@ class LLMEngine:
         parsed = self._parse(prompt)
         root = root_hash(self.cache_namespace, parsed.salt)
         params = self._resolve_max_tokens(params, parsed.token_ids, root)
+        params.check_token_ids(self.model_config.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if params.n > self.config.max_num_seqs:
@@ -276,6 +277,10 @@ class LLMEngine:
         new_text = seq.detokenizer.push([token]) if seq.detokenizer is not None else ""
         seq.text += new_text
         reason = seq.check_stop(token, len(new_text), self.eos_token_ids, self.max_model_len)
+        if reason is not None and not isinstance(reason[1], str) and seq.detokenizer is not None:
+            # Bytes held back for an unfinished character end the text as U+FFFD (a whole decode's ending).
+            seq.text += (tail := seq.detokenizer.flush())
+            reason = seq.check_stop(token, len(tail), self.eos_token_ids, self.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             self.scheduler.finish(seq)

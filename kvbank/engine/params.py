@@ -12,7 +12,8 @@ class SamplingParams:
 
     `temperature=0` is greedy. `top_k` of 0 or -1 disables top-k. `logprobs=k` returns the top-k
     log-probabilities of every generated token (plus the chosen one); `prompt_logprobs=k` does the
-    same for every prompt token after the first.
+    same for every prompt token after the first. `logit_bias` maps token ids to a bias in
+    [-100, 100] added to their logits before any other rule (as OpenAI's field does).
     """
 
     n: int = 1
@@ -33,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +74,29 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be non-negative integers")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+               "must be a dict from token id to bias")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(_is_int(token_id) and token_id >= 0, "logit_bias token id", token_id, "must be an integer >= 0")
+            _check(_is_number(bias) and -100.0 <= bias <= 100.0, f"logit_bias[{token_id}]", bias,
+                   "must be a number in [-100, 100]")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id these parameters name is not in a vocabulary of `vocab_size`."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias token id", self.logit_bias or {})):
+            bad = [t for t in ids if t >= vocab_size]
+            _check(not bad, name, bad[0] if bad else None, f"is out of range [0, {vocab_size})")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

@@ -61,10 +61,13 @@ class Sampler:
 
     @staticmethod
     def _needs_adjusting(seq: Sequence) -> bool:
-        return seq.params.needs_penalties or seq.num_output_tokens < seq.params.min_tokens
+        params = seq.params
+        return bool(params.logit_bias) or params.needs_penalties or seq.num_output_tokens < params.min_tokens
 
     def _adjust(self, row: torch.Tensor, seq: Sequence) -> None:
         params = seq.params
+        if params.logit_bias:
+            _apply_logit_bias(row, params.logit_bias)
         if params.needs_penalties:
             _apply_penalties(row, seq)
         if seq.num_output_tokens < params.min_tokens:
@@ -98,6 +101,11 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # target rounded up to the total would run past the end: it gets the last token with mass.
     chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     return torch.minimum(chosen, (cdf < cdf[:, -1:]).sum(dim=-1))
+
+
+def _apply_logit_bias(row: torch.Tensor, logit_bias: dict[int, float]) -> None:
+    ids = torch.tensor(list(logit_bias), device=row.device)
+    row[ids] += torch.tensor(list(logit_bias.values()), dtype=row.dtype, device=row.device)
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:

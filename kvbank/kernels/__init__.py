@@ -7,11 +7,14 @@ cores; later processes load the cached library (under $TORCH_EXTENSIONS_DIR or ~
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger("kvbank.kernels")
@@ -51,12 +54,46 @@ def _build() -> dict[str, object]:
             print("kvbank: compiling the native CPU kernels (once, about a minute on two cores; "
                   "KVBANK_NATIVE_KERNELS=0 skips them)", file=sys.stderr, flush=True)
         # parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.
-        return {"module": load(name=name, sources=[str(_SOURCE_DIR / SOURCES[0])],
-                               extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)}
+        with _ninja_on_path():
+            module = load(name=name, sources=[str(_SOURCE_DIR / SOURCES[0])],
+                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return {"module": module}
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say why once
         reason = f"{type(exc).__name__}: {exc}"
         logger.warning("native CPU kernels unavailable, running on PyTorch alone: %s", reason[:500])
         return {"failure": reason}
+
+
+def path_with_ninja(path: str) -> str:
+    """`path` (a PATH value) with a folder holding `ninja` in front, when `path` has none.
+
+    torch runs `ninja` from PATH, but the pip `ninja` package (a dependency) installs it beside the
+    environment's python, and `.venv/bin/python` run directly does not put that folder on PATH.
+    """
+    if shutil.which("ninja", path=path):
+        return path
+    for folder in _ninja_folders():
+        if shutil.which("ninja", path=folder):
+            return os.pathsep.join(p for p in (folder, path) if p)
+    return path
+
+
+def _ninja_folders() -> list[str]:
+    folders = [os.path.dirname(sys.executable)]
+    with contextlib.suppress(ImportError):
+        import ninja
+        folders.insert(0, ninja.BIN_DIR)
+    return folders
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = path_with_ninja(old)
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def _cached(name: str) -> bool:

@@ -1,0 +1,77 @@
+"""The scheduler on a real block manager, with steps played by hand (no model): admission, budgets, preemption."""
+from kvbank.cache.manager import KVCacheManager
+from kvbank.engine.params import SamplingParams
+from kvbank.engine.scheduler import Scheduler
+from kvbank.engine.sequence import Request, Sequence, SequenceStatus
+
+BLOCK = 4
+
+
+def _scheduler(num_blocks=64, max_num_seqs=8, budget=64, prefix_caching=False) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching), max_num_seqs, budget)
+
+
+def _add(scheduler: Scheduler, name: str, prompt_len: int, first: int = 100) -> Sequence:
+    prompt = list(range(first, first + prompt_len))
+    seq = Sequence(Request(name, None, prompt, SamplingParams(), b"", 0.0), 0, prompt, None)
+    scheduler.add(seq)
+    return seq
+
+
+def _step(scheduler: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, then do what the runner would: mark the tokens computed and sample after a whole prompt."""
+    batch = scheduler.schedule()
+    for item in batch:
+        item.seq.num_computed_tokens += item.num_tokens
+        scheduler.manager.commit(item.seq)
+        if item.seq.num_computed_tokens == item.seq.num_tokens:
+            item.seq.token_ids.append(7)
+    return [(item.seq.request.request_id, item.num_tokens) for item in batch]
+
+
+def test_waiting_requests_are_admitted_in_arrival_order_within_the_token_budget():
+    scheduler = _scheduler(budget=25)
+    for name in "abc":
+        _add(scheduler, name, 10)
+    assert _step(scheduler) == [("a", 10), ("b", 10), ("c", 5)]   # c's prompt is cut to fit the budget
+    assert _step(scheduler) == [("a", 1), ("b", 1), ("c", 5)]
+
+
+def test_long_prompts_are_prefilled_in_chunks_of_the_budget():
+    scheduler = _scheduler(budget=16)
+    seq = _add(scheduler, "a", 40)
+    assert [_step(scheduler) for _ in range(4)] == [[("a", 16)], [("a", 16)], [("a", 8)], [("a", 1)]]
+    assert seq.num_output_tokens == 2
+
+
+def test_max_num_seqs_bounds_the_running_set_until_one_finishes():
+    scheduler = _scheduler(max_num_seqs=2)
+    a, _, c = (_add(scheduler, name, 5) for name in "abc")
+    assert _step(scheduler) == [("a", 5), ("b", 5)]
+    assert _step(scheduler) == [("a", 1), ("b", 1)] and c.status is SequenceStatus.WAITING
+    scheduler.finish(a)
+    assert _step(scheduler) == [("b", 1), ("c", 5)]
+
+
+def test_single_token_steps_go_before_prefill_chunks_whatever_their_age():
+    scheduler = _scheduler(budget=10, prefix_caching=True)
+    _add(scheduler, "x", 9)
+    _step(scheduler)
+    scheduler.finish(scheduler.running[0])                     # x's two full blocks stay cached
+    _add(scheduler, "a", 15, first=500)
+    assert _step(scheduler) == [("a", 10)]
+    _add(scheduler, "b", 9)                                    # x's prompt: only its last token is computed
+    assert _step(scheduler) == [("b", 1), ("a", 5)]
+
+
+def test_a_full_pool_preempts_the_newest_sequence_and_recomputes_it_later():
+    scheduler = _scheduler(num_blocks=2)
+    a, b = _add(scheduler, "a", BLOCK), _add(scheduler, "b", BLOCK)
+    assert _step(scheduler) == [("a", BLOCK), ("b", BLOCK)]   # one block each: the pool is full
+    assert _step(scheduler) == [("a", 1)]                     # a needs a second block: b gives its one up
+    assert scheduler.num_preemptions == 1 and list(scheduler.waiting) == [b]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    scheduler.finish(a)
+    assert _step(scheduler) == [("b", BLOCK + 1)]            # its prompt and its sampled token again
+    scheduler.finish(b)
+    assert scheduler.manager.num_free_blocks == 2
