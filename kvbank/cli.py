@@ -19,7 +19,7 @@ from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.models.loader import describe_model
-from kvbank.server.api import ServerLimits, build_app
+from kvbank.server.api import ServerLimits, build_app, system_prompt_prefix
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.tokenizer import Tokenizer
 
@@ -123,7 +123,9 @@ def _serve(args: argparse.Namespace) -> int:
                           max_tokens_cap=args.max_tokens_cap, max_n=args.max_n)
     llm = _load(args)
     for file in args.pin_prompt:
-        pinned = llm.pin_prefix(Path(file).read_text())
+        # The file holds a system prompt (its final newline is the editor's, not the prompt's).
+        system_prompt = Path(file).read_text().removesuffix("\n")
+        pinned = llm.pin_prefix(system_prompt_prefix(llm.get_tokenizer(), system_prompt))
         print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
     name = args.served_model_name or args.model or Path(llm.engine.model_path).stem
     async_engine = AsyncEngine(llm.engine)
@@ -262,8 +264,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model, or the "
                                                    "bundled model's file name)")
     serve.add_argument("--pin-prompt", action="append", default=[], metavar="FILE",
-                       help="compute this file's text once and keep it cached (repeatable); the text must be "
-                            "exactly how prompts begin, e.g. a system turn rendered with the chat template")
+                       help="a system prompt to compute once and keep cached (repeatable): chat requests whose "
+                            "system message is this file's text reuse it")
     serve.add_argument("--api-key", default=os.environ.get("KVBANK_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
                             "(default: $KVBANK_API_KEY, else no key)")

@@ -1,18 +1,19 @@
 """The OpenAI-compatible server: a real `kvbank serve` process driven by the official `openai` client,
 checked against the offline engine's greedy output; plus AsyncEngine's contract, in process."""
 import asyncio
-import itertools
+import threading
 import time
 import urllib.error
 import urllib.request
 
+import httpx
 import openai
 import pytest
 import torch
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams
-from kvbank.server import AsyncEngine
+from kvbank.server import AsyncEngine, build_app
 
 MODEL_NAME = "kvbank-test-model"
 MAX_TOKENS = 12
@@ -27,7 +28,7 @@ def server(kvbank_env, tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
     log_path = folder / "server.log"
     pin_file = folder / "system.txt"
-    pin_file.write_text(f"<|im_start|>system\n{PINNED_SYSTEM}<|im_end|>\n")
+    pin_file.write_text(f"{PINNED_SYSTEM}\n")
     process, url = start_server(["--dtype", "float32", "--served-model-name", MODEL_NAME, "--log-level", "warning",
                                  "--pin-prompt", str(pin_file)], kvbank_env, log_path)
     yield process, url, log_path
@@ -112,7 +113,9 @@ def test_chat_equals_offline_greedy(client, reference):
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected.outputs[0].text
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert response.usage.prompt_tokens_details.cached_tokens is not None
+    # The first request of this conversation: no block of it is cached yet (the pinned system
+    # prompt differs from the template's default one within the first block).
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_streamed_chat_starts_with_the_role_and_equals_offline_greedy(client, reference):
@@ -138,7 +141,7 @@ def test_n_choices_logprobs_and_stop_strings_equal_offline(client, reference):
         assert choice.finish_reason == completion.finish_reason
         wanted = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
         assert choice.logprobs.token_logprobs == pytest.approx(wanted, abs=1e-4)
-        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+        assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * len(completion.token_ids)
     assert response.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
 
 
@@ -259,15 +262,72 @@ def test_async_engine_raises_the_engines_value_error(async_engine, reference):
         asyncio.run(run())
 
 
-def test_async_engine_streams_cumulative_outputs_until_finished(async_engine):
+def test_async_engine_streams_deltas_until_finished(async_engine, reference):
+    prompt = "The capital of France is"
+    expected = reference.generate(prompt, GREEDY)[0]
+
     async def run() -> list:
-        return [output async for output in async_engine.generate("The capital of France is", GREEDY)]
+        return [output async for output in async_engine.generate(prompt, GREEDY)]
 
     outputs = asyncio.run(run())
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
-    texts = [o.outputs[0].text for o in outputs]
-    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
-    assert len(outputs[-1].outputs[0].token_ids) == MAX_TOKENS
+    assert "".join(o.outputs[0].text for o in outputs) == expected.outputs[0].text
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == expected.outputs[0].token_ids
+    assert all(o.prompt == prompt and o.prompt_token_ids == expected.prompt_token_ids for o in outputs)
+
+
+def test_stalled_reader_gets_merged_deltas_and_at_most_one_pending_output(async_engine, reference):
+    long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=1)
+    expected = reference.generate("Once upon a time", long)[0].outputs[0]
+
+    async def run() -> tuple[list, int]:
+        stream = await async_engine.add_request("Once upon a time", long)
+        outputs = [await anext(stream)]
+        await _until_idle(async_engine, timeout=60)  # the reader stalls while every other step runs
+        pending = stream.num_pending
+        outputs += [output async for output in stream]
+        return outputs, pending
+
+    outputs, pending = asyncio.run(run())
+    assert pending == 1 and len(outputs) == 2, "the unread steps' deltas were merged into one output"
+    merged = outputs[0]
+    for output in outputs[1:]:
+        merged.add(output)
+    completion = merged.outputs[0]
+    assert completion.token_ids == expected.token_ids and completion.text == expected.text
+    assert [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)] == pytest.approx(
+        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)], abs=1e-4)
+    assert merged.finished and completion.finish_reason == "length"
+
+
+def test_text_is_tokenized_on_the_tokenizer_threads(async_engine, monkeypatch):
+    tokenizer = async_engine.engine.tokenizer
+    threads = []
+    encode = tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+
+    async def run() -> None:
+        async for _ in async_engine.generate({"prompt": "Hello there", "cache_salt": "s"}, GREEDY):
+            pass
+
+    asyncio.run(run())
+    assert threads and all(name.startswith("kvbank-tokenizer") for name in threads), threads
+    threads.clear()
+    asyncio.run(_chat_in_process(async_engine, [{"role": "user", "content": "Hi"}]))
+    assert threads and all(name.startswith("kvbank-tokenizer") for name in threads), threads
+
+
+async def _chat_in_process(async_engine: AsyncEngine, messages: list[dict]) -> dict:
+    app = build_app(async_engine, MODEL_NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvbank") as client:
+        response = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 @pytest.mark.parametrize("stop_by", ["break", "cancel"])
