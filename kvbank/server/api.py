@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import AsyncEngine, RequestStream
-from kvbank.server.dashboard import install_dashboard
+from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS, cookie_token, install_dashboard
 from kvbank.server.metrics import RequestTimer, render_metrics
 from kvbank.tokenizer import Tokenizer
 
@@ -259,21 +259,30 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerL
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat_completions(body, request)
 
-    install_dashboard(app, async_engine)
+    install_dashboard(app, async_engine, limits.api_key)
     return app
 
 
 def _install_api_key(app: FastAPI, api_key: str) -> None:
-    """Every route but /health needs `Authorization: Bearer <api_key>`."""
+    """Every route but /health and the dashboard's public ones needs `Authorization: Bearer <api_key>`;
+    the dashboard's state also takes its login cookie."""
     expected = f"Bearer {api_key}".encode()
+    expected_cookie = cookie_token(api_key).encode()
+
+    def authorized(request: Request) -> bool:
+        path = request.url.path
+        if path == "/health" or path in PUBLIC_PATHS:
+            return True
+        if hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            return True
+        cookie = request.cookies.get(COOKIE_NAME, "").encode()
+        return path in COOKIE_PATHS and hmac.compare_digest(cookie, expected_cookie)
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if request.url.path != "/health":
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                                       code="invalid_api_key")
+        if not authorized(request):
+            return _error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                                   code="invalid_api_key")
         return await call_next(request)
 
 

@@ -191,11 +191,11 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running") from self._error
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        prompt, text = await self._tokenized(prompt)
-        mailbox = _Mailbox(asyncio.get_running_loop())
-        self._pending_adds += 1
-        self._inbox.put(_Add(request_id, prompt, text, params, mailbox))
+        self._pending_adds += 1  # before any await, so that admission control sees it at once
         try:
+            prompt, text = await self._tokenized(prompt)
+            mailbox = _Mailbox(asyncio.get_running_loop())
+            self._inbox.put(_Add(request_id, prompt, text, params, mailbox))
             reply = await mailbox.get()
         except BaseException:
             self._pending_adds -= 1
