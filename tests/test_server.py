@@ -460,6 +460,11 @@ def test_prompt_logprobs_come_back_per_choice(base_url, reference):
                 tokens = expected.prompt_token_ids
                 got = [None] + [e[str(t)]["logprob"] for e, t in zip(entries[1:], tokens[1:])]
                 assert got == pytest.approx(_expected_prompt_logprobs(expected), abs=1e-4)
+    status, events, _ = request(f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 2, "stream": True,
+                                                              "prompt_logprobs": 1})
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    assert len(chunks[0]["choices"][0]["prompt_logprobs"]) == len(expected.prompt_token_ids)
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
 
 
 def test_echo_prepends_the_prompt_and_its_logprobs(client, reference):
@@ -477,9 +482,11 @@ def test_echo_prepends_the_prompt_and_its_logprobs(client, reference):
     assert "".join(choice.logprobs.tokens) == choice.text
     assert choice.logprobs.text_offset[len(expected.prompt_token_ids)] == len(prompt)
     streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
-                                              echo=True, stream=True))
+                                              echo=True, logprobs=1, stream=True))
     assert streamed[0].choices[0].text.startswith(prompt)
     assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [lp for c in streamed for lp in c.choices[0].logprobs.token_logprobs] == pytest.approx(wanted, abs=1e-4)
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == choice.logprobs.text_offset
 
 
 # --- --pin-prompt on a model whose tokenizer adds BOS ---------------------------------------------

@@ -103,7 +103,8 @@ class StreamOptions(BaseModel):
 class _SamplingBody(BaseModel):
     """Fields shared by both generation routes; None means "the default"."""
 
-    # Extra fields are kept (not rejected) so they can be named in a warning.
+    # Extra fields are kept (not rejected by pydantic) so that `_check_extra_fields` can name them
+    # in an OpenAI-shaped error, or in a warning if they are harmless.
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -362,7 +363,7 @@ class _Server:
                 choice = _completion_choice(job.choice_index(i, c), c, params.logprobs, echo, output.prompt_logprobs,
                                             output.prompt_token_ids)
                 choices.append({**choice, "prompt_logprobs": _prompt_logprobs_json(output.prompt_logprobs)})
-        return JSONResponse(job.body(choices, usage=_usage(finals)))
+        return JSONResponse(job.body(choices, usage=_usage([_Usage().add(o) for o in finals])))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_body(body)
@@ -385,7 +386,7 @@ class _Server:
         finals = await _unless_disconnected(request, _final_outputs(streams))
         prompt_logprobs = _prompt_logprobs_json(finals[0].prompt_logprobs)
         choices = [{**_chat_choice(c, logprobs), "prompt_logprobs": prompt_logprobs} for c in finals[0].outputs]
-        return JSONResponse(job.body(choices, usage=_usage(finals)))
+        return JSONResponse(job.body(choices, usage=_usage([_Usage().add(o) for o in finals])))
 
     def _cap_max_tokens(self, max_tokens: int | None, field: str) -> int | None:
         cap = self.limits.max_tokens_cap
@@ -404,18 +405,17 @@ class _Server:
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
                            status=404, param="model", code="model_not_found")
+        self._check_token_ids(body)
+        _check_extra_fields(body)
+
+    def _check_token_ids(self, body: _SamplingBody) -> None:
         vocab = self.engine.model_config.vocab_size
         for name in ("logit_bias", "stop_token_ids"):
+            # Malformed ids are left for `sampling_params`, which names what is wrong with them.
             ids = [int(t) for t in getattr(body, name) or () if str(t).isdigit()]
             if any(t >= vocab for t in ids):
                 raise APIError(f"{name} names token id {max(ids)}; this model's vocabulary is [0, {vocab})",
                                param=name)
-        unknown = set(body.model_extra or ()) - HARMLESS_FIELDS
-        if unknown:
-            raise APIError(f"unsupported request field(s): {', '.join(sorted(unknown))}", param=min(unknown))
-        if body.model_extra:
-            logger.warning("ignoring request fields that cannot change the answer: %s",
-                           ", ".join(sorted(body.model_extra)))
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -453,6 +453,15 @@ class _Server:
                 for stream in streams:
                     stream.close()
         return streams
+
+
+def _check_extra_fields(body: _SamplingBody) -> None:
+    """Refuse fields this server does not know; only `HARMLESS_FIELDS` are ignored, with a warning."""
+    unknown = set(body.model_extra or ()) - HARMLESS_FIELDS
+    if unknown:
+        raise APIError(f"unsupported request field(s): {', '.join(sorted(unknown))}", param=min(unknown))
+    if body.model_extra:
+        logger.warning("ignoring request fields that cannot change the answer: %s", ", ".join(sorted(body.model_extra)))
 
 
 def _completion_prompts(prompt: Any) -> list[PromptInput]:
@@ -516,17 +525,19 @@ _END = object()
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs (deltas) of several streams as they arrive, tagged with the stream's position.
 
-    Leaving early (or being cancelled) closes every stream, which aborts its request.
+    Leaving early (or being cancelled) closes every stream, which aborts its request. A reader
+    that falls behind (a slow client) holds up the pumps rather than growing a queue here, so
+    the steps it missed pile up merged in each stream's mailbox.
     """
-    events: asyncio.Queue = asyncio.Queue()
+    events: asyncio.Queue = asyncio.Queue(maxsize=1)
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                events.put_nowait((index, output))
+                await events.put((index, output))
         except Exception as error:
-            events.put_nowait((index, error))
-        events.put_nowait((index, _END))
+            await events.put((index, error))
+        await events.put((index, _END))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
@@ -624,20 +635,14 @@ class _Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def add(self, output: RequestOutput) -> None:
+    def add(self, output: RequestOutput) -> _Usage:
         self.prompt_tokens = len(output.prompt_token_ids)
         self.cached_tokens = output.num_cached_tokens
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        return self
 
 
-def _usage(outputs: list[RequestOutput | _Usage]) -> dict:
-    counts = []
-    for output in outputs:
-        if isinstance(output, RequestOutput):
-            usage = _Usage()
-            usage.add(output)
-            output = usage
-        counts.append(output)
+def _usage(counts: list[_Usage]) -> dict:
     prompt_tokens = sum(c.prompt_tokens for c in counts)
     completion_tokens = sum(c.completion_tokens for c in counts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

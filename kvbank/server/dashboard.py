@@ -1,7 +1,8 @@
 """A live view of the KV cache at `GET /dashboard`, for a browser pointed at `kvbank serve`.
 
 The page is `static/dashboard.html` with its script `static/dashboard.js` (package data; plain
-JavaScript, nothing fetched from elsewhere). On load, and then once a second, it asks `GET /dashboard/state` for a snapshot and draws:
+JavaScript, nothing fetched from elsewhere). On load, and then once a second, it asks
+`GET /dashboard/state` for a snapshot and draws:
 
 * the block pool as a grid, one cell per KV block, coloured by state: free (empty), used (held by a
   running sequence), cached (a finished prefix kept for reuse, evictable) and pinned; with a legend
