@@ -22,7 +22,7 @@ from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.models.loader import BUNDLED_FILE, describe_model
-from kvbank.server.api import ServerLimits, build_app
+from kvbank.server.api import ServerLimits, build_app, system_prompt_prefix
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.tokenizer import Tokenizer
 
@@ -128,7 +128,9 @@ def _serve(args: argparse.Namespace) -> int:
                           max_tokens_cap=args.max_tokens_cap, max_n=args.max_n)
     llm = _load(args)
     for file in args.pin_prompt:
-        pinned = llm.pin_prefix(Path(file).read_text())
+        # The file holds a system prompt (its final newline is the editor's, not the prompt's).
+        system_prompt = Path(file).read_text().removesuffix("\n")
+        pinned = llm.pin_prefix(system_prompt_prefix(llm.get_tokenizer(), system_prompt))
         print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
     name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
     async_engine = AsyncEngine(llm.engine)
@@ -283,8 +285,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                                    "given, as in vLLM; for the bundled model, its file name "
                                                    f"{Path(BUNDLED_FILE).stem})")
     serve.add_argument("--pin-prompt", action="append", default=[], metavar="FILE",
-                       help="compute this file's text once and keep it cached (repeatable); the text must be "
-                            "exactly how prompts begin, e.g. a system turn rendered with the chat template")
+                       help="a system prompt to compute once and keep cached (repeatable): chat requests whose "
+                            "system message is this file's text reuse it")
     serve.add_argument("--api-key", default=os.environ.get("KVBANK_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
                             "(default: $KVBANK_API_KEY, else no key)")
@@ -390,6 +392,7 @@ _SAMPLING_NOT_ON_CLI = {
     "seed": "--seed seeds the sampler of the one engine a command runs",
     "logprobs": "the terminal prints text only",
     "prompt_logprobs": "the terminal prints text only",
+    "logit_bias": "a map of token ids to biases: pass it through the Python API or the HTTP API",
 }
 _SAMPLING_DEFAULT_TEXT = {"stop": "none", "stop_token_ids": "none"}
 

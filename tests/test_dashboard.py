@@ -1,11 +1,12 @@
-"""The live cache page: its JSON state from a real in-process server, and the page itself rendered by
-headless Chromium before and after a real completion request."""
+"""The live cache page: its JSON state from a real in-process server that requires an API key, and the
+page itself rendered by headless Chromium before and after a real completion request."""
 import json
 import os
 import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from html.parser import HTMLParser
 
@@ -14,9 +15,11 @@ import uvicorn
 
 from kvbank import LLM
 from kvbank.server import AsyncEngine, build_app
-from kvbank.server.dashboard import install_dashboard
+from kvbank.server.api import ServerLimits
 
 NUM_BLOCKS = 48
+KEY = "sk-dashboard-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 BROWSER_TIMEOUT_S = 60
 STARTUP_TIMEOUT_S = 30
@@ -29,9 +32,7 @@ def base_url():
     """A uvicorn server on a free port, in a thread, serving the API and the dashboard of a tiny pool."""
     llm = LLM(dtype="float32", num_gpu_blocks=NUM_BLOCKS)
     async_engine = AsyncEngine(llm.engine)
-    app = build_app(async_engine, "m")
-    if not any(getattr(route, "path", None) == "/dashboard" for route in app.routes):
-        install_dashboard(app, async_engine)
+    app = build_app(async_engine, "m", ServerLimits(api_key=KEY))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="dashboard-test-server", daemon=True)
     thread.start()
@@ -46,17 +47,29 @@ def base_url():
     async_engine.shutdown()
 
 
+def _call(url: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict | None, dict]:
+    """(status, JSON body or None, headers) of one request; error statuses are returned, not raised."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, raw, got = response.status, response.read(), response.headers
+    except urllib.error.HTTPError as error:
+        status, raw, got = error.code, error.read(), error.headers
+    return status, json.loads(raw) if raw else None, got
+
+
 def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.load(response)
+    status, body, _ = _call(url, headers=AUTH)
+    assert status == 200, body
+    return body
 
 
 def _complete(base_url: str, prompt: str) -> dict:
-    body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
+    status, body, _ = _call(f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0},
+                            AUTH)
+    assert status == 200, body
+    return body
 
 
 def _settled_state(base_url: str) -> dict:
@@ -83,6 +96,22 @@ def test_state_json_of_an_idle_pool(base_url):
     assert _get_json(f"{base_url}/dashboard/state?since={newest}")["history"] == []
 
 
+def test_state_needs_the_key_by_header_or_by_the_login_cookie(base_url):
+    assert _call(f"{base_url}/dashboard/state")[0] == 401
+    status, body, _ = _call(f"{base_url}/dashboard/login", {"key": "wrong"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, _, headers = _call(f"{base_url}/dashboard/login", {"key": KEY})
+    assert status == 204
+    cookie = headers["set-cookie"]
+    assert "HttpOnly" in cookie and "samesite=strict" in cookie.lower() and KEY not in cookie
+    as_cookie = {"Cookie": cookie.split(";", 1)[0]}
+    status, state, _ = _call(f"{base_url}/dashboard/state", headers=as_cookie)
+    assert status == 200 and len(state["blocks"]) == NUM_BLOCKS
+    # The cookie opens the dashboard's state, not the API.
+    assert _call(f"{base_url}/v1/models", headers=as_cookie)[0] == 401
+    assert _call(f"{base_url}/v1/models", headers=AUTH)[0] == 200
+
+
 class _PageReader(HTMLParser):
     """The block cells' states and the text of elements with an id, from a dumped DOM."""
 
@@ -90,12 +119,15 @@ class _PageReader(HTMLParser):
         super().__init__()
         self.cells: list[str] = []
         self.text: dict[str, str] = {}
+        self.hidden: dict[str, bool] = {}
         self._open_ids: list[str | None] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = dict(attrs)
         if attributes.get("class") == "block":
             self.cells.append(attributes.get("data-state") or "")
+        if attributes.get("id"):
+            self.hidden[attributes["id"]] = "hidden" in attributes
         if tag not in ("br", "img", "input", "meta", "link", "hr"):
             self._open_ids.append(attributes.get("id"))
             if attributes.get("id"):
@@ -125,7 +157,8 @@ def _browser() -> str:
 def _rendered_page(browser: str, url: str) -> _PageReader:
     """Load `url` in headless Chromium, let its script poll for a few virtual seconds, parse the DOM."""
     command = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-               "--no-first-run", "--virtual-time-budget=4000", "--dump-dom", url]
+               "--no-first-run", "--disable-background-networking", "--disable-component-update",
+               "--disable-sync", "--virtual-time-budget=4000", "--dump-dom", url]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-2000:]
     page = _PageReader()
@@ -145,10 +178,17 @@ def _assert_page_matches(page: _PageReader, state: dict) -> None:
     assert page.text["status"].startswith("live")
 
 
+def test_page_without_the_key_asks_for_it(base_url):
+    page = _rendered_page(_browser(), f"{base_url}/dashboard")
+    assert page.hidden["login"] is False
+    assert page.text["status"].strip() == "needs the API key"
+    assert page.cells == []
+
+
 def test_page_in_headless_chromium(base_url):
     browser = _browser()
     before = _settled_state(base_url)
-    page = _rendered_page(browser, f"{base_url}/dashboard")
+    page = _rendered_page(browser, f"{base_url}/dashboard#key={KEY}")
     assert len(page.cells) == NUM_BLOCKS
     assert set(page.cells) == {"free"}
     _assert_page_matches(page, before)
@@ -160,8 +200,9 @@ def test_page_in_headless_chromium(base_url):
     assert after["counts"]["cached"] >= prompt_tokens // block_size > 0
     assert sum(after["counts"].values()) == NUM_BLOCKS
 
-    page = _rendered_page(browser, f"{base_url}/dashboard")
+    page = _rendered_page(browser, f"{base_url}/dashboard#key={KEY}")
     assert len(page.cells) == NUM_BLOCKS
+    assert page.hidden["login"] is True
     assert page.cells.count("cached") == after["counts"]["cached"]
     _assert_page_matches(page, after)
     assert _number(page.text["stat-finished"]) == 1

@@ -1,18 +1,21 @@
 """The OpenAI-compatible server: a real `kvbank serve` process driven by the official `openai` client,
 checked against the offline engine's greedy output; plus AsyncEngine's contract, in process."""
 import asyncio
-import itertools
+import json
+import re
+import threading
 import time
 import urllib.error
 import urllib.request
 
+import httpx
 import openai
 import pytest
 import torch
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams
-from kvbank.server import AsyncEngine
+from kvbank.server import AsyncEngine, build_app
 
 MODEL_NAME = "kvbank-test-model"
 MAX_TOKENS = 12
@@ -27,7 +30,7 @@ def server(kvbank_env, tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
     log_path = folder / "server.log"
     pin_file = folder / "system.txt"
-    pin_file.write_text(f"<|im_start|>system\n{PINNED_SYSTEM}<|im_end|>\n")
+    pin_file.write_text(f"{PINNED_SYSTEM}\n")
     process, url = start_server(["--dtype", "float32", "--served-model-name", MODEL_NAME, "--log-level", "warning",
                                  "--pin-prompt", str(pin_file)], kvbank_env, log_path)
     yield process, url, log_path
@@ -112,7 +115,9 @@ def test_chat_equals_offline_greedy(client, reference):
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected.outputs[0].text
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert response.usage.prompt_tokens_details.cached_tokens is not None
+    # The first request of this conversation: no block of it is cached yet (the pinned system
+    # prompt differs from the template's default one within the first block).
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_streamed_chat_starts_with_the_role_and_equals_offline_greedy(client, reference):
@@ -138,7 +143,7 @@ def test_n_choices_logprobs_and_stop_strings_equal_offline(client, reference):
         assert choice.finish_reason == completion.finish_reason
         wanted = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
         assert choice.logprobs.token_logprobs == pytest.approx(wanted, abs=1e-4)
-        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+        assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * len(completion.token_ids)
     assert response.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
 
 
@@ -259,15 +264,72 @@ def test_async_engine_raises_the_engines_value_error(async_engine, reference):
         asyncio.run(run())
 
 
-def test_async_engine_streams_cumulative_outputs_until_finished(async_engine):
+def test_async_engine_streams_deltas_until_finished(async_engine, reference):
+    prompt = "The capital of France is"
+    expected = reference.generate(prompt, GREEDY)[0]
+
     async def run() -> list:
-        return [output async for output in async_engine.generate("The capital of France is", GREEDY)]
+        return [output async for output in async_engine.generate(prompt, GREEDY)]
 
     outputs = asyncio.run(run())
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
-    texts = [o.outputs[0].text for o in outputs]
-    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
-    assert len(outputs[-1].outputs[0].token_ids) == MAX_TOKENS
+    assert "".join(o.outputs[0].text for o in outputs) == expected.outputs[0].text
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == expected.outputs[0].token_ids
+    assert all(o.prompt == prompt and o.prompt_token_ids == expected.prompt_token_ids for o in outputs)
+
+
+def test_stalled_reader_gets_merged_deltas_and_at_most_one_pending_output(async_engine, reference):
+    long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=1)
+    expected = reference.generate("Once upon a time", long)[0].outputs[0]
+
+    async def run() -> tuple[list, int]:
+        stream = await async_engine.add_request("Once upon a time", long)
+        outputs = [await anext(stream)]
+        await _until_idle(async_engine, timeout=60)  # the reader stalls while every other step runs
+        pending = stream.num_pending
+        outputs += [output async for output in stream]
+        return outputs, pending
+
+    outputs, pending = asyncio.run(run())
+    assert pending == 1 and len(outputs) == 2, "the unread steps' deltas were merged into one output"
+    merged = outputs[0]
+    for output in outputs[1:]:
+        merged.add(output)
+    completion = merged.outputs[0]
+    assert completion.token_ids == expected.token_ids and completion.text == expected.text
+    assert [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)] == pytest.approx(
+        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)], abs=1e-4)
+    assert merged.finished and completion.finish_reason == "length"
+
+
+def test_text_is_tokenized_on_the_tokenizer_threads(async_engine, monkeypatch):
+    tokenizer = async_engine.engine.tokenizer
+    threads = []
+    encode = tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+
+    async def run() -> None:
+        async for _ in async_engine.generate({"prompt": "Hello there", "cache_salt": "s"}, GREEDY):
+            pass
+
+    asyncio.run(run())
+    assert threads and all(name.startswith("kvbank-tokenizer") for name in threads), threads
+    threads.clear()
+    asyncio.run(_chat_in_process(async_engine, [{"role": "user", "content": "Hi"}]))
+    assert threads and all(name.startswith("kvbank-tokenizer") for name in threads), threads
+
+
+async def _chat_in_process(async_engine: AsyncEngine, messages: list[dict]) -> dict:
+    app = build_app(async_engine, MODEL_NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvbank") as client:
+        response = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 @pytest.mark.parametrize("stop_by", ["break", "cancel"])
@@ -303,3 +365,176 @@ def test_pinned_system_prompt_is_cached_on_first_use_and_salts_isolate(client):
     assert salted[0].usage.prompt_tokens_details.cached_tokens == 0
     assert salted[1].usage.prompt_tokens_details.cached_tokens >= 16
     assert salted[0].choices[0].message.content == first.choices[0].message.content
+
+
+# --- request validation and the fields passed through ----------------------------------------------
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([{"role": "wizard", "content": "Hi"}], "messages.0.role"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "tool", "content": "42"}], "messages.1.role"),
+    ([{"role": "user", "content": None}], "messages.0.content"),
+    ([{"role": "user"}], "messages.0.content"),
+])
+def test_unknown_role_or_null_user_content_is_a_400_naming_the_field(base_url, messages, param):
+    status, body = _post(f"{base_url}/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert status == 400
+    assert _assert_openai_error(body)["param"] == param
+
+
+def test_developer_role_is_accepted_as_the_system_message(client, reference):
+    user = {"role": "user", "content": "Name a fruit."}
+    expected = reference.chat([{"role": "system", "content": "Be brief."}, user], GREEDY)[0].outputs[0]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=[
+        {"role": "developer", "content": "Be brief."}, user], max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].message.content == expected.text
+
+
+def test_seed_out_of_range_is_a_400_stating_the_range(base_url, client):
+    status, body = _post(f"{base_url}/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": 2**64})
+    assert status == 400
+    error = _assert_openai_error(body)
+    assert error["param"] == "seed" and str(-2**63) in error["message"] and str(2**64 - 1) in error["message"]
+    # Large seeds in range used to overflow when seeding the n completions.
+    response = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, n=2, seed=2**64 - 1)
+    assert len(response.choices) == 2
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", "auto"),
+    ("guided_json", {"type": "object"}),
+    ("logit_bias", {"abc": 1}),
+    ("logit_bias", {"5": 101}),
+    ("logit_bias", {"999999": 1}),
+    ("stop_token_ids", [999999]),
+])
+def test_fields_that_would_change_the_answer_are_refused_by_name(base_url, field, value):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
+    status, response = _post(f"{base_url}/v1/chat/completions", body)
+    assert status == 400
+    assert _assert_openai_error(response)["param"] == field
+
+
+def test_harmless_fields_and_plain_text_format_are_accepted(client):
+    response = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=2, temperature=0, metadata={"k": "v"}, store=False,
+                                              response_format={"type": "text"}, tool_choice="none")
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_min_tokens_and_special_tokens_pass_through(client, reference):
+    prompt = "The capital of France is"
+    greedy = reference.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    fields = dict(stop_token_ids=[greedy[3]], min_tokens=2, skip_special_tokens=False,
+                  include_stop_str_in_output=True, stop=["."])
+    expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **fields))[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body=fields)
+    choice = response.choices[0]
+    assert choice.text == expected.outputs[0].text
+    assert choice.finish_reason == "stop" and choice.stop_reason == expected.outputs[0].stop_reason
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids) < len(greedy)
+
+
+def _expected_prompt_logprobs(expected) -> list:
+    return [None] + [entry[token].logprob for entry, token in zip(expected.prompt_logprobs[1:],
+                                                                  expected.prompt_token_ids[1:])]
+
+
+def test_prompt_logprobs_come_back_per_choice(base_url, reference):
+    prompt = "Paris is the capital of"
+    expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    for route, body in (("completions", {"prompt": prompt}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": prompt}]})):
+        status, response = _post(f"{base_url}/v1/{route}", {**body, "max_tokens": 2, "temperature": 0,
+                                                            "prompt_logprobs": 1, "n": 2})
+        assert status == 200, response
+        for choice in response["choices"]:
+            entries = choice["prompt_logprobs"]
+            assert entries[0] is None and all(1 <= len(e) <= 2 for e in entries[1:])
+            if route == "completions":
+                tokens = expected.prompt_token_ids
+                got = [None] + [e[str(t)]["logprob"] for e, t in zip(entries[1:], tokens[1:])]
+                assert got == pytest.approx(_expected_prompt_logprobs(expected), abs=1e-4)
+    status, events, _ = request(f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 2, "stream": True,
+                                                              "prompt_logprobs": 1})
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    assert len(chunks[0]["choices"][0]["prompt_logprobs"]) == len(expected.prompt_token_ids)
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
+
+
+def test_echo_prepends_the_prompt_and_its_logprobs(client, reference):
+    prompt = "The sky is"
+    expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=1,
+                                                         prompt_logprobs=1))[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                         echo=True, logprobs=1)
+    choice = response.choices[0]
+    assert choice.text == prompt + expected.outputs[0].text
+    completion = expected.outputs[0]
+    wanted = _expected_prompt_logprobs(expected) + [lp[t].logprob for lp, t in zip(completion.logprobs,
+                                                                                  completion.token_ids)]
+    assert choice.logprobs.token_logprobs == pytest.approx(wanted, abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.text_offset[len(expected.prompt_token_ids)] == len(prompt)
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                              echo=True, logprobs=1, stream=True))
+    assert streamed[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [lp for c in streamed for lp in c.choices[0].logprobs.token_logprobs] == pytest.approx(wanted, abs=1e-4)
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == choice.logprobs.text_offset
+
+
+# --- --pin-prompt on a model whose tokenizer adds BOS ---------------------------------------------
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def bos_adding_checkpoint(tmp_path_factory):
+    """A tiny random Llama whose tokenizer prepends BOS to text while its chat template writes none."""
+    import gguf
+    import transformers
+
+    from kvbank.models.loader import bundled_model_path
+    from kvbank.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("bos-model")
+    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(bundled_model_path()))
+    tokenizer.save(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(bos_token="<|endoftext|>", add_bos_token=True, chat_template=CHATML)
+    config_path.write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model_config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=512)
+    transformers.LlamaForCausalLM(model_config).save_pretrained(folder)
+    return folder
+
+
+def test_pin_prompt_hits_chat_requests_on_a_bos_adding_model(bos_adding_checkpoint, kvbank_env, tmp_path):
+    from kvbank.tokenizer import Tokenizer
+
+    assert Tokenizer.from_folder(bos_adding_checkpoint).encode("a")[0] == 0, "the checkpoint must add BOS"
+    pin_file = tmp_path / "system.txt"
+    pin_file.write_text(f"{PINNED_SYSTEM}\n")
+    log_path = tmp_path / "server.log"
+    process, url = start_server(["--model", str(bos_adding_checkpoint), "--dtype", "float32",
+                                 "--pin-prompt", str(pin_file)], kvbank_env, log_path)
+    try:
+        wait_healthy(process, url, log_path)
+        pinned = int(re.search(r"pinned (\d+) tokens", log_path.read_text()).group(1))
+        messages = [{"role": "system", "content": PINNED_SYSTEM}, {"role": "user", "content": "When do you open?"}]
+        status, body = _post(f"{url}/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    finally:
+        stop_server(process)
+    assert status == 200, body
+    assert pinned >= 16
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == pinned

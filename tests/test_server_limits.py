@@ -187,7 +187,8 @@ _chat_bodies = st.fixed_dictionaries({"messages": _messages | _json_values},
                                                "top_logprobs": st.integers(-1, 25) | _json_values})
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
 @given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=st.data())
 def test_fuzzed_request_bodies_never_cause_a_server_error(server, route, data):
     body = data.draw(_completion_bodies if route == "/v1/completions" else _chat_bodies)

@@ -175,7 +175,7 @@ class LLMEngine:
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
             return None
-        return torch.Generator(self.device).manual_seed(params.seed * 1_000_003 + index)
+        return torch.Generator(self.device).manual_seed((params.seed * 1_000_003 + index) % 2**64)
 
     def _attach_detokenizer(self, seq: Sequence) -> None:
         if self.tokenizer is not None:

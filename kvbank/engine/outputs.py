@@ -1,7 +1,19 @@
 """What a request gives back, shaped like vLLM's RequestOutput."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """Whether each output of a request holds everything so far or only what is new since the last.
+
+    CUMULATIVE suits callers that keep only the latest output (`LLM.generate`); DELTA keeps the
+    cost of a step independent of the output's length, for streams (the server).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
 
 
 @dataclass(slots=True)
@@ -28,8 +40,15 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def add(self, later: CompletionOutput) -> None:
+        """Append the delta `later` (the same completion's next delta) to this one."""
+        assert later.index == self.index
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs.extend(later.logprobs)
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
 
 @dataclass
@@ -48,7 +67,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step (cumulative, not a delta)."""
+    """The state of one request after an engine step: cumulative, or new since the previous output
+    when the request asked for RequestOutputKind.DELTA (then `prompt_logprobs` holds new entries too)."""
 
     request_id: str
     prompt: str | None
@@ -58,4 +78,17 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold the next delta of the same request into this one, so that it covers both."""
+        assert later.request_id == self.request_id
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
+        mine = {c.index: c for c in self.outputs}
+        for completion in later.outputs:
+            if completion.index in mine:
+                mine[completion.index].add(completion)
+            else:
+                self.outputs.append(completion)
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished, self.metrics, self.num_cached_tokens = later.finished, later.metrics, later.num_cached_tokens

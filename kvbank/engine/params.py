@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
 
 
 @dataclass
@@ -70,7 +72,8 @@ class SamplingParams:
                "logprobs", self.logprobs, "must be an integer in [0, 20]")
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                "prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
+               self.seed, f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be non-negative integers")

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from kvbank.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from kvbank.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, TokenLogprobs
 from kvbank.engine.params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -39,6 +39,9 @@ class Sequence:
         self.detokenizer = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # What `delta_completion` has handed out: output tokens and characters of settled text.
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
 
     @property
     def params(self) -> SamplingParams:
@@ -122,6 +125,21 @@ class Sequence:
             stop_reason=self.stop_reason,
         )
 
+    def delta_completion(self) -> CompletionOutput:
+        """What is new since the previous call: tokens, their logprobs and settled text."""
+        text, start = self.settled_text(), self.num_sent_tokens
+        delta = CompletionOutput(
+            index=self.index,
+            text=text[self.num_sent_chars:],
+            token_ids=self.token_ids[self.num_prompt_tokens + start:],
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.num_sent_tokens, self.num_sent_chars = self.num_output_tokens, len(text)
+        return delta
+
 
 class Request:
     """A user's request: a prompt, sampling parameters and the sequences that serve it."""
@@ -143,19 +161,34 @@ class Request:
         self.seqs: list[Sequence] = []
         self.num_cached_tokens = 0
         self.forked = params.n == 1
+        self.output_kind = RequestOutputKind.CUMULATIVE
+        self._num_sent_prompt_logprobs = 0
 
     @property
     def finished(self) -> bool:
         return self.forked and all(seq.is_finished for seq in self.seqs)
 
     def output(self) -> RequestOutput:
+        """The request's state, cumulative or new since the previous call as `output_kind` says."""
+        if self.output_kind is RequestOutputKind.DELTA:
+            completions = [seq.delta_completion() for seq in self.seqs]
+            prompt_logprobs = self._new_prompt_logprobs()
+        else:
+            completions, prompt_logprobs = [seq.completion() for seq in self.seqs], self.prompt_logprobs
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
-            outputs=[seq.completion() for seq in self.seqs],
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
         )
+
+    def _new_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        if self.prompt_logprobs is None:
+            return None
+        new = self.prompt_logprobs[self._num_sent_prompt_logprobs:]
+        self._num_sent_prompt_logprobs = len(self.prompt_logprobs)
+        return new

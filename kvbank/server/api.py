@@ -2,7 +2,14 @@
 
 Bodies, streamed chunks and errors follow OpenAI's shapes, so the official clients work unchanged.
 Sampling extras that vLLM accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-cache_salt) are accepted too; other unknown fields are ignored with a warning, as vLLM does.
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs, cache_salt) are
+accepted too, and `prompt_logprobs` come back per choice as vLLM returns them.
+
+A field is never silently dropped if dropping it changes the answer: `response_format` other than
+{"type": "text"}, `tools`, `tool_choice` other than "none", `functions` and `function_call` are
+refused with a 400 naming the field, and so is any field this server does not know. Only fields
+that cannot change the answer (`HARMLESS_FIELDS`, e.g. `metadata`, `store`) are ignored, with a
+warning in the log.
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,17 +31,22 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from kvbank import memory
-from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import AsyncEngine, RequestStream
-from kvbank.server.dashboard import install_dashboard
+from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS, cookie_token, install_dashboard
 from kvbank.server.metrics import RequestTimer, render_metrics
+from kvbank.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvbank.server")
 
 T = TypeVar("T")
 PromptInput = str | list[int]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: unknown request fields that are ignored (with a warning) because they cannot change the answer
+HARMLESS_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class APIError(Exception):
@@ -70,6 +82,19 @@ class ServerLimits:
                 raise ValueError(f"{name}={value} must be at least 1")
 
 
+def system_prompt_prefix(tokenizer: Tokenizer, system_prompt: str) -> list[int]:
+    """The token ids every chat request that opens with `system_prompt` as its system message starts
+    with, rendered by the chat template exactly as `/v1/chat/completions` renders it (BOS only
+    where the template writes one): what `--pin-prompt` pins."""
+    system = {"role": "system", "content": system_prompt}
+    alone = tokenizer.apply_chat_template([system], add_generation_prompt=False, tokenize=True)
+    # A template may end a conversation differently from a turn followed by more turns; only what
+    # both renderings share is a prefix of real requests.
+    followed = tokenizer.apply_chat_template([system, {"role": "user", "content": "?"}], tokenize=True)
+    shared = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
+    return alone[:shared]
+
+
 # --- request bodies ------------------------------------------------------------------------------
 
 class StreamOptions(BaseModel):
@@ -79,7 +104,8 @@ class StreamOptions(BaseModel):
 class _SamplingBody(BaseModel):
     """Fields shared by both generation routes; None means "the default"."""
 
-    # Extra fields are kept (not rejected) so they can be named in a warning.
+    # Extra fields are kept (not rejected by pydantic) so that `_check_extra_fields` can name them
+    # in an OpenAI-shaped error, or in a warning if they are harmless.
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -100,27 +126,63 @@ class _SamplingBody(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     cache_salt: str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
         """SamplingParams for this body; raises APIError 400 for a value SamplingParams refuses."""
         fields = {name: getattr(self, name) for name in (
             "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
-            "min_p", "repetition_penalty", "min_tokens", "ignore_eos")}
+            "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+            "include_stop_str_in_output", "skip_special_tokens")}
+        if self.logit_bias:
+            fields["logit_bias"] = _logit_bias(self.logit_bias)
         try:
             return SamplingParams(**{k: v for k, v in fields.items() if v is not None}, max_tokens=max_tokens,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as error:
-            raise APIError(str(error)) from error
+            raise APIError(str(error), param=_named_field(str(error))) from error
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's {"token id": bias} as {token id: bias}; ids and the [-100, 100] range are checked."""
+    parsed = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise APIError(f"logit_bias key {key!r} must be a token id (a non-negative integer)", param="logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise APIError(f"logit_bias[{key}]={value} must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+                           param="logit_bias")
+        parsed[int(key)] = value
+    return parsed
+
+
+def _named_field(message: str) -> str | None:
+    # SamplingParams errors start with "<field>=<value>".
+    name = message.split("=", 1)[0]
+    return name if name.isidentifier() else None
 
 
 class CompletionRequest(_SamplingBody):
     # Checked by `_completion_prompts`, which can say in one sentence what is allowed.
     prompt: Any
     logprobs: int | None = None
+    echo: bool | None = False
+
+    @property
+    def effective_prompt_logprobs(self) -> int | None:
+        """Echoing the prompt with logprobs needs the prompt's logprobs, as many as `logprobs`."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
 
 class TextPart(BaseModel):
@@ -143,6 +205,24 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Accepted only in the values that mean "plain text, no tools"; see `_refuse_unsupported`.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first field asking for what this server cannot do (structured output, tool calls)."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                return name
+        return None
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -181,21 +261,30 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerL
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat_completions(body, request)
 
-    install_dashboard(app, async_engine)
+    install_dashboard(app, async_engine, limits.api_key)
     return app
 
 
 def _install_api_key(app: FastAPI, api_key: str) -> None:
-    """Every route but /health needs `Authorization: Bearer <api_key>`."""
+    """Every route but /health and the dashboard's public ones needs `Authorization: Bearer <api_key>`;
+    the dashboard's state also takes its login cookie."""
     expected = f"Bearer {api_key}".encode()
+    expected_cookie = cookie_token(api_key).encode()
+
+    def authorized(request: Request) -> bool:
+        path = request.url.path
+        if path == "/health" or path in PUBLIC_PATHS:
+            return True
+        if hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            return True
+        cookie = request.cookies.get(COOKIE_NAME, "").encode()
+        return path in COOKIE_PATHS and hmac.compare_digest(cookie, expected_cookie)
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if request.url.path != "/health":
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return _error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                                       code="invalid_api_key")
+        if not authorized(request):
+            return _error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                                   code="invalid_api_key")
         return await call_next(request)
 
 
@@ -259,33 +348,46 @@ class _Server:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_body(body)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = body.sampling_params(self._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs)
+        params = body.sampling_params(self._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs,
+                                      body.effective_prompt_logprobs)
         prompts = _completion_prompts(body.prompt)
         job = _Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
+        echoes = [await self._echo(p) for p in prompts] if body.echo else None
         streams = await self._start([_with_salt(p, body.cache_salt) for p in prompts], params, job.id)
         if body.stream:
-            return _event_stream(_completion_chunks(job, streams))
+            return _event_stream(_completion_chunks(job, streams, echoes))
         finals = await _unless_disconnected(request, _final_outputs(streams))
-        choices = [_completion_choice(job.choice_index(i, c), c, params.logprobs)
-                   for i, output in enumerate(finals) for c in output.outputs]
-        return JSONResponse(job.body(choices, usage=_usage(finals)))
+        choices = []
+        for i, output in enumerate(finals):
+            echo = echoes[i] if echoes else None
+            for c in output.outputs:
+                choice = _completion_choice(job.choice_index(i, c), c, params.logprobs, echo, output.prompt_logprobs,
+                                            output.prompt_token_ids)
+                choices.append({**choice, "prompt_logprobs": _prompt_logprobs_json(output.prompt_logprobs)})
+        return JSONResponse(job.body(choices, usage=_usage([_Usage().add(o) for o in finals])))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_body(body)
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            raise APIError(f"{unsupported} is not supported by this server: it answers in plain text and calls "
+                           "no tools", param=unsupported)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._cap_max_tokens(getattr(body, field), field)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, logprobs)
-        prompt = _with_salt(self._render_chat(body.messages), body.cache_salt)
+        params = body.sampling_params(max_tokens, logprobs, body.prompt_logprobs)
+        messages = _template_messages(body.messages)
+        prompt = _with_salt(await self.async_engine.run_tokenizer(self._render_chat, messages), body.cache_salt)
         job = _Job("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params, body.include_usage)
         streams = await self._start([prompt], params, job.id)
         if body.stream:
             return _event_stream(_chat_chunks(job, streams))
         finals = await _unless_disconnected(request, _final_outputs(streams))
-        choices = [_chat_choice(c, logprobs) for c in finals[0].outputs]
-        return JSONResponse(job.body(choices, usage=_usage(finals)))
+        prompt_logprobs = _prompt_logprobs_json(finals[0].prompt_logprobs)
+        choices = [{**_chat_choice(c, logprobs), "prompt_logprobs": prompt_logprobs} for c in finals[0].outputs]
+        return JSONResponse(job.body(choices, usage=_usage([_Usage().add(o) for o in finals])))
 
     def _cap_max_tokens(self, max_tokens: int | None, field: str) -> int | None:
         cap = self.limits.max_tokens_cap
@@ -304,20 +406,34 @@ class _Server:
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
                            status=404, param="model", code="model_not_found")
-        if body.model_extra:
-            logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(body.model_extra)))
+        self._check_token_ids(body)
+        _check_extra_fields(body)
 
-    def _render_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def _check_token_ids(self, body: _SamplingBody) -> None:
+        vocab = self.engine.model_config.vocab_size
+        for name in ("logit_bias", "stop_token_ids"):
+            # Malformed ids are left for `sampling_params`, which names what is wrong with them.
+            ids = [int(t) for t in getattr(body, name) or () if str(t).isdigit()]
+            if any(t >= vocab for t in ids):
+                raise APIError(f"{name} names token id {max(ids)}; this model's vocabulary is [0, {vocab})",
+                               param=name)
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
-        if not messages:
-            raise APIError("messages must not be empty", param="messages")
         try:
-            return tokenizer.apply_chat_template([_template_message(m) for m in messages],
-                                                 add_generation_prompt=True, tokenize=True)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except (ValueError, jinja2.TemplateError) as error:
             raise APIError(f"cannot render the chat template: {error}", param="messages") from error
+
+    async def _echo(self, prompt: PromptInput) -> _Echo:
+        """The prompt as `echo` shows it (token ids are decoded off the event loop)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError("echo needs a tokenizer, and this model has none", param="echo")
+        text = prompt if isinstance(prompt, str) else await self.async_engine.run_tokenizer(tokenizer.decode, prompt)
+        return _Echo(text, tokenizer.token_text)
 
     async def _start(self, prompts: list[Any], params: SamplingParams, job_id: str) -> list[RequestStream]:
         """Submit every prompt; if the engine refuses one, abort those already accepted."""
@@ -338,6 +454,15 @@ class _Server:
                 for stream in streams:
                     stream.close()
         return streams
+
+
+def _check_extra_fields(body: _SamplingBody) -> None:
+    """Refuse fields this server does not know; only `HARMLESS_FIELDS` are ignored, with a warning."""
+    unknown = set(body.model_extra or ()) - HARMLESS_FIELDS
+    if unknown:
+        raise APIError(f"unsupported request field(s): {', '.join(sorted(unknown))}", param=min(unknown))
+    if body.model_extra:
+        logger.warning("ignoring request fields that cannot change the answer: %s", ", ".join(sorted(body.model_extra)))
 
 
 def _completion_prompts(prompt: Any) -> list[PromptInput]:
@@ -361,19 +486,35 @@ def _with_salt(prompt: PromptInput, cache_salt: str | None) -> PromptInput | dic
     return {key: prompt, "cache_salt": cache_salt}
 
 
-def _template_message(message: ChatMessage) -> dict:
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template sees them; raises APIError for a role or content it must not see."""
+    if not messages:
+        raise APIError("messages must not be empty", param="messages")
+    return [_template_message(i, m) for i, m in enumerate(messages)]
+
+
+def _template_message(position: int, message: ChatMessage) -> dict:
+    if message.role not in CHAT_ROLES:
+        raise APIError(f"messages[{position}].role={message.role!r} is not supported; use one of "
+                       f"{', '.join(CHAT_ROLES)}", param=f"messages.{position}.role")
+    # An assistant turn may carry no text (OpenAI allows it); anything else without text is a mistake.
+    if message.content is None and message.role != "assistant":
+        raise APIError(f"messages[{position}].content must not be null in a {message.role} message",
+                       param=f"messages.{position}.content")
     rendered = message.model_dump(exclude_none=True)
-    rendered["content"] = _message_text(message.content)
+    # Chat templates know "system"; OpenAI's "developer" role is its newer name.
+    rendered["role"] = "system" if message.role == "developer" else message.role
+    rendered["content"] = _message_text(position, message.content)
     return rendered
 
 
-def _message_text(content: str | list[TextPart] | None) -> str:
+def _message_text(position: int, content: str | list[TextPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     for part in content:
         if part.type != "text" or part.text is None:
             raise APIError(f"content part of type {part.type!r} is not supported; only text parts are",
-                           param="messages")
+                           param=f"messages.{position}.content")
     return "\n".join(part.text for part in content)
 
 
@@ -383,19 +524,21 @@ _END = object()
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they arrive, tagged with the stream's position.
+    """Outputs (deltas) of several streams as they arrive, tagged with the stream's position.
 
-    Leaving early (or being cancelled) closes every stream, which aborts its request.
+    Leaving early (or being cancelled) closes every stream, which aborts its request. A reader
+    that falls behind (a slow client) holds up the pumps rather than growing a queue here, so
+    the steps it missed pile up merged in each stream's mailbox.
     """
-    events: asyncio.Queue = asyncio.Queue()
+    events: asyncio.Queue = asyncio.Queue(maxsize=1)
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                events.put_nowait((index, output))
+                await events.put((index, output))
         except Exception as error:
-            events.put_nowait((index, error))
-        events.put_nowait((index, _END))
+            await events.put((index, error))
+        await events.put((index, _END))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
@@ -416,9 +559,13 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 
 async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Each stream's deltas folded into one whole output."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for index, output in _merged(streams):
-        finals[index] = output
+        if finals[index] is None:
+            finals[index] = output
+        else:
+            finals[index].add(output)
     return finals
 
 
@@ -472,56 +619,109 @@ class _Job:
         return body
 
 
-def _usage(outputs: list[RequestOutput]) -> dict:
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+@dataclass
+class _Echo:
+    """A completions prompt as `echo` shows it: its text, and how to name a token that has no
+    logprob entry to take its text from (the prompt's first)."""
+
+    text: str
+    token_text: Callable[[int], str]
+
+
+@dataclass
+class _Usage:
+    """Token counts of one request, added up from its deltas."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> _Usage:
+        self.prompt_tokens = len(output.prompt_token_ids)
+        self.cached_tokens = output.num_cached_tokens
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        return self
+
+
+def _usage(counts: list[_Usage]) -> dict:
+    prompt_tokens = sum(c.prompt_tokens for c in counts)
+    completion_tokens = sum(c.completion_tokens for c in counts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in counts)}}
 
 
-def _chosen_and_top(completion: CompletionOutput, position: int, k: int) -> tuple[Logprob, list[Logprob]]:
-    entry = completion.logprobs[position]
-    chosen = entry[completion.token_ids[position]]
-    top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
-    return chosen, top
+def _top(entry: TokenLogprobs, k: int) -> list[Logprob]:
+    return sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
 
 
-def _completion_logprobs(completion: CompletionOutput, k: int | None, start: int = 0,
-                         text_offset: int = 0) -> dict | None:
-    """Completions-style logprobs of tokens[start:], the first one at `text_offset` in the text."""
-    if k is None or completion.logprobs is None:
-        return None
+def _completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None], k: int, text_offset: int,
+                         token_text: Callable[[int], str] = str) -> dict:
+    """Completions-style logprobs of `token_ids`, the first one at `text_offset` in the text.
+
+    An entry of None (the prompt's first token, when echoed) has no logprob; `token_text` names it.
+    """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for position in range(start, len(completion.logprobs)):
-        chosen, top = _chosen_and_top(completion, position, k)
-        tokens.append(chosen.decoded_token)
-        token_logprobs.append(chosen.logprob)
-        top_logprobs.append({lp.decoded_token: lp.logprob for lp in top})
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            text, logprob, top = token_text(token_id), None, None
+        else:
+            chosen = entry[token_id]
+            text, logprob, top = chosen.decoded_token, chosen.logprob, {lp.decoded_token: lp.logprob
+                                                                        for lp in _top(entry, k)}
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
         offsets.append(text_offset)
-        text_offset += len(chosen.decoded_token)
+        text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
 
-def _chat_logprobs(completion: CompletionOutput, k: int | None, start: int = 0) -> dict | None:
+def _joined_logprobs(parts: list[dict]) -> dict:
+    return {key: [value for part in parts for value in part[key]] for key in parts[0]}
+
+
+def _completion_choice(index: int, completion: CompletionOutput, k: int | None, echo: _Echo | None,
+                       prompt_logprobs: list[TokenLogprobs | None] | None, prompt_token_ids: list[int] | None = None,
+                       text_offset: int = 0) -> dict:
+    """One completions choice (or a streamed chunk's): `echo`, when given, is prepended to it."""
+    text, logprobs = completion.text, None
+    if k is not None and completion.logprobs is not None:
+        parts = []
+        if echo is not None:
+            parts.append(_completion_logprobs(prompt_token_ids, prompt_logprobs, k, text_offset, echo.token_text))
+            text_offset += len(echo.text)
+        parts.append(_completion_logprobs(completion.token_ids, completion.logprobs, k, text_offset))
+        logprobs = _joined_logprobs(parts)
+    if echo is not None:
+        text = echo.text + text
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason}
+
+
+def _prompt_logprobs_json(entries: list[TokenLogprobs | None] | None) -> list[dict | None] | None:
+    """vLLM's shape: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                                        "decoded_token": lp.decoded_token}
+                                        for token_id, lp in entry.items()}
+            for entry in entries]
+
+
+def _chat_logprobs(completion: CompletionOutput, k: int | None) -> dict | None:
     if k is None or completion.logprobs is None:
         return None
     content = []
-    for position in range(start, len(completion.logprobs)):
-        chosen, top = _chosen_and_top(completion, position, k)
-        content.append({**_chat_token(chosen), "top_logprobs": [_chat_token(lp) for lp in top]})
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+        content.append({**_chat_token(entry[token_id]), "top_logprobs": [_chat_token(lp) for lp in _top(entry, k)]})
     return {"content": content}
 
 
 def _chat_token(logprob: Logprob) -> dict:
     token = logprob.decoded_token
     return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode("utf-8"))}
-
-
-def _completion_choice(index: int, completion: CompletionOutput, k: int | None) -> dict:
-    return {"index": index, "text": completion.text, "logprobs": _completion_logprobs(completion, k),
-            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
 
 
 def _chat_choice(completion: CompletionOutput, k: int | None) -> dict:
@@ -536,50 +736,40 @@ def _chat_choice(completion: CompletionOutput, k: int | None) -> dict:
 class _Sent:
     """How much of one choice has been streamed so far."""
 
-    text_len: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0
+    started: bool = False
     finished: bool = False
+    text_offset: int = 0
+
+    def has_news(self, delta: CompletionOutput) -> bool:
+        """Whether `delta` has anything to send: text, tokens, or the (first) finish reason."""
+        return not self.finished and bool(delta.text or delta.token_ids or delta.finish_reason is not None)
 
 
-@dataclass
-class _Delta:
-    text: str
-    start: int
-    text_offset: int
-    finish_reason: str | None
-
-
-def _next_delta(completion: CompletionOutput, sent: _Sent) -> _Delta | None:
-    """What of `completion` is new since `sent` (which it updates); None if nothing is."""
-    if sent.finished:
-        return None
-    finished = completion.finish_reason is not None
-    text = completion.text
-    delta = _Delta(text[sent.text_len:], sent.num_tokens, sent.text_offset, completion.finish_reason)
-    new_tokens = range(sent.num_tokens, len(completion.token_ids))
-    if not delta.text and not new_tokens and not finished:
-        return None
-    if completion.logprobs is not None:
-        sent.text_offset += sum(len(completion.logprobs[i][completion.token_ids[i]].decoded_token) for i in new_tokens)
-    sent.text_len, sent.num_tokens, sent.finished = len(text), len(completion.token_ids), finished
-    return delta
-
-
-async def _completion_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator[dict]:
+async def _completion_chunks(job: _Job, streams: list[RequestStream],
+                             echoes: list[_Echo] | None) -> AsyncIterator[dict]:
     sent: dict[int, _Sent] = {}
-    latest: list[RequestOutput | None] = [None] * len(streams)
+    usage = [_Usage() for _ in streams]
+    prompt_logprobs: list[list[TokenLogprobs | None]] = [[] for _ in streams]
+    k = job.params.logprobs
     async for prompt_index, output in _merged(streams):
-        latest[prompt_index] = output
+        usage[prompt_index].add(output)
+        prompt_logprobs[prompt_index] += output.prompt_logprobs or []
         for completion in output.outputs:
             index = job.choice_index(prompt_index, completion)
-            delta = _next_delta(completion, sent.setdefault(index, _Sent()))
-            if delta is not None:
-                logprobs = _completion_logprobs(completion, job.params.logprobs, delta.start, delta.text_offset)
-                yield job.body([{"index": index, "text": delta.text, "logprobs": logprobs,
-                                 "finish_reason": delta.finish_reason}], chunk=True)
+            state = sent.setdefault(index, _Sent())
+            if not state.has_news(completion):
+                continue
+            first = not state.started
+            echo = echoes[prompt_index] if echoes and first else None
+            choice = _completion_choice(index, completion, k, echo, prompt_logprobs[prompt_index],
+                                        output.prompt_token_ids, state.text_offset)
+            if first and job.params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs[prompt_index])
+            state.started, state.finished = True, completion.finish_reason is not None
+            state.text_offset += len(choice["text"])
+            yield job.body([choice], chunk=True)
     if job.include_usage:
-        yield job.body([], usage=_usage(latest), chunk=True)
+        yield job.body([], usage=_usage(usage), chunk=True)
 
 
 async def _chat_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator[dict]:
@@ -587,16 +777,24 @@ async def _chat_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator
     yield job.body([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}
                     for i in range(job.params.n)], chunk=True)
     sent: dict[int, _Sent] = {}
-    latest: RequestOutput | None = None
-    async for _, latest in _merged(streams):
-        for completion in latest.outputs:
-            delta = _next_delta(completion, sent.setdefault(completion.index, _Sent()))
-            if delta is not None:
-                yield job.body([{"index": completion.index, "delta": {"content": delta.text},
-                                 "logprobs": _chat_logprobs(completion, job.params.logprobs, delta.start),
-                                 "finish_reason": delta.finish_reason}], chunk=True)
+    usage = _Usage()
+    prompt_logprobs: list[TokenLogprobs | None] = []
+    async for _, output in _merged(streams):
+        usage.add(output)
+        prompt_logprobs += output.prompt_logprobs or []
+        for completion in output.outputs:
+            state = sent.setdefault(completion.index, _Sent())
+            if not state.has_news(completion):
+                continue
+            choice = {"index": completion.index, "delta": {"content": completion.text},
+                      "logprobs": _chat_logprobs(completion, job.params.logprobs),
+                      "finish_reason": completion.finish_reason}
+            if not state.started and job.params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs)
+            state.started, state.finished = True, completion.finish_reason is not None
+            yield job.body([choice], chunk=True)
     if job.include_usage:
-        yield job.body([], usage=_usage([latest]), chunk=True)
+        yield job.body([], usage=_usage([usage]), chunk=True)
 
 
 def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -618,4 +816,3 @@ async def _server_sent_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-

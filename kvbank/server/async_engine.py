@@ -1,5 +1,11 @@
 """An asyncio front for `LLMEngine`: one background thread owns the engine, coroutines talk to it
-through an inbox and get each request's outputs back on their own event loop."""
+through an inbox and get each request's outputs back on their own event loop.
+
+Outputs travel as deltas (RequestOutputKind.DELTA), so a step costs the same at the thousandth token
+as at the first, and deltas a reader has not collected yet are merged into one: a slow client holds
+one pending output per request, not one per step. Text is tokenized on a small worker pool, never
+on the engine thread (where it would stall every running request's decoding) nor on the event loop.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,12 +13,18 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvbank.engine.llm_engine import LLMEngine, PromptType
-from kvbank.engine.outputs import RequestOutput
+from kvbank.engine.outputs import RequestOutput, RequestOutputKind
 from kvbank.engine.params import SamplingParams
+
+T = TypeVar("T")
+TOKENIZER_THREADS = 2
 
 
 class EngineDeadError(RuntimeError):
@@ -23,6 +35,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     request_id: str
     prompt: PromptType
+    text: str | None
     params: SamplingParams | None
     mailbox: _Mailbox
 
@@ -40,24 +53,51 @@ class _Stop:
 _ACCEPTED = object()
 
 
-@dataclass(slots=True)
 class _Mailbox:
-    """Where the engine thread posts one request's items: on the caller's loop, never blocking it."""
+    """Where the engine thread posts one request's items for a coroutine on `loop`, never blocking.
 
-    loop: asyncio.AbstractEventLoop
-    items: asyncio.Queue
+    An output posted while the previous one is still unread is merged into it (both are deltas),
+    so at most one output waits, plus the acceptance and a final error.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[object] = deque()
+        self._lock = threading.Lock()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def post(self, item: object) -> bool:
         """Hand `item` to the caller's loop; False if that loop is gone (nobody will read it)."""
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:
-            return False
+        with self._lock:
+            last = self._items[-1] if self._items else None
+            if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+                last.add(item)
+                return not self.loop.is_closed()
+            self._items.append(item)
+            wake = len(self._items) == 1
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:
+                return False
         return True
+
+    async def get(self) -> object:
+        """The oldest unread item, waiting for one if there is none (on the caller's loop)."""
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                self._ready.clear()
+            await self._ready.wait()
 
 
 class RequestStream:
-    """The outputs of one accepted request, in order, each cumulative; the last has `finished` set.
+    """The outputs of one accepted request, in order, each a delta (what is new since the previous
+    one, several steps' worth if the reader fell behind); the last has `finished` set.
 
     Stopping early, by `close()` or by cancelling the task that awaits the next output, aborts the
     request so that its KV blocks are freed.
@@ -75,6 +115,11 @@ class RequestStream:
             self._waiting = False
             self._engine._started()
 
+    @property
+    def num_pending(self) -> int:
+        """Items posted but not read yet: at most one output (unread deltas merge) and an error."""
+        return len(self._mailbox)
+
     def __aiter__(self) -> RequestStream:
         return self
 
@@ -82,7 +127,7 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._mailbox.items.get()
+            item = await self._mailbox.get()
         except BaseException:
             self.close()
             raise
@@ -111,6 +156,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvbank-tokenizer")
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._mailboxes: dict[str, _Mailbox] = {}
         self._stats = engine.stats()
@@ -138,17 +184,19 @@ class AsyncEngine:
                           request_id: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepts it.
 
-        Raises the engine's ValueError for a prompt or parameters it refuses, and EngineDeadError
-        after `shutdown()`. Iterate the returned stream to the end, or `close()` it.
+        Text is tokenized on the tokenizer pool first. Raises the engine's ValueError for a prompt
+        or parameters it refuses, and EngineDeadError after `shutdown()`. Iterate the returned
+        stream to the end, or `close()` it.
         """
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running") from self._error
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        mailbox = _Mailbox(asyncio.get_running_loop(), asyncio.Queue())
-        self._pending_adds += 1
-        self._inbox.put(_Add(request_id, prompt, params, mailbox))
+        self._pending_adds += 1  # before any await, so that admission control sees it at once
         try:
-            reply = await mailbox.items.get()
+            prompt, text = await self._tokenized(prompt)
+            mailbox = _Mailbox(asyncio.get_running_loop())
+            self._inbox.put(_Add(request_id, prompt, text, params, mailbox))
+            reply = await mailbox.get()
         except BaseException:
             self._pending_adds -= 1
             self.abort(request_id)
@@ -159,12 +207,26 @@ class AsyncEngine:
         assert reply is _ACCEPTED
         return RequestStream(self, request_id, mailbox)
 
+    async def run_tokenizer(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on the tokenizer pool (tokenizing, rendering a chat template), awaited here."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, *args)
+
+    async def _tokenized(self, prompt: PromptType) -> tuple[PromptType, str | None]:
+        """The prompt with its text replaced by token ids, and that text (None if there was none)."""
+        tokenizer = self.engine.tokenizer
+        as_dict = prompt if isinstance(prompt, dict) else {"prompt": prompt}
+        text = as_dict.get("prompt")
+        if tokenizer is None or not isinstance(text, str) or "prompt_token_ids" in as_dict:
+            return prompt, None  # nothing to tokenize, or the engine will say what is wrong
+        rest = {k: v for k, v in as_dict.items() if k != "prompt"}
+        return {**rest, "prompt_token_ids": await self.run_tokenizer(tokenizer.encode, text)}, text
+
     def _started(self) -> None:
         self._pending_adds -= 1
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after every engine step that advanced it.
+        """Yield what is new in the request after every engine step that advanced it (deltas).
 
         The engine's ValueError for a bad request is raised by the first iteration. Leaving the
         loop early, or being cancelled, aborts the request and frees its blocks.
@@ -192,6 +254,7 @@ class AsyncEngine:
         """Stop the engine thread; requests still running end with EngineDeadError."""
         self._inbox.put(_Stop())
         self._thread.join(timeout)
+        self._tokenizer_pool.shutdown(wait=False)
 
     # --- the engine thread ----------------------------------------------------------------------
 
@@ -231,10 +294,13 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.prompt, command.params, command.request_id)
+            request = self.engine.add_request(command.prompt, command.params, command.request_id)
         except Exception as error:
             command.mailbox.post(error)
             return
+        request.output_kind = RequestOutputKind.DELTA
+        if command.text is not None:
+            request.prompt = command.text
         self._mailboxes[command.request_id] = command.mailbox
         if not command.mailbox.post(_ACCEPTED):
             self._abort(command.request_id)

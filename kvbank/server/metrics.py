@@ -56,14 +56,14 @@ class RequestTimer:
         self._seen: dict[tuple[str, int], tuple[int, float]] = {}
 
     def observe(self, outputs: list[RequestOutput], now: float | None = None) -> None:
-        """Record one engine step's outputs (called on the engine thread)."""
+        """Record one engine step's outputs, deltas as AsyncEngine sets them (called on the engine thread)."""
         now = time.time() if now is None else now
         with self._lock:
             for output in outputs:
                 for completion in output.outputs:
                     key = (output.request_id, completion.index)
-                    tokens = len(completion.token_ids)
                     seen, last = self._seen.get(key, (0, 0.0))
+                    tokens = seen + len(completion.token_ids)  # outputs are deltas
                     if tokens > seen:
                         if seen == 0:
                             if completion.index == 0 and output.metrics.time_to_first_token is not None:
