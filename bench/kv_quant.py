@@ -16,6 +16,7 @@ For every --kv-cache-dtype (bundled model unless --model):
 
 Results also go to bench/results/kv_quant.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvbank import LLM, SamplingParams  # noqa: E402
-from kvbank.cache.quant import KV_CACHE_DTYPES  # noqa: E402
 from kvbank.cache.format import KVFormat  # noqa: E402
+from kvbank.cache.quant import KV_CACHE_DTYPES  # noqa: E402
 from kvbank.cache.storage import plan_pool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ POOL_BYTES = 256 * 2**20
 
 
 def perplexity(llm: LLM, tokens: list[int], window: int) -> tuple[float, int]:
-    windows = [tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)]
+    windows = [tokens[i : i + window] for i in range(0, len(tokens) - window + 1, window)]
     outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
     total, count = 0.0, 0
     for out, ids in zip(outs, windows):
@@ -57,7 +58,7 @@ def agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) ->
     forced = llm.generate([p + r for p, r in zip(prompts, reference)], SamplingParams(max_tokens=1, prompt_logprobs=0))
     top1 = total = 0
     for out, prompt, ref in zip(forced, prompts, reference):
-        for scored, token in zip(out.prompt_logprobs[len(prompt):], ref):
+        for scored, token in zip(out.prompt_logprobs[len(prompt) :], ref):
             top1 += scored[token].rank == 1
             total += 1
     return top1 / total, statistics.mean(identical)
@@ -65,9 +66,12 @@ def agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) ->
 
 def capacity(llm_args: dict, kv: str, model_config, dtype, block_size: int, group: int) -> tuple[int, int]:
     """Sequences of CONTEXT tokens that fit in POOL_BYTES: planned, and the engine's block count."""
-    planned = plan_pool(model_config, dtype, POOL_BYTES, block_size, KVFormat(kv, group_size=group)).sequences_that_fit(CONTEXT)
-    engine = LLM(**llm_args, kv_cache_dtype=kv, kv_cache_memory_gb=POOL_BYTES / 2**30,
-                 max_num_seqs=max(planned, 1)).engine
+    planned = plan_pool(model_config, dtype, POOL_BYTES, block_size, KVFormat(kv, group_size=group)).sequences_that_fit(
+        CONTEXT
+    )
+    engine = LLM(
+        **llm_args, kv_cache_dtype=kv, kv_cache_memory_gb=POOL_BYTES / 2**30, max_num_seqs=max(planned, 1)
+    ).engine
     return planned, min(planned, engine.num_blocks // -(-CONTEXT // block_size))
 
 
@@ -81,7 +85,7 @@ class DecodeRun:
         # Sequences prefilled first decode while the others prefill: leave room for that too.
         params = SamplingParams(max_tokens=budget_steps + seqs + 8, temperature=0, ignore_eos=True)
         for i in range(seqs):
-            engine.add_request(corpus[i * CONTEXT:(i + 1) * CONTEXT], params)
+            engine.add_request(corpus[i * CONTEXT : (i + 1) * CONTEXT], params)
         while any(not r.seqs[0].output_token_ids for r in engine.requests.values()):
             engine.step()
         self.seqs = seqs
@@ -107,8 +111,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-quant-group-size", type=int, default=32)
-    parser.add_argument("--only", nargs="*", default=[d for d in KV_CACHE_DTYPES if d != "auto"],
-                        help="kv cache dtypes to measure besides auto")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[d for d in KV_CACHE_DTYPES if d != "auto"],
+        help="kv cache dtypes to measure besides auto",
+    )
     parser.add_argument("--ppl-tokens", type=int, default=51200)
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--prompts", type=int, default=8)
@@ -121,24 +129,31 @@ def main() -> None:
     args = parser.parse_args()
     if not args.corpus.is_file():
         parser.error(f"--corpus {args.corpus} does not exist")
-    llm_args = {"model": args.model, "dtype": args.dtype, "block_size": args.block_size,
-                "kv_quant_group_size": args.kv_quant_group_size}
+    llm_args = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "kv_quant_group_size": args.kv_quant_group_size,
+    }
     bs, group = args.block_size, args.kv_quant_group_size
     dtypes = ["auto"] + [d for d in args.only if d != "auto"]
     base = LLM(**llm_args, num_gpu_blocks=64)
     tokens = base.get_tokenizer().encode(args.corpus.read_text(errors="replace"))
     model_config, model_dtype = base.engine.model_config, base.engine.dtype
-    ppl_tokens = tokens[:args.ppl_tokens + args.ppl_tokens // (args.window - 1) + args.window]
-    rest = tokens[len(ppl_tokens):]
-    prompts = [rest[i * 256:i * 256 + 256] for i in range(args.prompts)]
-    decode_corpus = rest[args.prompts * 256:]
+    ppl_tokens = tokens[: args.ppl_tokens + args.ppl_tokens // (args.window - 1) + args.window]
+    rest = tokens[len(ppl_tokens) :]
+    prompts = [rest[i * 256 : i * 256 + 256] for i in range(args.prompts)]
+    decode_corpus = rest[args.prompts * 256 :]
     del base
     rows: dict[str, dict] = {}
     full_bytes = plan_pool(model_config, model_dtype, POOL_BYTES, bs).bytes_per_token
     reference: list[list[int]] = []
     for kv in dtypes:
-        row = rows[kv] = {"bytes_per_token": plan_pool(model_config, model_dtype, POOL_BYTES, bs,
-                                                       KVFormat(kv, group_size=group)).bytes_per_token}
+        row = rows[kv] = {
+            "bytes_per_token": plan_pool(
+                model_config, model_dtype, POOL_BYTES, bs, KVFormat(kv, group_size=group)
+            ).bytes_per_token
+        }
         row["ratio"] = row["bytes_per_token"] / full_bytes
         llm = LLM(**llm_args, kv_cache_dtype=kv, kv_cache_memory_gb=1.0, enable_prefix_caching=False)
         if "ppl" not in args.skip:
@@ -172,16 +187,23 @@ def main() -> None:
                 runs[args.profile].run(args.steps)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     auto = rows["auto"]
-    print(f"\nmodel dtype {args.dtype}, blocks of {bs} tokens, int4/int2 value groups of {group}; perplexity on {auto.get('ppl_tokens', 0)} tokens of {args.corpus.name}; "
-          f"decode: {args.seqs} sequences x {CONTEXT} tokens")
-    print(f"{'kv_cache_dtype':<14}{'bytes/tok':>10}{'vs bf16':>8}{'ppl':>9}{'delta':>8}{'top-1':>7}{'same':>6}"
-          f"{'2k seqs/256MiB':>15}{'decode tok/s':>13}{'slower':>7}")
+    print(
+        f"\nmodel dtype {args.dtype}, blocks of {bs} tokens, int4/int2 value groups of {group}; "
+        f"perplexity on {auto.get('ppl_tokens', 0)} tokens of {args.corpus.name}; "
+        f"decode: {args.seqs} sequences x {CONTEXT} tokens"
+    )
+    print(
+        f"{'kv_cache_dtype':<14}{'bytes/tok':>10}{'vs bf16':>8}{'ppl':>9}{'delta':>8}{'top-1':>7}{'same':>6}"
+        f"{'2k seqs/256MiB':>15}{'decode tok/s':>13}{'slower':>7}"
+    )
     for kv, row in rows.items():
         delta = row["perplexity"] / auto["perplexity"] - 1 if "perplexity" in row else float("nan")
-        print(f"{kv:<14}{row['bytes_per_token']:>10.0f}{row['ratio']:>7.3f}x{row.get('perplexity', float('nan')):>9.3f}"
-              f"{delta:>+8.2%}{row.get('top1_agreement', float('nan')):>7.1%}{row.get('identical_tokens', 0):>6.0f}"
-              f"{row.get('engine_seqs', 0):>15}{row.get('decode_tok_s', float('nan')):>13.1f}"
-              f"{row.get('decode_vs_auto', float('nan')):>6.2f}x")
+        print(
+            f"{kv:<14}{row['bytes_per_token']:>10.0f}{row['ratio']:>7.3f}x{row.get('perplexity', float('nan')):>9.3f}"
+            f"{delta:>+8.2%}{row.get('top1_agreement', float('nan')):>7.1%}{row.get('identical_tokens', 0):>6.0f}"
+            f"{row.get('engine_seqs', 0):>15}{row.get('decode_tok_s', float('nan')):>13.1f}"
+            f"{row.get('decode_vs_auto', float('nan')):>6.2f}x"
+        )
     out = ROOT / "bench" / "results" / f"kv_quant{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))

@@ -11,6 +11,7 @@ All prompts are real text from --corpus (default: the excerpt in tests/data). Me
 
     python bench/prefix_cache.py [--corpus ../shared/data/austen_all.txt] [--dtype bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvbank import LLM, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ["Who is the most sensible person in this story?", "Summarise the last scene in two sentences.",
-             "What does the narrator think of money?", "Which character would you trust, and why?"]
+QUESTIONS = [
+    "Who is the most sensible person in this story?",
+    "Summarise the last scene in two sentences.",
+    "What does the narrator think of money?",
+    "Which character would you trust, and why?",
+]
 
 
 class Corpus:
@@ -44,7 +49,7 @@ class Corpus:
         n -= len(marker)
         if self.offset + n > len(self.tokens):
             self.offset = 0
-        window = self.tokens[self.offset:self.offset + n]
+        window = self.tokens[self.offset : self.offset + n]
         self.offset += n
         return marker + window
 
@@ -61,12 +66,12 @@ def cached_ttft(llm: LLM, corpus: Corpus, repeats: int) -> dict:
     for _ in range(repeats + 1):
         prompt = corpus.take(2048)
         out = []
-        cold.append(timed(lambda: out.append(llm.generate([prompt], one)[0])))
+        cold.append(timed(lambda out=out, prompt=prompt: out.append(llm.generate([prompt], one)[0])))
         assert out[0].num_cached_tokens == 0
         prompt = corpus.take(2048)
-        llm.generate([prompt[:1920] + corpus.take(64)], one)      # caches the first 1,920 tokens
+        llm.generate([prompt[:1920] + corpus.take(64)], one)  # caches the first 1,920 tokens
         out.clear()
-        warm.append(timed(lambda: out.append(llm.generate([prompt], one)[0])))
+        warm.append(timed(lambda out=out, prompt=prompt: out.append(llm.generate([prompt], one)[0])))
         assert out[0].num_cached_tokens == 1920, out[0].num_cached_tokens
     cold_s, warm_s = statistics.median(cold[1:]), statistics.median(warm[1:])
     return {"cold_ttft_s": cold_s, "cached_ttft_s": warm_s, "speedup": cold_s / warm_s}
@@ -79,9 +84,12 @@ def chat_workload(llm: LLM, corpus: Corpus, system_tokens: list[int]) -> dict:
     before = llm.stats()
     start = time.perf_counter()
     for wave in range(2):
-        conversations = [llm.render_chat([{"role": "system", "content": system},
-                                          {"role": "user", "content": f"({wave}.{c}) {QUESTIONS[0]}"}])
-                         for c in range(8)]
+        conversations = [
+            llm.render_chat(
+                [{"role": "system", "content": system}, {"role": "user", "content": f"({wave}.{c}) {QUESTIONS[0]}"}]
+            )
+            for c in range(8)
+        ]
         for turn in range(4):
             outputs = llm.generate(conversations, params)
             if turn == 3:
@@ -93,15 +101,18 @@ def chat_workload(llm: LLM, corpus: Corpus, system_tokens: list[int]) -> dict:
     after = llm.stats()
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    return {"seconds": elapsed, "prompt_tokens": after["prompt_tokens"] - before["prompt_tokens"],
-            "hit_rate": hits / queries if queries else 0.0}
+    return {
+        "seconds": elapsed,
+        "prompt_tokens": after["prompt_tokens"] - before["prompt_tokens"],
+        "hit_rate": hits / queries if queries else 0.0,
+    }
 
 
 def no_sharing(llm: LLM, corpus: Corpus) -> float:
     prompts = [corpus.take(512) for _ in range(16)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     hits = llm.stats()["prefix_cache_hits"]
-    seconds = timed(lambda: [llm.generate(prompts[i:i + 8], params) for i in (0, 8)])
+    seconds = timed(lambda: [llm.generate(prompts[i : i + 8], params) for i in (0, 8)])
     assert llm.stats()["prefix_cache_hits"] == hits, "the no-sharing workload shared a prefix"
     return seconds
 
@@ -114,21 +125,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "prefix_cache.json"))
     args = parser.parse_args()
-    systems = {on: LLM(args.model, dtype=args.dtype, enable_prefix_caching=on, kv_cache_memory_gb=1.0)
-               for on in (True, False)}
+    systems = {
+        on: LLM(args.model, dtype=args.dtype, enable_prefix_caching=on, kv_cache_memory_gb=1.0) for on in (True, False)
+    }
     corpus = Corpus(systems[True], Path(args.corpus))
     report = {"dtype": args.dtype, "corpus": args.corpus}
 
     report["ttft"] = cached_ttft(systems[True], corpus, args.repeats)
     t = report["ttft"]
-    print(f"TTFT 2048 tokens: cold {t['cold_ttft_s'] * 1000:.0f} ms, 1920 cached {t['cached_ttft_s'] * 1000:.0f} ms "
-          f"-> {t['speedup']:.1f}x (target >= 15x)", flush=True)
+    print(
+        f"TTFT 2048 tokens: cold {t['cold_ttft_s'] * 1000:.0f} ms, 1920 cached {t['cached_ttft_s'] * 1000:.0f} ms "
+        f"-> {t['speedup']:.1f}x (target >= 15x)",
+        flush=True,
+    )
 
     system_tokens = corpus.take(600)
     chat = {on: chat_workload(systems[on], corpus, system_tokens) for on in (True, False)}
     report["chat"] = {"on": chat[True], "off": chat[False], "speedup": chat[False]["seconds"] / chat[True]["seconds"]}
-    print(f"chat 16x4 turns: caching on {chat[True]['seconds']:.1f} s (hit rate {chat[True]['hit_rate']:.1%}), "
-          f"off {chat[False]['seconds']:.1f} s -> {report['chat']['speedup']:.2f}x", flush=True)
+    print(
+        f"chat 16x4 turns: caching on {chat[True]['seconds']:.1f} s (hit rate {chat[True]['hit_rate']:.1%}), "
+        f"off {chat[False]['seconds']:.1f} s -> {report['chat']['speedup']:.2f}x",
+        flush=True,
+    )
 
     runs = {True: [], False: []}
     for _ in range(args.repeats + 1):

@@ -23,6 +23,7 @@ clients mid-request, waits for the server to drain and checks that no KV blocks 
         --max-tokens 48 --ignore-eos --label llama.cpp
     python bench/serve_load.py --base-url http://127.0.0.1:8000/v1 --soak 300 --clients 64 --label kvbank-soak
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,21 +44,32 @@ except ImportError:  # the venv ships the renamed fork that openai depends on
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = ROOT / "tests" / "data" / "austen_excerpt.txt"
-QUESTIONS = ["Who is the most sensible person in this passage?", "Summarise what happens here in two sentences.",
-             "What does the narrator think of the people involved?", "Which character would you trust, and why?",
-             "What might happen next?", "Describe the mood of this scene."]
-SYSTEM_INTRO = ("You are a careful literary assistant. Answer questions about passages of a novel. "
-                "Here is a longer extract of the novel for background:\n\n")
+QUESTIONS = [
+    "Who is the most sensible person in this passage?",
+    "Summarise what happens here in two sentences.",
+    "What does the narrator think of the people involved?",
+    "Which character would you trust, and why?",
+    "What might happen next?",
+    "Describe the mood of this scene.",
+]
+SYSTEM_INTRO = (
+    "You are a careful literary assistant. Answer questions about passages of a novel. "
+    "Here is a longer extract of the novel for background:\n\n"
+)
 METRIC_NAMES = {
-    "hits": "prefix_cache_hits_total", "queries": "prefix_cache_queries_total",
-    "preemptions": "num_preemptions_total", "kv_usage": "kv_cache_usage_perc",
-    "running": "num_requests_running", "waiting": "num_requests_waiting",
+    "hits": "prefix_cache_hits_total",
+    "queries": "prefix_cache_queries_total",
+    "preemptions": "num_preemptions_total",
+    "kv_usage": "kv_cache_usage_perc",
+    "running": "num_requests_running",
+    "waiting": "num_requests_waiting",
     "rss": "process_resident_memory_bytes",
 }
 MAX_ERROR_SAMPLES = 8
 
 
 # --- workload ------------------------------------------------------------------------------------
+
 
 class Workload:
     """The shared system prompt and the user messages, cut from the corpus by an estimated token count."""
@@ -77,7 +89,7 @@ class Workload:
         return max(1, round(tokens * self.chars_per_token / self.mean_word))
 
     def _window(self, start: int, tokens: int) -> list[str]:
-        return self.words[start:start + self._words_for(tokens)]
+        return self.words[start : start + self._words_for(tokens)]
 
     def user_message(self, client: int, conversation: int, turn: int) -> str:
         serial = (client * 7919 + conversation * 104729 + turn * 15485863) % 2_147_483_647
@@ -88,6 +100,7 @@ class Workload:
 
 
 # --- one streamed request ------------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -172,6 +185,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> Result
 
 # --- clients -------------------------------------------------------------------------------------
 
+
 class Run:
     """What all clients of one level (or one soak) share: where to send, what to send, what came back."""
 
@@ -189,9 +203,15 @@ class Run:
 
     def body(self, messages: list[dict]) -> dict:
         args = self.args
-        body = {"model": self.model, "messages": messages, "stream": True,
-                "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens,
-                "temperature": args.temperature, "seed": args.seed}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "seed": args.seed,
+        }
         if args.ignore_eos:
             body["ignore_eos"] = True
         return body
@@ -206,8 +226,9 @@ class Run:
     async def client(self, index: int) -> None:
         async with make_client(self.args, connections=1) as http:
             conversation = 0
-            while not self.expired() and (self.endless or self.stop_at is not None
-                                          or conversation < self.args.conversations):
+            while not self.expired() and (
+                self.endless or self.stop_at is not None or conversation < self.args.conversations
+            ):
                 await self.conversation(http, index, conversation)
                 conversation += 1
 
@@ -239,6 +260,7 @@ def make_client(args, connections: int) -> httpx.AsyncClient:
 
 
 # --- /metrics ------------------------------------------------------------------------------------
+
 
 def parse_prometheus(text: str) -> dict[str, float]:
     """Sample name -> value, summed over label sets; comments and unparsable lines are skipped."""
@@ -286,6 +308,7 @@ async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float] | None:
 
 # --- statistics ----------------------------------------------------------------------------------
 
+
 def percentile(values: list[float], p: float) -> float | None:
     if not values:
         return None
@@ -302,10 +325,16 @@ def summarize(run: Run, seconds: float, before: dict | None, after: dict | None)
     e2es = [r.e2e for r in ok]
     output_tokens = sum(r.output_tokens for r in ok)
     summary = {
-        "seconds": seconds, "requests": len(run.results), "ok": len(ok), "errors": sum(run.errors.values()),
-        "errors_by_kind": dict(run.errors), "error_samples": list(run.error_samples), "cancelled": run.cancelled,
+        "seconds": seconds,
+        "requests": len(run.results),
+        "ok": len(ok),
+        "errors": sum(run.errors.values()),
+        "errors_by_kind": dict(run.errors),
+        "error_samples": list(run.error_samples),
+        "cancelled": run.cancelled,
         "requests_per_s": len(ok) / seconds if seconds else 0.0,
-        "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / seconds if seconds else 0.0,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / seconds if seconds else 0.0,
         "output_tokens_source": "usage" if ok and all(r.completion_tokens is not None for r in ok) else "chunks",
         "empty_replies": sum(1 for r in ok if r.content_chunks == 0),
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
@@ -334,8 +363,10 @@ def hit_rate(ok: list[Result], before: dict | None, after: dict | None) -> dict:
 
 # --- output --------------------------------------------------------------------------------------
 
-HEADER = (f"{'clients':>7s} {'reqs':>5s} {'err':>4s} {'req/s':>6s} {'out tok/s':>9s} {'TTFT p50':>9s} {'p99':>7s} "
-          f"{'ITL p50':>8s} {'p99':>7s} {'E2E p50':>8s} {'p99':>7s} {'hit rate':>12s}")
+HEADER = (
+    f"{'clients':>7s} {'reqs':>5s} {'err':>4s} {'req/s':>6s} {'out tok/s':>9s} {'TTFT p50':>9s} {'p99':>7s} "
+    f"{'ITL p50':>8s} {'p99':>7s} {'E2E p50':>8s} {'p99':>7s} {'hit rate':>12s}"
+)
 
 
 def ms(value: float | None) -> str:
@@ -348,10 +379,12 @@ def secs(value: float | None) -> str:
 
 def row(clients: int, s: dict) -> str:
     hit = "n/a" if s["hit_rate"] is None else f"{s['hit_rate']:.1%} {s['hit_rate_source'][0]}"
-    return (f"{clients:7d} {s['requests']:5d} {s['errors']:4d} {s['requests_per_s']:6.2f} "
-            f"{s['output_tokens_per_s']:9.1f} {ms(s['ttft_p50_s']):>9s} {ms(s['ttft_p99_s']):>7s} "
-            f"{ms(s['itl_p50_s']):>8s} {ms(s['itl_p99_s']):>7s} {secs(s['e2e_p50_s']):>8s} "
-            f"{secs(s['e2e_p99_s']):>7s} {hit:>12s}")
+    return (
+        f"{clients:7d} {s['requests']:5d} {s['errors']:4d} {s['requests_per_s']:6.2f} "
+        f"{s['output_tokens_per_s']:9.1f} {ms(s['ttft_p50_s']):>9s} {ms(s['ttft_p99_s']):>7s} "
+        f"{ms(s['itl_p50_s']):>8s} {ms(s['itl_p99_s']):>7s} {secs(s['e2e_p50_s']):>8s} "
+        f"{secs(s['e2e_p99_s']):>7s} {hit:>12s}"
+    )
 
 
 def print_level(clients: int, s: dict) -> None:
@@ -374,6 +407,7 @@ def print_level(clients: int, s: dict) -> None:
 
 
 # --- the two modes -------------------------------------------------------------------------------
+
 
 async def run_levels(args, model: str, workload: Workload, metrics_url: str, report: dict) -> None:
     async with make_client(args, connections=2) as side:
@@ -403,10 +437,12 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
         before = await scrape(side, metrics_url)
         start, cpu = time.perf_counter(), time.process_time()
         tasks = [asyncio.create_task(run.client(i)) for i in range(clients)]
-        print(f"\n{args.label}: soak, {clients} clients, {args.soak:.0f} s, "
-              f"a sample every {args.sample_interval:.0f} s")
-        print(f"{'t':>6s} {'reqs':>6s} {'err':>5s} {'tok/s':>7s} {'RSS MiB':>8s} {'KV use':>7s} "
-              f"{'run':>4s} {'wait':>5s}")
+        print(
+            f"\n{args.label}: soak, {clients} clients, {args.soak:.0f} s, a sample every {args.sample_interval:.0f} s"
+        )
+        print(
+            f"{'t':>6s} {'reqs':>6s} {'err':>5s} {'tok/s':>7s} {'RSS MiB':>8s} {'KV use':>7s} {'run':>4s} {'wait':>5s}"
+        )
         last_tokens, last_t = 0, start
         while True:
             remaining = stop_at - time.perf_counter()
@@ -416,9 +452,13 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
             now = time.perf_counter()
             tokens = sum(r.output_tokens for r in run.results if r.ok)
             metrics = await scrape(side, metrics_url)
-            sample = {"t": now - start, "requests": len(run.results), "errors": sum(run.errors.values()),
-                      "output_tokens_per_s": (tokens - last_tokens) / (now - last_t),
-                      **{k: pick(metrics, k) for k in ("rss", "kv_usage", "running", "waiting")}}
+            sample = {
+                "t": now - start,
+                "requests": len(run.results),
+                "errors": sum(run.errors.values()),
+                "output_tokens_per_s": (tokens - last_tokens) / (now - last_t),
+                **{k: pick(metrics, k) for k in ("rss", "kv_usage", "running", "waiting")},
+            }
             samples.append(sample)
             last_tokens, last_t = tokens, now
             print(soak_row(sample), flush=True)
@@ -435,11 +475,16 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
     final_rss = pick(final, "rss")
     kv_final = pick(final, "kv_usage")
     summary["soak"] = {
-        "samples": samples, "drained": drained, "drain_seconds": drain_s,
-        "final_kv_cache_usage_perc": kv_final, "final_running": pick(final, "running"),
+        "samples": samples,
+        "drained": drained,
+        "drain_seconds": drain_s,
+        "final_kv_cache_usage_perc": kv_final,
+        "final_running": pick(final, "running"),
         "final_waiting": pick(final, "waiting"),
         "leak_check": "n/a" if kv_final is None or not drained else ("ok" if kv_final == 0 else "LEAK"),
-        "rss_first": rss[0] if rss else None, "rss_last_sample": rss[-1] if rss else None, "rss_final": final_rss,
+        "rss_first": rss[0] if rss else None,
+        "rss_last_sample": rss[-1] if rss else None,
+        "rss_final": final_rss,
         "rss_max": max(rss) if rss else None,
         "rss_growth_bytes": (rss[-1] - rss[0]) if len(rss) >= 2 else None,
         # After warm-up: caches and allocator pools fill early; a leak keeps growing.
@@ -450,12 +495,14 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
     print_level(clients, summary)
     soak = summary["soak"]
     growth, late = soak["rss_growth_bytes"], soak["rss_growth_second_half_bytes"]
-    print(f"  hung up on {run.cancelled} in-flight request(s) at the end; drained: "
-          f"{'yes' if drained else 'NO' if drained is False else 'n/a (no /metrics)'} in {drain_s:.1f} s; "
-          f"final KV usage {fmt(kv_final, '{:.4f}')} -> leak check {soak['leak_check']}; "
-          f"RSS first {mib(soak['rss_first'])}, last {mib(soak['rss_last_sample'])}, after drain {mib(final_rss)}, "
-          f"growth {'n/a' if growth is None else f'{growth / 2**20:+.1f} MiB'}, in the second half "
-          f"{'n/a' if late is None else f'{late / 2**20:+.1f} MiB'}")
+    print(
+        f"  hung up on {run.cancelled} in-flight request(s) at the end; drained: "
+        f"{'yes' if drained else 'NO' if drained is False else 'n/a (no /metrics)'} in {drain_s:.1f} s; "
+        f"final KV usage {fmt(kv_final, '{:.4f}')} -> leak check {soak['leak_check']}; "
+        f"RSS first {mib(soak['rss_first'])}, last {mib(soak['rss_last_sample'])}, after drain {mib(final_rss)}, "
+        f"growth {'n/a' if growth is None else f'{growth / 2**20:+.1f} MiB'}, in the second half "
+        f"{'n/a' if late is None else f'{late / 2**20:+.1f} MiB'}"
+    )
 
 
 async def wait_drained(side: httpx.AsyncClient, url: str, timeout: float) -> tuple[bool | None, float, dict | None]:
@@ -484,12 +531,15 @@ def mib(value: float | None) -> str:
 
 
 def soak_row(s: dict) -> str:
-    return (f"{s['t']:6.0f} {s['requests']:6d} {s['errors']:5d} {s['output_tokens_per_s']:7.1f} "
-            f"{fmt(None if s['rss'] is None else s['rss'] / 2**20, '{:.0f}'):>8s} "
-            f"{fmt(s['kv_usage'], '{:.3f}'):>7s} {fmt(s['running'], '{:.0f}'):>4s} {fmt(s['waiting'], '{:.0f}'):>5s}")
+    return (
+        f"{s['t']:6.0f} {s['requests']:6d} {s['errors']:5d} {s['output_tokens_per_s']:7.1f} "
+        f"{fmt(None if s['rss'] is None else s['rss'] / 2**20, '{:.0f}'):>8s} "
+        f"{fmt(s['kv_usage'], '{:.3f}'):>7s} {fmt(s['running'], '{:.0f}'):>4s} {fmt(s['waiting'], '{:.0f}'):>5s}"
+    )
 
 
 # --- setup ---------------------------------------------------------------------------------------
+
 
 async def discover_model(args) -> tuple[str, dict | None]:
     """The model to ask for, and the /models answer; waits up to --wait-ready s for the server."""
@@ -519,14 +569,16 @@ async def discover_model(args) -> tuple[str, dict | None]:
 
 async def warm_up(args, model: str, workload: Workload) -> None:
     run = Run(args, model, workload, None)
-    body = run.body([{"role": "system", "content": workload.system_prompt},
-                     {"role": "user", "content": "Say hello."}])
+    body = run.body([{"role": "system", "content": workload.system_prompt}, {"role": "user", "content": "Say hello."}])
     body["max_tokens"] = 4
     async with make_client(args, connections=1) as http:
         result = await stream_chat(http, run.url, body)
     if result.ok:
-        print(f"warm-up: TTFT {ms(result.ttft)}, {result.prompt_tokens} prompt tokens "
-              f"(system prompt ~{args.system_prompt_tokens} tokens requested)", flush=True)
+        print(
+            f"warm-up: TTFT {ms(result.ttft)}, {result.prompt_tokens} prompt tokens "
+            f"(system prompt ~{args.system_prompt_tokens} tokens requested)",
+            flush=True,
+        )
     else:
         print(f"warm-up failed: {result.error}: {result.detail}", flush=True)
 
@@ -542,13 +594,23 @@ async def main_async(args) -> dict:
     else:
         amount = f"{args.duration:.0f} s" if args.duration else f"{args.conversations} conversation(s)"
         amount += " per client"
-    print(f"{args.label}: {args.base_url}, model {model}, /metrics {'found' if has_metrics else 'absent'}; "
-          f"{amount} x {args.turns} turns, max_tokens {args.max_tokens}, temperature {args.temperature}"
-          f"{', ignore_eos' if args.ignore_eos else ''}", flush=True)
-    report = {"label": args.label, "base_url": args.base_url, "model": model, "models": listing,
-              "has_metrics": has_metrics, "config": {k: v for k, v in vars(args).items() if k != "api_key"},
-              "system_prompt_chars": len(workload.system_prompt), "levels": [],
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    print(
+        f"{args.label}: {args.base_url}, model {model}, /metrics {'found' if has_metrics else 'absent'}; "
+        f"{amount} x {args.turns} turns, max_tokens {args.max_tokens}, temperature {args.temperature}"
+        f"{', ignore_eos' if args.ignore_eos else ''}",
+        flush=True,
+    )
+    report = {
+        "label": args.label,
+        "base_url": args.base_url,
+        "model": model,
+        "models": listing,
+        "has_metrics": has_metrics,
+        "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "system_prompt_chars": len(workload.system_prompt),
+        "levels": [],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     await warm_up(args, model, workload)
     if args.soak:
         await run_soak(args, model, workload, metrics_url, report)
@@ -567,18 +629,30 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each turn")
     parser.add_argument("--conversations", type=int, default=2, help="conversations per client and level")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="seconds per level instead of --conversations (no turn starts after it)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds per level instead of --conversations (no turn starts after it)",
+    )
     parser.add_argument("--system-prompt-tokens", type=int, default=600, help="shared system prompt size (approx.)")
     parser.add_argument("--user-tokens", type=int, default=80, help="corpus tokens per user message (approx.)")
     parser.add_argument("--chars-per-token", type=float, default=4.2, help="for sizing text without a tokenizer")
     parser.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="text for the system prompt and user messages")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="send ignore_eos (a vLLM/llama.cpp/kvbank extension) so every turn is max_tokens long")
-    parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
-                        help="run the first --clients level this long, sampling /metrics, then check for leaks")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (a vLLM/llama.cpp/kvbank extension) so every turn is max_tokens long",
+    )
+    parser.add_argument(
+        "--soak",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="run the first --clients level this long, sampling /metrics, then check for leaks",
+    )
     parser.add_argument("--sample-interval", type=float, default=10.0)
     parser.add_argument("--drain-timeout", type=float, default=120.0)
     parser.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for a byte (s)")

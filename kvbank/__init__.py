@@ -1,4 +1,5 @@
 """kvbank: a KV-cache-first LLM inference engine."""
+
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvbank.engine.params import SamplingParams

@@ -1,4 +1,5 @@
 """The `kvbank` command: `generate` one completion, `chat` in the terminal, or `serve` an OpenAI API."""
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         rendered = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
         if self.token_ids and rendered.startswith(self.text):
-            self.token_ids = self.token_ids + self.tokenizer.encode(rendered[len(self.text):],
-                                                                    add_special_tokens=False)
+            self.token_ids = self.token_ids + self.tokenizer.encode(
+                rendered[len(self.text) :], add_special_tokens=False
+            )
         else:
             # First turn, or the template rewrote the past (e.g. dropped a stop string the reply
             # held): the cache still serves whatever prefix the new tokens share.
@@ -87,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # --- the commands --------------------------------------------------------------------------------
+
 
 def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
@@ -124,8 +127,12 @@ def _serve(args: argparse.Namespace) -> int:
     missing = [file for file in args.pin_prompt if not Path(file).is_file()]
     if missing:
         raise ValueError(f"--pin-prompt file {missing[0]!r} does not exist")
-    limits = ServerLimits(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                          max_tokens_cap=args.max_tokens_cap, max_n=args.max_n)
+    limits = ServerLimits(
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        max_tokens_cap=args.max_tokens_cap,
+        max_n=args.max_n,
+    )
     llm = _load(args)
     for file in args.pin_prompt:
         # The file holds a system prompt (its final newline is the editor's, not the prompt's).
@@ -137,14 +144,21 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(async_engine, name, limits)
     url = f"http://{args.host}:{args.port}"
     print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
-    print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
-          flush=True)
+    print(
+        f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16}}\'',
+        flush=True,
+    )
     try:
         # uvicorn stops accepting on SIGTERM/SIGINT, lets running requests finish for up to
         # --shutdown-timeout seconds, then cancels them (which aborts them and frees their blocks).
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.shutdown_timeout)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
         _GracefulServer(config).run()
     finally:
         async_engine.shutdown()
@@ -161,31 +175,54 @@ def _plan(args: argparse.Namespace) -> int:
     budget = int(config.kv_cache_memory_gb * 2**30)
     rows = [_plan_row(info.config, config, kv, context) for kv in KV_CACHE_DTYPES]
     if args.json:
-        print(json.dumps({"model": info.path, "num_params": info.num_params, "file_bytes": info.file_bytes,
-                          "dtype": str(dtype).removeprefix("torch."), "device": config.device,
-                          "weight_format": config.weight_format, "kv_cache_dtype": config.kv_cache_dtype,
-                          "memory": {**predicted.parts(), "total": predicted.total,
-                                     "load_peak": predicted.load_peak},
-                          "tied_embeddings": predicted.tied_embeddings, "memory_bytes": budget,
-                          "context_len": context, "block_size": config.block_size,
-                          "max_num_seqs": config.max_num_seqs, "rows": rows}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": info.path,
+                    "num_params": info.num_params,
+                    "file_bytes": info.file_bytes,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "device": config.device,
+                    "weight_format": config.weight_format,
+                    "kv_cache_dtype": config.kv_cache_dtype,
+                    "memory": {**predicted.parts(), "total": predicted.total, "load_peak": predicted.load_peak},
+                    "tied_embeddings": predicted.tied_embeddings,
+                    "memory_bytes": budget,
+                    "context_len": context,
+                    "block_size": config.block_size,
+                    "max_num_seqs": config.max_num_seqs,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         return 0
-    print(f"model    {info.config.name}: {info.num_params / 1e6:.1f}M parameters, file {_mib(info.file_bytes)}; "
-          f"{str(dtype).removeprefix('torch.')} on {config.device}, --weight-format {config.weight_format}, "
-          f"--kv-cache-dtype {config.kv_cache_dtype}")
+    print(
+        f"model    {info.config.name}: {info.num_params / 1e6:.1f}M parameters, file {_mib(info.file_bytes)}; "
+        f"{str(dtype).removeprefix('torch.')} on {config.device}, --weight-format {config.weight_format}, "
+        f"--kv-cache-dtype {config.kv_cache_dtype}"
+    )
     print("\n".join(predicted.lines()))
     print()
-    print(f"KV pool  {_mib(budget)}, blocks of {config.block_size} tokens, context {context} tokens; "
-          f"{info.config.num_layers} layers x {info.config.num_kv_heads} KV heads x {info.config.head_dim} dims")
-    print(f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'vs auto':>9}{'residual/seq':>14}{'tokens':>11}"
-          f"{'seqs':>7}{'max seqs':>10}")
+    print(
+        f"KV pool  {_mib(budget)}, blocks of {config.block_size} tokens, context {context} tokens; "
+        f"{info.config.num_layers} layers x {info.config.num_kv_heads} KV heads x {info.config.head_dim} dims"
+    )
+    print(
+        f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'vs auto':>9}{'residual/seq':>14}{'tokens':>11}"
+        f"{'seqs':>7}{'max seqs':>10}"
+    )
     full = rows[0]["bytes_per_token"]
     for row in rows:
-        print(f"{row['kv_cache_dtype']:<15}{row['bytes_per_token']:>12.1f}{row['bytes_per_token'] / full:>8.3f}x"
-              f"{_mib(row['residual_bytes_per_seq']):>14}{row['num_tokens']:>11}{row['sequences']:>7}"
-              f"{row['max_sequences']:>10}")
-    print(f"seqs: full-length sequences at --max-num-seqs {config.max_num_seqs} (int4/int2 reserve one residual "
-          "block per sequence); max seqs: with --max-num-seqs set to that number")
+        print(
+            f"{row['kv_cache_dtype']:<15}{row['bytes_per_token']:>12.1f}{row['bytes_per_token'] / full:>8.3f}x"
+            f"{_mib(row['residual_bytes_per_seq']):>14}{row['num_tokens']:>11}{row['sequences']:>7}"
+            f"{row['max_sequences']:>10}"
+        )
+    print(
+        f"seqs: full-length sequences at --max-num-seqs {config.max_num_seqs} (int4/int2 reserve one residual "
+        "block per sequence); max seqs: with --max-num-seqs set to that number"
+    )
     return 0
 
 
@@ -194,14 +231,24 @@ def _plan_options() -> list[str]:
 
 
 def _plan_row(model_config, config: EngineConfig, kv: str, context: int) -> dict[str, Any]:
-    plan = plan_pool(model_config, config.torch_dtype, int(config.kv_cache_memory_gb * 2**30), config.block_size,
-                     dataclasses.replace(config.kv_format, dtype=kv),
-                     reserved_seqs=config.max_num_seqs)
+    plan = plan_pool(
+        model_config,
+        config.torch_dtype,
+        int(config.kv_cache_memory_gb * 2**30),
+        config.block_size,
+        dataclasses.replace(config.kv_format, dtype=kv),
+        reserved_seqs=config.max_num_seqs,
+    )
     per_seq = -(-context // config.block_size)
-    return {"kv_cache_dtype": kv, "bytes_per_token": plan.bytes_per_token,
-            "residual_bytes_per_seq": plan.residual_bytes_per_seq, "num_blocks": plan.num_blocks,
-            "num_tokens": plan.num_tokens, "sequences": min(config.max_num_seqs, plan.num_blocks // per_seq),
-            "max_sequences": plan.sequences_that_fit(context)}
+    return {
+        "kv_cache_dtype": kv,
+        "bytes_per_token": plan.bytes_per_token,
+        "residual_bytes_per_seq": plan.residual_bytes_per_seq,
+        "num_blocks": plan.num_blocks,
+        "num_tokens": plan.num_tokens,
+        "sequences": min(config.max_num_seqs, plan.num_blocks // per_seq),
+        "max_sequences": plan.sequences_that_fit(context),
+    }
 
 
 def served_model_name(flag: str | None, model: str | None, model_path: str) -> str:
@@ -229,12 +276,16 @@ class _GracefulServer(uvicorn.Server):
 
 # --- helpers -------------------------------------------------------------------------------------
 
+
 def _load(args: argparse.Namespace) -> LLM:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
     llm = LLM(args.model, **options, show_progress=True)
     engine = llm.engine
-    print(f"KV cache: {engine.num_blocks} blocks of {engine.block_size} tokens, {args.kv_cache_dtype}, "
-          f"{engine.kv_bytes_per_token:.0f} bytes per token", file=sys.stderr)
+    print(
+        f"KV cache: {engine.num_blocks} blocks of {engine.block_size} tokens, {args.kv_cache_dtype}, "
+        f"{engine.kv_bytes_per_token:.0f} bytes per token",
+        file=sys.stderr,
+    )
     print("\n".join(f"memory: {line}" for line in engine.memory.lines()), file=sys.stderr, flush=True)
     return llm
 
@@ -261,62 +312,106 @@ def _turn_status(output: RequestOutput) -> str:
 
 # --- the parser ----------------------------------------------------------------------------------
 
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbank", description="A KV-cache-first LLM inference engine.")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     engine, sampling = _engine_flags(), _sampling_flags()
 
-    generate = commands.add_parser("generate", parents=[engine, sampling], help="complete one prompt",
-                                   description="Print the completion of PROMPT as it is generated.")
+    generate = commands.add_parser(
+        "generate",
+        parents=[engine, sampling],
+        help="complete one prompt",
+        description="Print the completion of PROMPT as it is generated.",
+    )
     generate.add_argument("prompt", help="the text to complete")
     _bind(generate, _generate)
 
-    chat = commands.add_parser("chat", parents=[engine, sampling], help="chat in the terminal",
-                               description="Multi-turn chat through the model's chat template; each turn "
-                                           "reuses the previous turns' KV cache.")
+    chat = commands.add_parser(
+        "chat",
+        parents=[engine, sampling],
+        help="chat in the terminal",
+        description="Multi-turn chat through the model's chat template; each turn reuses the previous turns' KV cache.",
+    )
     chat.add_argument("--system-prompt", help="a system message to start the conversation with")
     _bind(chat, _chat)
 
-    serve = commands.add_parser("serve", parents=[engine], help="serve an OpenAI-compatible HTTP API",
-                                description="Serve /v1/completions, /v1/chat/completions and /v1/models.")
+    serve = commands.add_parser(
+        "serve",
+        parents=[engine],
+        help="serve an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions and /v1/models.",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--served-model-name", help="the model name clients send (default: the --model value as "
-                                                   "given, as in vLLM; for the bundled model, its file name "
-                                                   f"{Path(BUNDLED_FILE).stem})")
-    serve.add_argument("--pin-prompt", action="append", default=[], metavar="FILE",
-                       help="a system prompt to compute once and keep cached (repeatable): chat requests whose "
-                            "system message is this file's text reuse it")
-    serve.add_argument("--api-key", default=os.environ.get("KVBANK_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: $KVBANK_API_KEY, else no key)")
-    serve.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
-                       help="requests waiting for a batch slot beyond which new ones get 429 (default: %(default)s)")
-    serve.add_argument("--max-tokens-cap", type=int, default=None,
-                       help="largest max_tokens a request may ask for; also the default for chat requests "
-                            "that name none (default: no cap)")
-    serve.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for "
-                                                                      "(default: %(default)s)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="on SIGTERM, seconds to let running requests finish before aborting them "
-                            "(default: %(default)s)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn's log level (default: %(default)s)")
+    serve.add_argument(
+        "--served-model-name",
+        help="the model name clients send (default: the --model value as "
+        "given, as in vLLM; for the bundled model, its file name "
+        f"{Path(BUNDLED_FILE).stem})",
+    )
+    serve.add_argument(
+        "--pin-prompt",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a system prompt to compute once and keep cached (repeatable): chat requests whose "
+        "system message is this file's text reuse it",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("KVBANK_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $KVBANK_API_KEY, else no key)",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help="requests waiting for a batch slot beyond which new ones get 429 (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask for; also the default for chat requests "
+        "that name none (default: no cap)",
+    )
+    serve.add_argument(
+        "--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let running requests finish before aborting them (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default: %(default)s)",
+    )
     _bind(serve, _serve)
 
-    plan = commands.add_parser("plan", help="where memory goes, and how much KV cache fits",
-                               description="From the model's metadata alone: the memory the engine will hold, "
-                                           "part by part (packed and dense weights, embeddings, LM head, KV pool, "
-                                           "residual slots) and the peak while loading; then KV bytes per token "
-                                           "for every --kv-cache-dtype and how many tokens and full-length "
-                                           "sequences fit. The engine builds its model and sizes its pool the "
-                                           "same way.")
+    plan = commands.add_parser(
+        "plan",
+        help="where memory goes, and how much KV cache fits",
+        description="From the model's metadata alone: the memory the engine will hold, "
+        "part by part (packed and dense weights, embeddings, LM head, KV pool, "
+        "residual slots) and the peak while loading; then KV bytes per token "
+        "for every --kv-cache-dtype and how many tokens and full-length "
+        "sequences fit. The engine builds its model and sizes its pool the "
+        "same way.",
+    )
     group = plan.add_argument_group("engine (the options that change these numbers)")
     for config_field in dataclasses.fields(EngineConfig):
         if config_field.name in _plan_options():
             _add_config_flag(group, config_field, aliases=_PLAN_ALIASES.get(config_field.name, ()))
-    plan.add_argument("--context-len", type=int, help="tokens per sequence (default: --max-model-len, else the "
-                                                      "model's context length)")
+    plan.add_argument(
+        "--context-len",
+        type=int,
+        help="tokens per sequence (default: --max-model-len, else the model's context length)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _bind(plan, _plan)
     return parser
@@ -337,17 +432,38 @@ def _engine_flags() -> argparse.ArgumentParser:
 def _add_config_flag(group, config_field: dataclasses.Field, aliases: Sequence[str] = ()) -> None:
     meta = config_field.metadata
     help_text = meta.get("help", config_field.name.replace("_", " "))
-    _add_flag(group, config_field.name, _ENGINE_TYPES[config_field.name], config_field.default, help_text,
-              choices=meta.get("choices"), metavar=meta.get("metavar"), default_text=meta.get("default_text"),
-              aliases=aliases)
+    _add_flag(
+        group,
+        config_field.name,
+        _ENGINE_TYPES[config_field.name],
+        config_field.default,
+        help_text,
+        choices=meta.get("choices"),
+        metavar=meta.get("metavar"),
+        default_text=meta.get("default_text"),
+        aliases=aliases,
+    )
 
 
-def _add_flag(group, name: str, hint: Any, default: Any, help_text: str, *, choices: Sequence[str] | None = None,
-              metavar: str | None = None, default_text: str | None = None, aliases: Sequence[str] = ()) -> None:
+def _add_flag(
+    group,
+    name: str,
+    hint: Any,
+    default: Any,
+    help_text: str,
+    *,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    default_text: str | None = None,
+    aliases: Sequence[str] = (),
+) -> None:
     """One `--kebab-case` flag for a field, its kind read from the field's type."""
     shown = "%(default)s" if default_text is None else default_text.replace("%", "%%")
-    kwargs: dict[str, Any] = {"dest": name, "default": default, "help": f"{help_text.replace('%', '%%')} "
-                                                                         f"(default: {shown})"}
+    kwargs: dict[str, Any] = {
+        "dest": name,
+        "default": default,
+        "help": f"{help_text.replace('%', '%%')} (default: {shown})",
+    }
     union = typing.get_origin(hint) in (types.UnionType, typing.Union)
     kinds = {arg for arg in typing.get_args(hint) if arg is not type(None)} if union else {hint}
     if kinds == {bool}:
@@ -403,6 +519,12 @@ def _sampling_flags() -> argparse.ArgumentParser:
     for param in dataclasses.fields(SamplingParams):
         if param.name in _SAMPLING_HELP:
             default = CLI_DEFAULT_MAX_TOKENS if param.name == "max_tokens" else param.default
-            _add_flag(group, param.name, _SAMPLING_TYPES[param.name], default, _SAMPLING_HELP[param.name],
-                      default_text=_SAMPLING_DEFAULT_TEXT.get(param.name))
+            _add_flag(
+                group,
+                param.name,
+                _SAMPLING_TYPES[param.name],
+                default,
+                _SAMPLING_HELP[param.name],
+                default_text=_SAMPLING_DEFAULT_TEXT.get(param.name),
+            )
     return flags

@@ -10,6 +10,7 @@ the engine builds its model the way `predict` does (both call models.build.assem
 The load peak is separate: loading dequantizes every GGUF tensor to float32 first, so for a
 moment the process holds far more than the finished model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,11 +69,13 @@ class MemoryReport:
         """A compact human-readable block: weights on one line, KV on the next, then the totals."""
         tied = " (tied)" if self.tied_embeddings else ""
         peak = "unknown" if self.load_peak is None else _mib(self.load_peak)
-        return [f"weights  packed 4-bit {_mib(self.packed_weights)}, dense {_mib(self.dense_weights)}, "
-                f"embeddings {_mib(self.embeddings)}, lm_head {_mib(self.lm_head)}{tied}, "
-                f"rope tables {_mib(self.rope_tables)}",
-                f"KV       pool {_mib(self.kv_pool)}, residual slots {_mib(self.residual_slots)}",
-                f"total    {_mib(self.total)} held; loading peaks {peak} above the start"]
+        return [
+            f"weights  packed 4-bit {_mib(self.packed_weights)}, dense {_mib(self.dense_weights)}, "
+            f"embeddings {_mib(self.embeddings)}, lm_head {_mib(self.lm_head)}{tied}, "
+            f"rope tables {_mib(self.rope_tables)}",
+            f"KV       pool {_mib(self.kv_pool)}, residual slots {_mib(self.residual_slots)}",
+            f"total    {_mib(self.total)} held; loading peaks {peak} above the start",
+        ]
 
 
 def _mib(n: int) -> str:
@@ -80,6 +83,7 @@ def _mib(n: int) -> str:
 
 
 # --- the model -----------------------------------------------------------------------------
+
 
 def weight_parts(model: LlamaForCausalLM) -> dict[str, int]:
     """Bytes of the model's tensors by part (the weight parts of PARTS), each storage counted once."""
@@ -126,12 +130,18 @@ def kv_bytes(storage: KVStorage) -> tuple[int, int]:
 
 # --- a loaded engine -------------------------------------------------------------------------
 
+
 def measure(engine, load_peak: int | None = None) -> MemoryReport:
     """Bytes of a loaded engine's actual tensors, part by part."""
     model = engine.runner.model
     kv_pool, residual = kv_bytes(engine.runner.storage)
-    return MemoryReport(**weight_parts(model), kv_pool=kv_pool, residual_slots=residual, tied_embeddings=tied(model),
-                        load_peak=load_peak)
+    return MemoryReport(
+        **weight_parts(model),
+        kv_pool=kv_pool,
+        residual_slots=residual,
+        tied_embeddings=tied(model),
+        load_peak=load_peak,
+    )
 
 
 def current(engine) -> MemoryReport:
@@ -142,6 +152,7 @@ def current(engine) -> MemoryReport:
 
 # --- a prediction from metadata ----------------------------------------------------------------
 
+
 def predict(config: EngineConfig) -> MemoryReport:
     """What `LLMEngine(config)` will hold, from the model's metadata alone (no weights read)."""
     path = bundled_model_path() if config.model is None else os.path.expanduser(str(config.model))
@@ -149,8 +160,9 @@ def predict(config: EngineConfig) -> MemoryReport:
     model_config = dataclasses.replace(info.config)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
-                         f"{model_config.max_position_embeddings}")
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's context length {model_config.max_position_embeddings}"
+        )
     model_config.max_position_embeddings = max_model_len
     shapes, int4_names = _tensor_shapes(path)
     state_dict = {name: _meta(shape) for name, shape in shapes.items()}
@@ -160,8 +172,13 @@ def predict(config: EngineConfig) -> MemoryReport:
     model, _ = assemble(model_config, state_dict, int4, config.packs_int4_weights(bool(int4)), config.torch_dtype)
     kv_pool, residual = _predict_kv(model_config, config)
     weights = weight_parts(model)
-    return MemoryReport(**weights, kv_pool=kv_pool, residual_slots=residual, tied_embeddings=tied(model),
-                        load_peak=_predict_load_peak(shapes, int4_names, weights, info.file_bytes))
+    return MemoryReport(
+        **weights,
+        kv_pool=kv_pool,
+        residual_slots=residual,
+        tied_embeddings=tied(model),
+        load_peak=_predict_load_peak(shapes, int4_names, weights, info.file_bytes),
+    )
 
 
 def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
@@ -173,7 +190,7 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     shapes = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+            shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})  # noqa: SIM118 -- not a dict
     return shapes, set()
 
 
@@ -187,15 +204,22 @@ def _meta_blocks(shape: tuple[int, ...]) -> Int4Blocks:
 
 
 def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, int]:
-    plan = plan_pool(model_config, config.torch_dtype, int(config.kv_cache_memory_gb * 2**30), config.block_size,
-                     config.kv_format, reserved_seqs=config.max_num_seqs)
+    plan = plan_pool(
+        model_config,
+        config.torch_dtype,
+        int(config.kv_cache_memory_gb * 2**30),
+        config.block_size,
+        config.kv_format,
+        reserved_seqs=config.max_num_seqs,
+    )
     num_blocks = config.num_gpu_blocks or plan.num_blocks
     residual_slots = max(config.max_num_seqs, 1) if plan.residual_bytes_per_seq else 0
     return num_blocks * plan.bytes_per_block, residual_slots * plan.residual_bytes_per_seq
 
 
-def _predict_load_peak(shapes: dict[str, tuple[int, ...]], int4_names: set[str], weights: dict[str, int],
-                       file_bytes: int) -> int:
+def _predict_load_peak(
+    shapes: dict[str, tuple[int, ...]], int4_names: set[str], weights: dict[str, int], file_bytes: int
+) -> int:
     # What the loader holds at once: the file it reads, every tensor dequantized to float32, the
     # unpacked 4-bit blocks (a byte per weight and two float32 per group), the float32 fused
     # q/k/v and gate/up matrices, and the finished model.

@@ -123,8 +123,7 @@ class Tokenizer:
             default_bos, default_eos = 1, 2
         else:
             raise ValueError(
-                f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); "
-                "supported: 'gpt2', 'llama'"
+                f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); supported: 'gpt2', 'llama'"
             )
         _add_matched_whole(engine, tokens, token_types)
 
@@ -398,20 +397,14 @@ def _sentencepiece_engine(
     return engine
 
 
-def _merges_from_scores(
-    tokens: list[str], scores: list[float], token_types: list[int]
-) -> list[tuple[str, str]]:
+def _merges_from_scores(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
     """The BPE merge table a SentencePiece vocabulary implies.
 
     SentencePiece stores no merges: at each step it joins the adjacent pair whose concatenation is
     the highest-scoring piece. Every way of cutting a piece into two pieces, ranked by the score of
     the whole, is a merge table that makes the same choices.
     """
-    pieces = {
-        token: token_id
-        for token_id, (token, kind) in enumerate(zip(tokens, token_types))
-        if kind == _NORMAL
-    }
+    pieces = {token: token_id for token_id, (token, kind) in enumerate(zip(tokens, token_types)) if kind == _NORMAL}
     ranked = []
     for piece, piece_id in pieces.items():
         for cut in range(1, len(piece)):
@@ -480,15 +473,11 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Jinja's own tojson escapes HTML characters, which would change what the model sees.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _template_environment() -> ImmutableSandboxedEnvironment:
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now

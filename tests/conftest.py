@@ -1,4 +1,5 @@
 """Shared fixtures: kvbank in subprocesses, and the native CPU kernels."""
+
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def kvbank_env() -> dict[str, str]:
 def native():
     """kvbank's native kernel module; under CI a machine that cannot build it fails instead of skipping."""
     from kvbank import kernels
+
     module = kernels.native()
     if module is None and not os.environ.get("CI"):
         pytest.skip(f"native kernels unavailable here: {kernels.failure()}")

@@ -1,4 +1,5 @@
 """Starting real `kvbank serve` processes for tests."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,12 @@ def start_server(args: list[str], env: dict, log_path: Path) -> tuple[subprocess
     """`python -m kvbank serve ARGS` on a free port; returns the process and its base URL."""
     port = free_port()
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "kvbank", "serve", "--port", str(port), *args],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvbank", "serve", "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -40,8 +45,9 @@ def wait_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
                     return
         except OSError:
             time.sleep(0.5)
-    raise AssertionError(f"kvbank serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n"
-                         f"{log_path.read_text()[-3000:]}")
+    raise AssertionError(
+        f"kvbank serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}"
+    )
 
 
 def stop_server(process: subprocess.Popen) -> None:
@@ -53,8 +59,9 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def request(url: str, body: bytes | dict | None = None, headers: dict | None = None,
-            timeout: float = 60) -> tuple[int, dict | str, dict]:
+def request(
+    url: str, body: bytes | dict | None = None, headers: dict | None = None, timeout: float = 60
+) -> tuple[int, dict | str, dict]:
     """One HTTP call: (status, JSON body or text, headers); error statuses are returned, not raised."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})

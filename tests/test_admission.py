@@ -1,5 +1,6 @@
 """Admission: requests that could never fit fail at once with the numbers, pins never starve a
 request in flight, and `n` forks count against `max_num_seqs`."""
+
 import pytest
 
 from kvbank import LLM, SamplingParams
@@ -13,14 +14,14 @@ def small() -> LLM:
 
 
 def _unpin_all(llm: LLM) -> None:
-    for (root, tokens) in list(llm.engine.manager.pins):
+    for root, tokens in list(llm.engine.manager.pins):
         llm.engine.manager.unpin(list(tokens), root)
 
 
 def test_a_request_that_cannot_fit_beside_pinned_blocks_fails_naming_the_numbers(small):
     prefix = list(range(1000, 1500))
     try:
-        assert small.pin_prefix(prefix) == 496                      # 31 whole blocks
+        assert small.pin_prefix(prefix) == 496  # 31 whole blocks
         with pytest.raises(ValueError, match=r"needs 60 KV blocks but only 33 of the pool's 64 .* 31 are pinned"):
             small.generate([list(range(2000, 2900))], SamplingParams(max_tokens=50))
         assert not small.engine.has_unfinished_requests()
@@ -34,7 +35,7 @@ def test_a_request_that_cannot_fit_beside_pinned_blocks_fails_naming_the_numbers
 
 def test_a_pin_that_would_starve_a_request_in_flight_is_refused(small):
     prefix = list(range(1000, 1500))
-    small.generate([prefix], SamplingParams(max_tokens=1))          # cached, not pinned yet
+    small.generate([prefix], SamplingParams(max_tokens=1))  # cached, not pinned yet
     engine: LLMEngine = small.engine
     request = engine.add_request(list(range(2000, 2900)), SamplingParams(max_tokens=50, ignore_eos=True))
     try:
@@ -59,7 +60,7 @@ def test_forks_count_against_max_num_seqs():
     while engine.has_unfinished_requests():
         engine.step()
         most = max(most, len(engine.scheduler.running))
-    assert most == 3                                # one request of 3 at a time: 3 + 3 > 4
+    assert most == 3  # one request of 3 at a time: 3 + 3 > 4
     with pytest.raises(ValueError, match="n=5 is more sequences than max_num_seqs=4"):
         engine.add_request([1, 2, 3], SamplingParams(n=5))
 
@@ -71,8 +72,9 @@ def test_kivi_residual_slots_stay_within_their_reservation_under_forks():
     engine = llm.engine
     residual = engine.runner.storage.kind("kivi").residual
     reserved = residual.capacity
-    request = engine.add_request(list(range(100, 150)), SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=20,
-                                                                       ignore_eos=True))
+    request = engine.add_request(
+        list(range(100, 150)), SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    )
     most = 0
     while not request.finished:
         engine.step()

@@ -1,10 +1,10 @@
 """The batched paged attention against the one-query-at-a-time reference."""
+
 import pytest
 import torch
 
-from kvbank.attention import AttentionMetadata, PrefillChunk, write_kv
+from kvbank.attention import AttentionMetadata, PrefillChunk, fast, write_kv
 from kvbank.attention.cascade import find_shared_prefixes, share_prefixes
-from kvbank.attention import fast
 from kvbank.attention.fast import DenseStep, chunk_visibility, paged_attention
 from kvbank.attention.paged import paged_attention_reference
 
@@ -52,18 +52,21 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, l
     return q, k, v, k_cache, v_cache, meta, DenseStep(None, masks)
 
 
-@pytest.mark.parametrize("seqs", [
-    [(0, 1)],
-    [(5, 1), (12, 1), (3, 1)],                 # decodes of different lengths, partial blocks
-    [(0, 9)],                                  # fresh prefill
-    [(8, 5)],                                  # prefill continuing a cached prefix
-    [(7, 1), (0, 6), (10, 3), (2, 1)][:3],     # a mixed step
-    [(8, 40), (0, 45)],                        # chunks long enough for padded queries and keys
-])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(0, 1)],
+        [(5, 1), (12, 1), (3, 1)],  # decodes of different lengths, partial blocks
+        [(0, 9)],  # fresh prefill
+        [(8, 5)],  # prefill continuing a cached prefix
+        [(7, 1), (0, 6), (10, 3), (2, 1)][:3],  # a mixed step
+        [(8, 40), (0, 45)],  # chunks long enough for padded queries and keys
+    ],
+)
 def test_fast_path_matches_reference(seqs):
     seqs = sorted(seqs, key=lambda s: s[1] > 1)
     q, k, v, k_cache, v_cache, meta, step = _step(seqs)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     got = paged_attention(q, k, v, k_cache, v_cache, meta, step, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -71,32 +74,37 @@ def test_fast_path_matches_reference(seqs):
 
 def test_shared_prefixes_group_decodes_by_their_common_leading_blocks():
     tables = [[1, 2, 3, 4, 5], [9, 8], [1, 2, 3, 4, 6], [1, 2, 7, 7], [1, 2, 3, 4, 5, 6]]
-    lens = [18, 6, 20, 16, 24]                        # blocks of 4: every token sits in its table's last block
+    lens = [18, 6, 20, 16, 24]  # blocks of 4: every token sits in its table's last block
     groups = find_shared_prefixes(tables, lens, 4, min_blocks=2)
     assert sorted((sorted(rows), shared) for rows, shared in groups) == [([0, 2, 4], 4)]
     assert sorted((sorted(rows), shared) for rows, shared in find_shared_prefixes(tables, lens, 4, 1)) == [
-        ([0, 2, 4], 4)]                               # [3] shares 2 blocks: worth less than the 3 x 4 above
+        ([0, 2, 4], 4)
+    ]  # [3] shares 2 blocks: worth less than the 3 x 4 above
     # A block the decode's own token sits in is never shared, even when the ids agree.
     assert find_shared_prefixes([[1, 2], [1, 2]], [6, 7], 4, 1) == [([0, 1], 1)]
     assert find_shared_prefixes([[1], [1]], [2, 3], 4, 1) == []
     assert find_shared_prefixes([[1, 2, 3]], [10], 4, 1) == []
 
 
-@pytest.mark.parametrize("seqs, shared, key_pad", [
-    ([(13, 1), (14, 1), (21, 1)], {1: (0, 3), 2: (0, 3)}, BLOCK),                  # one group, different lengths
-    ([(16, 1), (17, 1), (9, 1), (12, 1), (5, 1)], {1: (0, 4), 3: (2, 2)}, BLOCK),  # two groups and a loner
-    ([(12, 1), (12, 1), (0, 6)], {1: (0, 3)}, BLOCK),                              # with a prefill in the step
-    ([(70, 1), (75, 1), (90, 1)] * 4, {i: (0, 18) for i in range(1, 12)}, 64),     # 16 of 18 blocks; 36 rows padded
-])
+@pytest.mark.parametrize(
+    "seqs, shared, key_pad",
+    [
+        ([(13, 1), (14, 1), (21, 1)], {1: (0, 3), 2: (0, 3)}, BLOCK),  # one group, different lengths
+        ([(16, 1), (17, 1), (9, 1), (12, 1), (5, 1)], {1: (0, 4), 3: (2, 2)}, BLOCK),  # two groups and a loner
+        ([(12, 1), (12, 1), (0, 6)], {1: (0, 3)}, BLOCK),  # with a prefill in the step
+        ([(70, 1), (75, 1), (90, 1)] * 4, {i: (0, 18) for i in range(1, 12)}, 64),  # 16 of 18 blocks; 36 rows padded
+    ],
+)
 def test_shared_prefix_decodes_match_reference(seqs, shared, key_pad, monkeypatch):
     monkeypatch.setattr(fast, "KEY_PAD", key_pad)
     q, k, v, k_cache, v_cache, meta, step = _step(seqs, num_blocks=256, shared=shared)
-    tables = [t[:-(-n // BLOCK)] for t, n in zip(meta.decode_block_tables.tolist(), meta.decode_context_lens.tolist())]
-    share_prefixes(step, tables, meta.decode_context_lens.tolist(), BLOCK, torch.float32, torch.device("cpu"),
-                   min_tokens=BLOCK)
+    tables = [t[: -(-n // BLOCK)] for t, n in zip(meta.decode_block_tables.tolist(), meta.decode_context_lens.tolist())]
+    share_prefixes(
+        step, tables, meta.decode_context_lens.tolist(), BLOCK, torch.float32, torch.device("cpu"), min_tokens=BLOCK
+    )
     assert len(step.shared_prefixes) == len({source for source, _ in shared.values()})
     assert all(len(p.block_table) * BLOCK % key_pad == 0 for p in step.shared_prefixes)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     got = paged_attention(q, k, v, k_cache, v_cache, meta, step, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -112,13 +120,16 @@ def test_write_kv_puts_tokens_in_their_slots():
     assert k_cache.abs().sum() == 6
 
 
-@pytest.mark.parametrize("dtype, heads, kv_heads, dim, block, lens, partition", [
-    (torch.bfloat16, 9, 3, 64, 16, [1, 17, 300, 944, 33], 256),   # the bundled model's shape; several partitions
-    (torch.bfloat16, 9, 3, 64, 16, [130, 7], 32),                 # many partitions merged
-    (torch.bfloat16, 8, 2, 128, 32, [5, 600], 256),               # group of 4, head dim 128, larger blocks
-    (torch.bfloat16, 4, 4, 64, 16, [64, 65], 64),                 # no grouping; a partition exactly full
-    (torch.float32, 6, 2, 8, 4, [3, 9, 30], 8),                   # the portable path (no AVX-512 needed)
-])
+@pytest.mark.parametrize(
+    "dtype, heads, kv_heads, dim, block, lens, partition",
+    [
+        (torch.bfloat16, 9, 3, 64, 16, [1, 17, 300, 944, 33], 256),  # the bundled model's shape; several partitions
+        (torch.bfloat16, 9, 3, 64, 16, [130, 7], 32),  # many partitions merged
+        (torch.bfloat16, 8, 2, 128, 32, [5, 600], 256),  # group of 4, head dim 128, larger blocks
+        (torch.bfloat16, 4, 4, 64, 16, [64, 65], 64),  # no grouping; a partition exactly full
+        (torch.float32, 6, 2, 8, 4, [3, 9, 30], 8),  # the portable path (no AVX-512 needed)
+    ],
+)
 def test_native_decode_kernel_matches_reference(native, dtype, heads, kv_heads, dim, block, lens, partition):
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-n // block) for n in lens) + 3
@@ -127,13 +138,26 @@ def test_native_decode_kernel_matches_reference(native, dtype, heads, kv_heads, 
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
     width = max(map(len, tables))
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens),
-                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), [], block,
-                             dtype)
+    meta = AttentionMetadata(
+        torch.zeros(0, dtype=torch.long),
+        len(lens),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        torch.tensor(lens),
+        [],
+        block,
+        dtype,
+    )
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
-    scale = dim ** -0.5
-    got = native.paged_decode_attention(q.view(len(lens), kv_heads, heads // kv_heads, dim), k_cache, v_cache,
-                                        meta.decode_block_tables, meta.decode_context_lens, scale, partition)
+    scale = dim**-0.5
+    got = native.paged_decode_attention(
+        q.view(len(lens), kv_heads, heads // kv_heads, dim),
+        k_cache,
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        scale,
+        partition,
+    )
     ref = paged_attention_reference(q.float(), k_cache, v_cache, meta, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.view(len(lens), heads, dim).float(), ref, atol=tolerance, rtol=tolerance)
@@ -157,11 +181,11 @@ def test_decodes_use_the_native_kernel_where_it_has_a_fast_path(native):
     assert (kernel is not None) == native.has_bf16_fast_path()
     if kernel is None:
         pytest.skip("this CPU lacks AVX-512 BF16: decodes keep PyTorch's path, the fast path is untested here")
-    assert fast.native_decode_kernel(cpu, torch.float32, 9, 3, 64, 16) is None   # float32 keeps PyTorch's path
+    assert fast.native_decode_kernel(cpu, torch.float32, 9, 3, 64, 16) is None  # float32 keeps PyTorch's path
     assert fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 48, 16) is None  # no fast path for this head size
     q, k, v, k_cache, v_cache, meta, _ = _step([(40, 1), (70, 1)])
     expanded = [x.to(torch.bfloat16).repeat_interleave(8, dim=-1) for x in (q, k, v, k_cache, v_cache)]
-    q, k, v, k_cache, v_cache = expanded                                      # head dim 64
+    q, k, v, k_cache, v_cache = expanded  # head dim 64
     got = paged_attention(q, k, v, k_cache, v_cache, meta, DenseStep(kernel, []), 0.125)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

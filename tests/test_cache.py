@@ -1,4 +1,5 @@
 """Block pool and cache manager bookkeeping, without a model."""
+
 import pytest
 
 from kvbank.cache.blocks import BlockPool
@@ -62,18 +63,18 @@ def test_salts_and_collisions_never_share(monkeypatch):
 
 def test_eviction_takes_empty_blocks_first_then_least_recent_tails():
     manager = KVCacheManager(4, BS)
-    seq = _run(manager, _seq(range(9)))      # blocks: 2 full + 1 partial
+    seq = _run(manager, _seq(range(9)))  # blocks: 2 full + 1 partial
     cached = list(seq.block_table[:2])
     manager.free(seq)
     assert list(manager.pool.cached) == [cached[1], cached[0]]  # tail first in LRU order
-    filler = _seq(range(500, 511))           # 3 blocks: the two empty ones, then the LRU tail
+    filler = _seq(range(500, 511))  # 3 blocks: the two empty ones, then the LRU tail
     manager.allocate(filler)
     assert cached[0] not in filler.block_table and cached[1] in filler.block_table
 
 
 def test_fork_shares_and_copy_on_write_splits_the_partial_block():
     manager = KVCacheManager(8, BS)
-    parent = _run(manager, _seq(range(6)))   # 1 full + 1 partial block
+    parent = _run(manager, _seq(range(6)))  # 1 full + 1 partial block
     child = parent.fork(1, None)
     manager.fork(parent, child)
     assert manager.num_free_blocks == 6
@@ -83,7 +84,7 @@ def test_fork_shares_and_copy_on_write_splits_the_partial_block():
     manager.append_slots(child, 1)
     assert manager.pending_copies == [(parent.block_table[1], child.block_table[1])]
     assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
-    manager.append_slots(parent, 1)          # now the only owner: writes in place
+    manager.append_slots(parent, 1)  # now the only owner: writes in place
     assert len(manager.pending_copies) == 1
     manager.free(parent)
     manager.free(child)
@@ -125,7 +126,7 @@ def test_pinned_prefix_survives_eviction_and_counts_against_the_limit():
     root = pinned.root_hash
     assert manager.pin(list(range(9)), root) == 8
     assert manager.num_free_blocks == 4
-    for start in (100, 200, 300):                 # churn through the rest of the pool
+    for start in (100, 200, 300):  # churn through the rest of the pool
         manager.free(_run(manager, _seq(range(start, start + 12))))
     again = _seq(list(range(8)) + [42])
     manager.allocate(again)

@@ -1,4 +1,5 @@
 """The `kvbank` command line: real `python -m kvbank` processes, and its flags parsed in process."""
+
 import dataclasses
 import re
 import subprocess
@@ -15,13 +16,23 @@ STATUS = re.compile(r"\[cached (\d+)/(\d+) prompt tokens, TTFT (\d+) ms\]")
 
 
 def _kvbank(env: dict, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvbank", *args], input=stdin, capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbank", *args], input=stdin, capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_generate_prints_the_completion_and_a_progress_bar(kvbank_env):
-    result = _kvbank(kvbank_env, "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
-                     "--dtype", "float32")
+    result = _kvbank(
+        kvbank_env,
+        "generate",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--dtype",
+        "float32",
+    )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "Loading model" in result.stderr
@@ -37,8 +48,17 @@ def test_bad_sampling_flag_is_a_clear_error_before_loading(kvbank_env):
 def test_chat_second_turn_reuses_the_first_turns_cache(kvbank_env):
     # A story outlasts --max-tokens, so the first reply has exactly that many tokens.
     max_tokens = 12
-    result = _kvbank(kvbank_env, "chat", "--max-tokens", str(max_tokens), "--temperature", "0", "--dtype", "float32",
-                     stdin="Write a long story about a dragon.\nMake it shorter.\n")
+    result = _kvbank(
+        kvbank_env,
+        "chat",
+        "--max-tokens",
+        str(max_tokens),
+        "--temperature",
+        "0",
+        "--dtype",
+        "float32",
+        stdin="Write a long story about a dragon.\nMake it shorter.\n",
+    )
     assert result.returncode == 0, result.stderr
     replies = [text.strip() for text in STATUS.split(result.stdout)[::4][:-1]]
     statuses = [tuple(map(int, match)) for match in STATUS.findall(result.stdout)]
@@ -52,8 +72,21 @@ def test_chat_second_turn_reuses_the_first_turns_cache(kvbank_env):
 
 
 def test_kv_cache_flags_reach_the_engine(kvbank_env):
-    result = _kvbank(kvbank_env, "generate", "The capital of France is", "--max-tokens", "4", "--temperature", "0",
-                     "--kv-cache-dtype", "int4", "--kv-cache-dtype-skip-layers", "0,-1", "--num-gpu-blocks", "64")
+    result = _kvbank(
+        kvbank_env,
+        "generate",
+        "The capital of France is",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--kv-cache-dtype",
+        "int4",
+        "--kv-cache-dtype-skip-layers",
+        "0,-1",
+        "--num-gpu-blocks",
+        "64",
+    )
     assert result.returncode == 0, result.stderr
     # 28 int4 layers (88 bytes per KV head) and 2 bfloat16 layers (256), 3 KV heads each
     assert "KV cache: 64 blocks of 16 tokens, int4, 8928 bytes per token" in result.stderr
@@ -70,21 +103,62 @@ def test_bad_kv_cache_dtype_is_refused_by_every_command(kvbank_env):
 
 # --- options generated from EngineConfig and SamplingParams --------------------------------------
 
+
 def test_every_sampling_param_is_a_flag_or_says_why_not():
     fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
     assert fields == set(cli._SAMPLING_HELP) | set(cli._SAMPLING_NOT_ON_CLI)
 
 
 def test_sampling_flags_become_the_sampling_params():
-    args = cli._build_parser().parse_args([
-        "generate", "Hi", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1",
-        "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--repetition-penalty", "1.1",
-        "--max-tokens", "7", "--min-tokens", "2", "--stop", "a", "--stop", "b", "--stop-token-ids", "2,7",
-        "--include-stop-str-in-output", "--ignore-eos", "--no-skip-special-tokens"])
+    args = cli._build_parser().parse_args(
+        [
+            "generate",
+            "Hi",
+            "--temperature",
+            "0.5",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "5",
+            "--min-p",
+            "0.1",
+            "--presence-penalty",
+            "0.5",
+            "--frequency-penalty",
+            "-0.5",
+            "--repetition-penalty",
+            "1.1",
+            "--max-tokens",
+            "7",
+            "--min-tokens",
+            "2",
+            "--stop",
+            "a",
+            "--stop",
+            "b",
+            "--stop-token-ids",
+            "2,7",
+            "--include-stop-str-in-output",
+            "--ignore-eos",
+            "--no-skip-special-tokens",
+        ]
+    )
     assert cli._sampling_params(args) == SamplingParams(
-        temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.1, max_tokens=7, min_tokens=2, stop=["a", "b"], stop_token_ids=[2, 7],
-        include_stop_str_in_output=True, ignore_eos=True, skip_special_tokens=False)
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        max_tokens=7,
+        min_tokens=2,
+        stop=["a", "b"],
+        stop_token_ids=[2, 7],
+        include_stop_str_in_output=True,
+        ignore_eos=True,
+        skip_special_tokens=False,
+    )
     defaults = cli._sampling_params(cli._build_parser().parse_args(["chat"]))
     assert defaults == SamplingParams(max_tokens=cli.CLI_DEFAULT_MAX_TOKENS)
 
@@ -94,16 +168,41 @@ def test_every_engine_option_is_a_flag_of_every_engine_command():
     for command in (["generate", "Hi"], ["chat"], ["serve"]):
         args = parser.parse_args([*command, "--no-enable-prefix-caching", "--kv-cache-dtype-skip-layers", "0,-1"])
         config = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-        assert config == {**_defaults(EngineConfig), "enable_prefix_caching": False,
-                          "kv_cache_dtype_skip_layers": (0, -1)}
+        assert config == {
+            **_defaults(EngineConfig),
+            "enable_prefix_caching": False,
+            "kv_cache_dtype_skip_layers": (0, -1),
+        }
 
 
 def test_plan_takes_the_options_that_change_its_numbers():
-    args = cli._build_parser().parse_args(["plan", "--memory-gb", "0.5", "--weight-format", "dense", "--dtype",
-                                           "float32", "--kv-cache-dtype", "int4", "--max-model-len", "1024",
-                                           "--num-gpu-blocks", "8", "--device", "cpu"])
-    assert (args.kv_cache_memory_gb, args.weight_format, args.dtype, args.kv_cache_dtype, args.max_model_len,
-            args.num_gpu_blocks) == (0.5, "dense", "float32", "int4", 1024, 8)
+    args = cli._build_parser().parse_args(
+        [
+            "plan",
+            "--memory-gb",
+            "0.5",
+            "--weight-format",
+            "dense",
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "int4",
+            "--max-model-len",
+            "1024",
+            "--num-gpu-blocks",
+            "8",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert (
+        args.kv_cache_memory_gb,
+        args.weight_format,
+        args.dtype,
+        args.kv_cache_dtype,
+        args.max_model_len,
+        args.num_gpu_blocks,
+    ) == (0.5, "dense", "float32", "int4", 1024, 8)
     assert not hasattr(args, "seed") and not hasattr(args, "enable_prefix_caching")
 
 
@@ -124,6 +223,7 @@ def _defaults(cls) -> dict:
 
 # --- the flags are honoured ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llm():
     return LLM(kv_cache_memory_gb=0.05, max_num_seqs=4)
@@ -139,9 +239,19 @@ def test_max_tokens_min_tokens_and_stop_token_ids_are_honoured(llm):
     assert len(greedy.token_ids) == 6
     third = greedy.token_ids[2]
     stopped = _run(llm, "--temperature", "0", "--stop-token-ids", str(third))
-    assert stopped.token_ids == greedy.token_ids[:greedy.token_ids.index(third) + 1]
-    held = _run(llm, "--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--stop-token-ids", str(third),
-                "--min-tokens", "5")
+    assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(third) + 1]
+    held = _run(
+        llm,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--stop-token-ids",
+        str(third),
+        "--min-tokens",
+        "5",
+    )
     # Until min_tokens, stop tokens cannot even be sampled (as in vLLM).
     assert held.token_ids[:2] == greedy.token_ids[:2] and third not in held.token_ids[:5]
 
@@ -149,9 +259,12 @@ def test_max_tokens_min_tokens_and_stop_token_ids_are_honoured(llm):
 def test_stop_strings_are_honoured(llm):
     greedy = _run(llm, "--temperature", "0", "--max-tokens", "6")
     word = greedy.text.split()[0]
-    assert _run(llm, "--temperature", "0", "--max-tokens", "6", "--stop", word).text == greedy.text[:greedy.text.index(word)]
+    assert (
+        _run(llm, "--temperature", "0", "--max-tokens", "6", "--stop", word).text
+        == greedy.text[: greedy.text.index(word)]
+    )
     kept = _run(llm, "--temperature", "0", "--max-tokens", "6", "--stop", word, "--include-stop-str-in-output")
-    assert kept.text == greedy.text[:greedy.text.index(word) + len(word)]
+    assert kept.text == greedy.text[: greedy.text.index(word) + len(word)]
 
 
 def test_top_k_of_one_is_greedy(llm):
@@ -161,8 +274,23 @@ def test_top_k_of_one_is_greedy(llm):
 
 def test_seed_makes_sampling_reproducible(capsys):
     def sample(seed: str) -> str:
-        assert cli.main(["generate", "Once upon a time", "--max-tokens", "12", "--temperature", "1.5",
-                         "--kv-cache-memory-gb", "0.05", "--seed", seed]) == 0
+        assert (
+            cli.main(
+                [
+                    "generate",
+                    "Once upon a time",
+                    "--max-tokens",
+                    "12",
+                    "--temperature",
+                    "1.5",
+                    "--kv-cache-memory-gb",
+                    "0.05",
+                    "--seed",
+                    seed,
+                ]
+            )
+            == 0
+        )
         return capsys.readouterr().out
 
     first = sample("1")

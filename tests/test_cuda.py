@@ -1,4 +1,5 @@
 """The same engine on CUDA (skipped where no GPU is present)."""
+
 import pytest
 import torch
 
@@ -21,7 +22,9 @@ def test_cuda_greedy_matches_cpu_float32():
 def test_cuda_bfloat16_batch_with_prefix_cache_and_sampling():
     llm = LLM(device="cuda")
     system = [{"role": "system", "content": "You are terse."}]
-    outs = llm.chat([system + [{"role": "user", "content": f"Count to {i}."}] for i in range(8)],
-                    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, n=2))
+    outs = llm.chat(
+        [system + [{"role": "user", "content": f"Count to {i}."}] for i in range(8)],
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, n=2),
+    )
     assert all(len(o.outputs) == 2 and o.outputs[0].token_ids for o in outs)
     assert llm.stats()["prefix_cache_hits"] > 0

@@ -1,5 +1,6 @@
 """The live cache page: its JSON state from a real in-process server that requires an API key, and the
 page itself rendered by headless Chromium before and after a real completion request."""
+
 import json
 import os
 import shutil
@@ -66,8 +67,7 @@ def _get_json(url: str) -> dict:
 
 
 def _complete(base_url: str, prompt: str) -> dict:
-    status, body, _ = _call(f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0},
-                            AUTH)
+    status, body, _ = _call(f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0}, AUTH)
     assert status == 200, body
     return body
 
@@ -156,9 +156,20 @@ def _browser() -> str:
 
 def _rendered_page(browser: str, url: str) -> _PageReader:
     """Load `url` in headless Chromium, let its script poll for a few virtual seconds, parse the DOM."""
-    command = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-               "--no-first-run", "--disable-background-networking", "--disable-component-update",
-               "--disable-sync", "--virtual-time-budget=4000", "--dump-dom", url]
+    command = [
+        browser,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--virtual-time-budget=4000",
+        "--dump-dom",
+        url,
+    ]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-2000:]
     page = _PageReader()

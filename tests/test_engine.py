@@ -1,4 +1,5 @@
 """The engine on the bundled SmolLM2 model: exactness against transformers, batching, paging."""
+
 import importlib.util
 import os
 
@@ -55,9 +56,10 @@ def test_greedy_matches_transformers(llm, hf_model):
         with torch.no_grad():
             # An explicit mask: the prompt holds <|im_end|>, which is also the pad id transformers would mask.
             ids = torch.tensor([prompt])
-            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                    eos_token_id=None)
-        assert output.outputs[0].token_ids == ref[0, len(prompt):].tolist(), llm.get_tokenizer().decode(prompt)
+            ref = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
+            )
+        assert output.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), llm.get_tokenizer().decode(prompt)
     _assert_all_free(llm)
 
 
@@ -156,7 +158,7 @@ def test_logprobs_and_stop_strings(llm):
 
 def test_generation_ending_inside_a_character_keeps_its_bytes_as_a_replacement_character(llm):
     tok = llm.get_tokenizer()
-    first_byte = tok.encode("☕")[0]   # ☕ takes three bytes; this token holds only the first
+    first_byte = tok.encode("☕")[0]  # ☕ takes three bytes; this token holds only the first
     assert tok.decode([first_byte]) == "\ufffd"
     forced = dict(temperature=0, max_tokens=1, logit_bias={first_byte: 100})
     out = llm.generate(TEXTS[0], SamplingParams(**forced))[0].outputs[0]
@@ -189,21 +191,29 @@ def test_chat_renders_the_template_and_answers_like_transformers(llm, hf_model):
     assert out.prompt_token_ids == prompt and prompt[:1] == tok.encode("<|im_start|>")
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                eos_token_id=sorted(tok.stop_token_ids))[0, len(prompt):].tolist()
+        ref = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=sorted(tok.stop_token_ids),
+        )[0, len(prompt) :].tolist()
     answer = out.outputs[0]
     assert answer.token_ids == ref
     assert answer.text == tok.decode(ref) and answer.text.strip()
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ("", None, "empty"),
-    ([], None, "empty"),
-    ([10**6], None, "out of range"),
-    ("hi", SamplingParams(max_tokens=9000), "max_model_len=8192"),
-    ("hi", SamplingParams(logit_bias={10**6: 1.0}), r"logit_bias token id=1000000 is out of range \[0, 49152\)"),
-    ("hi", SamplingParams(stop_token_ids=[49152]), r"stop_token_ids=49152 is out of range"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", None, "empty"),
+        ([], None, "empty"),
+        ([10**6], None, "out of range"),
+        ("hi", SamplingParams(max_tokens=9000), "max_model_len=8192"),
+        ("hi", SamplingParams(logit_bias={10**6: 1.0}), r"logit_bias token id=1000000 is out of range \[0, 49152\)"),
+        ("hi", SamplingParams(stop_token_ids=[49152]), r"stop_token_ids=49152 is out of range"),
+    ],
+)
 def test_bad_requests_raise_and_leak_nothing(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([TEXTS[0], prompt], params)
@@ -211,8 +221,18 @@ def test_bad_requests_raise_and_leak_nothing(llm, prompt, params, message):
     _assert_all_free(llm)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(n=0), dict(top_k=-5),
-                                    dict(max_tokens=0), dict(logprobs=99), dict(stop=[""])])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(n=0),
+        dict(top_k=-5),
+        dict(max_tokens=0),
+        dict(logprobs=99),
+        dict(stop=[""]),
+    ],
+)
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
@@ -227,6 +247,7 @@ def test_bad_engine_config_raises():
 
 def test_padded_rows_come_from_few_sizes_and_waste_little():
     from kvbank.models.llama import padded_rows
+
     sizes = {padded_rows(n) for n in range(1, 2049)}
     assert len(sizes) == 8 + 47
     assert all(n <= padded_rows(n) <= max(n + 7, n * 1.125) for n in range(1, 5000))
@@ -235,28 +256,30 @@ def test_padded_rows_come_from_few_sizes_and_waste_little():
 def test_bfloat16_matmul_row_padding_changes_no_result():
     llm = LLM(dtype="bfloat16", num_gpu_blocks=64, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    assert model.pad_rows                              # CPU bfloat16 pads its matmul rows
-    prompts = [list(range(1000, 1037)), list(range(2000, 2020))]   # 57 prefill rows: 64 padded
+    assert model.pad_rows  # CPU bfloat16 pads its matmul rows
+    prompts = [list(range(1000, 1037)), list(range(2000, 2020))]  # 57 prefill rows: 64 padded
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
     padded = llm.generate(prompts, params)
     model.pad_rows = False
     exact = llm.generate(prompts, params)
     for a, b in zip(padded, exact):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [{t: p.logprob for t, p in d.items()} for d in a.prompt_logprobs[1:]] == \
-               [{t: p.logprob for t, p in d.items()} for d in b.prompt_logprobs[1:]]
+        assert [{t: p.logprob for t, p in d.items()} for d in a.prompt_logprobs[1:]] == [
+            {t: p.logprob for t, p in d.items()} for d in b.prompt_logprobs[1:]
+        ]
 
 
 def test_native_norm_and_rope_match_pytorch_ops(native):
     import torch.nn.functional as F
 
     from kvbank.models.llama import apply_rope
+
     gen = torch.Generator().manual_seed(0)
     x, res = (torch.randn(11, 576, generator=gen).bfloat16() for _ in range(2))
     weight = (1 + torch.randn(576, generator=gen) * 0.1).bfloat16()
     residual = res.clone()
     normed = native.add_rms_norm(x, residual, weight, 1e-5)
-    assert torch.equal(residual, x + res)                           # added in place, rounded like PyTorch
+    assert torch.equal(residual, x + res)  # added in place, rounded like PyTorch
     torch.testing.assert_close(normed, F.rms_norm(x + res, (576,), weight, 1e-5), atol=0, rtol=1 / 128)
     assert (normed != F.rms_norm(x + res, (576,), weight, 1e-5)).float().mean() < 0.01
     qkv = torch.randn(11, 15 * 64, generator=gen).bfloat16()
@@ -265,22 +288,26 @@ def test_native_norm_and_rope_match_pytorch_ops(native):
     rotated = qkv.clone()
     native.rope_(rotated, cos, sin, 12)
     assert torch.equal(rotated.view(11, 15, 64)[:, :12], expected)
-    assert torch.equal(rotated.view(11, 15, 64)[:, 12:], qkv.view(11, 15, 64)[:, 12:])   # v untouched
+    assert torch.equal(rotated.view(11, 15, 64)[:, 12:], qkv.view(11, 15, 64)[:, 12:])  # v untouched
     with pytest.raises(RuntimeError, match="residual"):
         native.add_rms_norm(x, res[:3], weight, 1e-5)
 
 
 def test_bfloat16_engine_with_native_layers_matches_pytorch_ops(native):
     from pathlib import Path
+
     llm = LLM(dtype="bfloat16", num_gpu_blocks=64, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    assert model.norm.native is native                 # CPU bfloat16 runs the fused ops
+    assert model.norm.native is native  # CPU bfloat16 runs the fused ops
     text = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
     prompt = llm.get_tokenizer().encode(text[:400])
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 
     def logprobs(engine):
-        return torch.tensor([next(iter(d.values())).logprob for d in engine.generate([prompt], params)[0].prompt_logprobs[1:]])
+        return torch.tensor(
+            [next(iter(d.values())).logprob for d in engine.generate([prompt], params)[0].prompt_logprobs[1:]]
+        )
+
     fused = logprobs(llm)
     model.use_native(None)
     plain = logprobs(llm)
@@ -294,13 +321,16 @@ def test_bfloat16_engine_with_native_layers_matches_pytorch_ops(native):
 def test_engine_without_a_compiler_runs_on_pytorch_alone(tmp_path):
     import subprocess
     import sys
+
     script = (
         "from kvbank import LLM, SamplingParams, kernels\n"
         "llm = LLM(dtype='bfloat16', num_gpu_blocks=32)\n"
         "assert kernels.native() is None and 'Error building extension' in kernels.failure(), kernels.failure()\n"
-        "assert llm.engine.runner.storage.kind('dense').decode_kernel is None and llm.engine.runner.model.norm.native is None\n"
+        "assert llm.engine.runner.storage.kind('dense').decode_kernel is None\n"
+        "assert llm.engine.runner.model.norm.native is None\n"
         "out = llm.generate([list(range(1000, 1020))] * 2, SamplingParams(max_tokens=4, ignore_eos=True))\n"
-        "assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]\n")
+        "assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]\n"
+    )
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -1,4 +1,5 @@
 """Tests for building the native kernels: what the build needs from the environment."""
+
 import os
 import stat
 import subprocess
@@ -30,7 +31,8 @@ def test_torch_finds_ninja_on_the_build_path_of_a_process_without_one(tmp_path, 
         "from kvbank.kernels import path_with_ninja\n"
         "assert not is_ninja_available(), os.environ['PATH']\n"
         "os.environ['PATH'] = path_with_ninja(os.environ['PATH'])\n"
-        "assert is_ninja_available(), os.environ['PATH']\n")
+        "assert is_ninja_available(), os.environ['PATH']\n"
+    )
     env = dict(kvbank_env, PATH=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

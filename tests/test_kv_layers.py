@@ -1,4 +1,5 @@
 """The KV-layer seam: formats, the kind registry, KIVI residual slots, padded quantized prefill."""
+
 import pytest
 import torch
 
@@ -11,9 +12,20 @@ from kvbank.cache.layers.token import TokenKind, TokenLayer
 from kvbank.cache.storage import KVStorage, plan_pool
 from kvbank.models.config import ModelConfig
 
-SMALL = ModelConfig(arch="llama", vocab_size=10, hidden_size=4 * 64, intermediate_size=8, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
-                    max_position_embeddings=256, tie_word_embeddings=True)
+SMALL = ModelConfig(
+    arch="llama",
+    vocab_size=10,
+    hidden_size=4 * 64,
+    intermediate_size=8,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 
 
 def test_format_names_kinds_codecs_and_cache_namespace():
@@ -23,7 +35,7 @@ def test_format_names_kinds_codecs_and_cache_namespace():
     assert KVFormat().namespace == b""
     assert fmt.namespace == b"|kv=int4/0,-1/16"
     assert KVFormat("int4").namespace != KVFormat("int4", group_size=16).namespace
-    assert KVFormat("float32").kinds(1, torch.float32) == ["dense"]    # the model's own dtype is dense
+    assert KVFormat("float32").kinds(1, torch.float32) == ["dense"]  # the model's own dtype is dense
     assert KVFormat("float32").kinds(1, torch.bfloat16) == ["token"]
     with pytest.raises(ValueError, match="kv_cache_dtype='q4_0' is not one of"):
         KVFormat("q4_0")
@@ -68,8 +80,10 @@ def test_a_new_storage_kind_is_one_class_and_one_registry_line(monkeypatch):
     assert {kind.name for kind in mirror.engine.runner.storage.kinds} == {"mirror"}
     assert all(isinstance(layer, TokenLayer) for layer in mirror.engine.runner.storage.layers)
     stock = LLM(kv_cache_dtype="float32", num_gpu_blocks=32, enable_prefix_caching=False)
-    assert (mirror.generate([prompt], greedy)[0].outputs[0].token_ids
-            == stock.generate([prompt], greedy)[0].outputs[0].token_ids)
+    assert (
+        mirror.generate([prompt], greedy)[0].outputs[0].token_ids
+        == stock.generate([prompt], greedy)[0].outputs[0].token_ids
+    )
 
 
 def test_residual_slots_grow_for_a_burst_and_shrink_back_keeping_live_data():
@@ -83,7 +97,7 @@ def test_residual_slots_grow_for_a_burst_and_shrink_back_keeping_live_data():
         if block_id not in (3, 7):
             slots.release(block_id)
     slots.shrink()
-    assert slots.capacity == 4                                  # 2 live blocks: twice that, never below reserved
+    assert slots.capacity == 4  # 2 live blocks: twice that, never below reserved
     for block_id in (3, 7):
         assert torch.all(slots.k[0][slots.of_block[block_id]] == block_id)
         assert torch.all(slots.v[1][slots.of_block[block_id]] == -block_id)

@@ -1,4 +1,5 @@
 """Quantized KV cache: codec error bounds, exact memory accounting, engine behaviour, accuracy."""
+
 import math
 from pathlib import Path
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from kvbank import LLM, SamplingParams
+from kvbank.cache.format import KVFormat
 from kvbank.cache.quant import (
     FullPrecision,
     KiviKeys,
@@ -16,26 +18,37 @@ from kvbank.cache.quant import (
     pack,
     unpack,
 )
-from kvbank.cache.format import KVFormat
 from kvbank.cache.storage import KVStorage, plan_pool
 from kvbank.engine.runner import ModelRunner
 from kvbank.models.config import ModelConfig
 
 TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
-SMOL = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                   num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
-                   max_position_embeddings=8192, tie_word_embeddings=True)
+SMOL = ModelConfig(
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=1e5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 
 
 def _data(shape=(6, 16, 3, 64)) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g)
     x[..., 5] += 8.0  # an outlier channel with an offset, as real keys have
-    x[1] *= 1e-3      # a quiet block
+    x[1] *= 1e-3  # a quiet block
     return x
 
 
 # --- codecs -------------------------------------------------------------------------------
+
 
 def test_int8_error_is_at_most_half_a_step_of_each_tokens_scale():
     x = _data()
@@ -84,8 +97,11 @@ def test_packing_round_trips_and_really_packs():
     assert pack(codes, 2).shape == (4, 3, 16) and torch.equal(unpack(pack(codes, 2), 2), codes)
 
 
-@pytest.mark.parametrize("codec", [PerTokenInt8(), PerTokenFP8(torch.float8_e4m3fn), KiviKeys(4), KiviValues(2),
-                                   FullPrecision(torch.bfloat16)], ids=lambda c: type(c).__name__ + c.name)
+@pytest.mark.parametrize(
+    "codec",
+    [PerTokenInt8(), PerTokenFP8(torch.float8_e4m3fn), KiviKeys(4), KiviValues(2), FullPrecision(torch.bfloat16)],
+    ids=lambda c: type(c).__name__ + c.name,
+)
 def test_dequantize_returns_the_compute_dtype(codec):
     x = _data().bfloat16()
     assert codec.dequantize(codec.quantize(x), torch.bfloat16).dtype == torch.bfloat16
@@ -95,12 +111,12 @@ def test_dequantize_returns_the_compute_dtype(codec):
 
 # Bytes per token per layer per KV head for SmolLM2 (head_dim 64, blocks of 16, groups of 32).
 EXPECTED_PER_HEAD = {
-    "auto": 2 * 64 * 2,                          # bfloat16 K and V
+    "auto": 2 * 64 * 2,  # bfloat16 K and V
     "float32": 2 * 64 * 4,
-    "int8": 2 * (64 + 2),                        # codes + one float16 scale per token
+    "int8": 2 * (64 + 2),  # codes + one float16 scale per token
     "fp8_e4m3": 2 * (64 + 2),
     "fp8_e5m2": 2 * (64 + 2),
-    "int4": (32 + 64 * 4 / 16) + (32 + 2 * 4),   # keys: codes + per-channel scale/min per block; values: 2 groups
+    "int4": (32 + 64 * 4 / 16) + (32 + 2 * 4),  # keys: codes + per-channel scale/min per block; values: 2 groups
     "int2": (16 + 64 * 4 / 16) + (16 + 2 * 4),
 }
 
@@ -144,6 +160,7 @@ def test_bad_settings_are_named():
 
 # --- the engine ---------------------------------------------------------------------------------
 
+
 def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))[0]
     return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
@@ -175,8 +192,8 @@ def _expected(codecs, kind, q, k, v, scale):
     group = q.shape[1] // k.shape[1]
     for p in range(n):
         own = p // bs * bs if kind == "kivi" else p + 1
-        keys = torch.cat((kq[:own], k[own:p + 1])).repeat_interleave(group, 1)
-        values = torch.cat((vq[:own], v[own:p + 1])).repeat_interleave(group, 1)
+        keys = torch.cat((kq[:own], k[own : p + 1])).repeat_interleave(group, 1)
+        values = torch.cat((vq[:own], v[own : p + 1])).repeat_interleave(group, 1)
         weights = (torch.einsum("hd,lhd->hl", q[p], keys) * scale).softmax(-1)
         out[p] = torch.einsum("hl,lhd->hd", weights, values)
     return out
@@ -195,9 +212,20 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
 
     torch.manual_seed(1)
     heads, kv_heads, dim, scale = 6, 2, 64, 0.125
-    config = ModelConfig(arch="llama", vocab_size=10, hidden_size=heads * dim, intermediate_size=8, num_layers=1,
-                         num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-5,
-                         rope_theta=1e4, max_position_embeddings=256, tie_word_embeddings=True)
+    config = ModelConfig(
+        arch="llama",
+        vocab_size=10,
+        hidden_size=heads * dim,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     storage = KVStorage(config, 24, 16, torch.float32, torch.device("cpu"), KVFormat(kv), reserved_seqs=1)
     layer = storage.layers[0]
     pool = BlockPool(24)
@@ -210,19 +238,23 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
         seq = Sequence(request, 0, [1] * total, None)
         seq.block_table = [pool.take().block_id for _ in range(-(-total // 16))]
         seqs.append(seq)
-        data.append([torch.randn(total, h, dim) * (1 + 4 * (torch.arange(dim) == 3)) for h in (heads, kv_heads, kv_heads)])
+        data.append(
+            [torch.randn(total, h, dim) * (1 + 4 * (torch.arange(dim) == 3)) for h in (heads, kv_heads, kv_heads)]
+        )
         outs.append(torch.empty(total, heads, dim))
     schedule = [[(0, n)] + ([(1, steps[i - 1])] if i else []) for i, n in enumerate(steps)] + [[(1, steps[-1])]]
     for step in schedule:
         batch = sorted((ScheduledSeq(seqs[i], n) for i, n in step), key=lambda s: s.num_tokens > 1)
         _, _, meta = runner._prepare(batch)
-        q, k, v = (torch.cat([data[seqs.index(b.seq)][j][b.seq.num_computed_tokens:][:b.num_tokens] for b in batch])
-                   for j in range(3))
+        q, k, v = (
+            torch.cat([data[seqs.index(b.seq)][j][b.seq.num_computed_tokens :][: b.num_tokens] for b in batch])
+            for j in range(3)
+        )
         out = layer.attend(q, layer.write(k, v, meta), meta, scale)
         offset = 0
         for b in batch:
             start = b.seq.num_computed_tokens
-            outs[seqs.index(b.seq)][start:start + b.num_tokens] = out[offset:offset + b.num_tokens]
+            outs[seqs.index(b.seq)][start : start + b.num_tokens] = out[offset : offset + b.num_tokens]
             offset += b.num_tokens
             b.seq.num_computed_tokens += b.num_tokens
     for i in range(2):
@@ -242,8 +274,9 @@ def test_prompt_logprobs_hardly_depend_on_chunking(ids, kv):
     batch shapes, and rounding a value to a code amplifies a 1e-7 difference into a whole step
     (perturbing K/V by 1e-6 before int8 moves these logprobs just as much). So: a small mean."""
     whole = _prompt_logprobs(LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype=kv), ids[:160])
-    chunked = _prompt_logprobs(LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype=kv,
-                                   max_num_batched_tokens=11), ids[:160])
+    chunked = _prompt_logprobs(
+        LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype=kv, max_num_batched_tokens=11), ids[:160]
+    )
     assert (whole - chunked).abs().mean() < 0.05
 
 
@@ -254,7 +287,7 @@ def test_decoding_sees_what_a_prefill_of_the_same_tokens_sees(ids, kv):
     out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, logprobs=0, ignore_eos=True))[0]
     generated = out.outputs[0].token_ids
     decoded = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, generated)])
-    prefilled = _prompt_logprobs(llm, prompt + generated)[len(prompt) - 1:]
+    prefilled = _prompt_logprobs(llm, prompt + generated)[len(prompt) - 1 :]
     assert (decoded - prefilled).abs().mean() < 0.05
 
 
@@ -306,8 +339,10 @@ def test_an_int4_engine_skipping_every_layer_computes_what_full_precision_does(i
     prompt = ids[:120]
     assert torch.equal(_prompt_logprobs(skipped, prompt), _prompt_logprobs(full_precision, prompt))
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    assert skipped.generate([prompt], greedy)[0].outputs[0].token_ids == \
-           full_precision.generate([prompt], greedy)[0].outputs[0].token_ids
+    assert (
+        skipped.generate([prompt], greedy)[0].outputs[0].token_ids
+        == full_precision.generate([prompt], greedy)[0].outputs[0].token_ids
+    )
 
 
 def test_engine_and_kvbank_plan_agree(kvbank_env):
@@ -316,9 +351,26 @@ def test_engine_and_kvbank_plan_agree(kvbank_env):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "kvbank", "plan", "--json", "--memory-gb", "0.05",
-                             "--max-num-seqs", "4", "--context-len", "512"],
-                            env=kvbank_env, capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbank",
+            "plan",
+            "--json",
+            "--memory-gb",
+            "0.05",
+            "--max-num-seqs",
+            "4",
+            "--context-len",
+            "512",
+        ],
+        env=kvbank_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     printed = {row["kv_cache_dtype"]: row for row in json.loads(result.stdout)["rows"]}
     assert set(printed) == {"auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"}
     assert printed["int8"]["bytes_per_token"] == EXPECTED_PER_HEAD["int8"] * 90
@@ -335,6 +387,7 @@ def test_engine_and_kvbank_plan_agree(kvbank_env):
 
 
 # --- accuracy on real text --------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def perplexities() -> dict[str, float]:
@@ -373,11 +426,13 @@ def test_int8_greedy_agrees_with_full_precision(ids):
     top1 = 0
     for prompt, continuation in zip(prompts, ref):
         out = int8.generate([prompt + continuation], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        ranks = [d[t].rank for d, t in zip(out.prompt_logprobs[len(prompt):], continuation)]
+        ranks = [d[t].rank for d, t in zip(out.prompt_logprobs[len(prompt) :], continuation)]
         top1 += sum(rank == 1 for rank in ranks)
     agreement = top1 / sum(map(len, ref))
-    print(f"int8 vs full precision: teacher-forced top-1 agreement {agreement:.1%}; "
-          f"free-running outputs identical for the first {first_diff} of 48 tokens")
+    print(
+        f"int8 vs full precision: teacher-forced top-1 agreement {agreement:.1%}; "
+        f"free-running outputs identical for the first {first_diff} of 48 tokens"
+    )
     assert agreement >= 0.95
 
 

@@ -1,14 +1,15 @@
 """Memory by part: what `kvbank plan` predicts from metadata is what the loaded engine holds."""
+
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, memory
 from kvbank.config import EngineConfig
-from serving import request, start_server, stop_server, wait_healthy
 
 # SmolLM2-135M: 49,152 x 576 embedding table tied to the LM head; 30 layers, 3 KV heads of 64 dims.
 EMBEDDING_BYTES = 49152 * 576 * 2
@@ -16,8 +17,9 @@ RESIDUAL_BYTES_PER_SLOT = 30 * 2 * 16 * 3 * 64 * 2
 SMALL_POOL = {"kv_cache_memory_gb": 0.05, "max_num_seqs": 4}
 
 
-@pytest.mark.parametrize("options", [{"weight_format": "dense"}, {"kv_cache_dtype": "int4"}],
-                         ids=["dense-weights", "int4-kv"])
+@pytest.mark.parametrize(
+    "options", [{"weight_format": "dense"}, {"kv_cache_dtype": "int4"}], ids=["dense-weights", "int4-kv"]
+)
 def test_prediction_equals_the_loaded_engines_tensors(options):
     predicted = memory.predict(EngineConfig(**SMALL_POOL, **options))
     engine = LLM(**SMALL_POOL, **options).engine
@@ -38,8 +40,14 @@ def test_server_log_and_metrics_show_the_memory_plan_predicted(kvbank_env, tmp_p
     log = tmp_path / "serve.log"
     process, url = start_server(flags, kvbank_env, log)
     try:
-        plan = subprocess.run([sys.executable, "-m", "kvbank", "plan", "--json", *flags], env=kvbank_env,
-                              capture_output=True, text=True, timeout=120, check=True)
+        plan = subprocess.run(
+            [sys.executable, "-m", "kvbank", "plan", "--json", *flags],
+            env=kvbank_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         wait_healthy(process, url, log)
         status, page, _ = request(f"{url}/metrics")
         _, models, _ = request(f"{url}/v1/models")
@@ -47,7 +55,9 @@ def test_server_log_and_metrics_show_the_memory_plan_predicted(kvbank_env, tmp_p
         stop_server(process)
     assert status == 200
     predicted = json.loads(plan.stdout)["memory"]
-    gauges = {part: int(value) for part, value in re.findall(r'^kvbank:memory_bytes\{part="(\w+)"\} (\d+)$', page, re.M)}
+    gauges = {
+        part: int(value) for part, value in re.findall(r'^kvbank:memory_bytes\{part="(\w+)"\} (\d+)$', page, re.M)
+    }
     assert gauges == {part: predicted[part] for part in memory.PARTS}
     assert gauges["packed_weights"] > 0 and gauges["embeddings"] == EMBEDDING_BYTES
     # Loading holds every weight in float32 at once: the peak is measured, and plan's sum of what

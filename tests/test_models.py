@@ -1,4 +1,5 @@
 """kvbank's folder loader and Llama-family model against Hugging Face on random tiny checkpoints."""
+
 import pytest
 import torch
 
@@ -6,24 +7,51 @@ transformers = pytest.importorskip("transformers")
 
 from kvbank import LLM, SamplingParams  # noqa: E402
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            max_position_embeddings=256, initializer_range=0.25)
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    initializer_range=0.25,
+)
 
 CASES = {
-    "llama-gqa-tied": (transformers.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2,
-                                                      tie_word_embeddings=True)),
-    "llama-mha-untied": (transformers.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4,
-                                                        tie_word_embeddings=False)),
-    "llama3-rope-scaling": (transformers.LlamaConfig, dict(
-        num_attention_heads=4, num_key_value_heads=1, rope_theta=50000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32})),
-    "mistral-gqa": (transformers.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2,
-                                                     sliding_window=None, tie_word_embeddings=False)),
-    "qwen2-bias-tied": (transformers.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2,
-                                                      tie_word_embeddings=True)),
-    "qwen3-qknorm-mha": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                                                       tie_word_embeddings=False)),
+    "llama-gqa-tied": (
+        transformers.LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "llama-mha-untied": (
+        transformers.LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    ),
+    "llama3-rope-scaling": (
+        transformers.LlamaConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "mistral-gqa": (
+        transformers.MistralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
+    ),
+    "qwen2-bias-tied": (
+        transformers.Qwen2Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "qwen3-qknorm-mha": (
+        transformers.Qwen3Config,
+        dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False),
+    ),
 }
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [100 + i for i in range(37)], [12]]
@@ -42,9 +70,10 @@ def _save_random_checkpoint(name: str, folder) -> torch.nn.Module:
 
 
 def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -1,13 +1,20 @@
 """Prompt caching on the bundled model: exact outputs, whole-block hits, salts, pressure, pins."""
+
 import pytest
 
 from kvbank import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-SYSTEM = ("You are a careful assistant for a public library. You answer questions about opening hours, "
-          "borrowing rules, late fees and events, briefly and politely, and you never invent facts.")
-QUESTIONS = ["When do you open on Saturdays?", "How many books can I borrow?", "Is there a fee for late DVDs?",
-             "Do you host a chess club?"]
+SYSTEM = (
+    "You are a careful assistant for a public library. You answer questions about opening hours, "
+    "borrowing rules, late fees and events, briefly and politely, and you never invent facts."
+)
+QUESTIONS = [
+    "When do you open on Saturdays?",
+    "How many books can I borrow?",
+    "Is there a fee for late DVDs?",
+    "Do you host a chess club?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +45,13 @@ def _generate(llm, prompts, caching=True, params=GREEDY):
 def test_shared_system_prompt_hits_and_outputs_are_identical(llm):
     prompts = [_chat_prompt(llm, q) for q in QUESTIONS]
     cold = _generate(llm, prompts, caching=False)
-    _generate(llm, prompts[:1])                       # warms the cache with the system prompt
+    _generate(llm, prompts[:1])  # warms the cache with the system prompt
     warm = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
     # Only the first prompt was cached before: the others, admitted with it, share its system prompt.
     shared = [_common_prefix(prompts[0], p) for p in prompts[1:]]
     assert [o.num_cached_tokens for o in warm[1:]] == [n // 16 * 16 for n in shared]
-    assert min(shared) >= 32                        # two whole blocks at least: real hits
+    assert min(shared) >= 32  # two whole blocks at least: real hits
     assert all(o.num_cached_tokens == 0 for o in cold)
 
 
@@ -52,25 +59,28 @@ def test_decodes_sharing_a_long_prefix_read_it_once_and_match_alone(llm, monkeyp
     from pathlib import Path
 
     from kvbank.attention import fast
+
     text = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
     manual = llm.render_chat([{"role": "system", "content": text[:1200]}], add_generation_prompt=False)
-    prompts = [manual + llm.get_tokenizer().encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
-               for q in QUESTIONS]
+    prompts = [
+        manual + llm.get_tokenizer().encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+        for q in QUESTIONS
+    ]
     alone = [_generate(llm, [p])[0].outputs[0].token_ids for p in prompts]
     cascades = []
     decode = fast._cascade_decode
     monkeypatch.setattr(fast, "_cascade_decode", lambda q, *rest: cascades.append(q.shape[0]) or decode(q, *rest))
     together = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
     assert together == alone
-    assert cascades and max(cascades) == len(prompts)   # the four decodes read the manual's blocks once
+    assert cascades and max(cascades) == len(prompts)  # the four decodes read the manual's blocks once
 
 
 def test_num_cached_tokens_counts_whole_blocks_and_keeps_the_last_token(llm):
-    prompt = list(range(1000, 1048))                  # exactly 3 blocks
+    prompt = list(range(1000, 1048))  # exactly 3 blocks
     first = _generate(llm, [prompt])[0]
     assert first.num_cached_tokens == 0
     again = _generate(llm, [prompt])[0]
-    assert again.num_cached_tokens == 32              # the last block holds the token that must run
+    assert again.num_cached_tokens == 32  # the last block holds the token that must run
     longer = _generate(llm, [prompt + [7, 8, 9]])[0]
     assert longer.num_cached_tokens == 48
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -125,7 +135,7 @@ def test_pool_pressure_evicts_correctly_and_pins_survive():
     assert pinned == len(system) // 16 * 16 and small.stats()["num_pinned_blocks"] == pinned // 16
     distinct = [list(range(3000 + 100 * i, 3000 + 100 * i + 60)) for i in range(12)]  # 4 blocks each
     expected = [o.outputs[0].token_ids for o in small.generate(distinct, GREEDY)]
-    for _ in range(2):                                # far more distinct prefixes than fit
+    for _ in range(2):  # far more distinct prefixes than fit
         assert [o.outputs[0].token_ids for o in small.generate(distinct, GREEDY)] == expected
     user = small.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
     assert small.generate([user], GREEDY)[0].num_cached_tokens == pinned

@@ -1,4 +1,5 @@
 """The sampler on hand-made logits: penalties, logit bias, truncation rules, min_tokens, seeds."""
+
 import math
 
 import pytest
@@ -34,7 +35,7 @@ def _draws(probs: list[float], rows: int = 400, **params) -> set[int]:
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     row = torch.tensor([2.0, -1.0, 0.5, 3.0])
     _apply_penalties(row, _seq([0], [1], repetition_penalty=2.0))
-    assert row.tolist() == [1.0, -2.0, 0.5, 3.0]   # prompt and output tokens alike; unseen ones untouched
+    assert row.tolist() == [1.0, -2.0, 0.5, 3.0]  # prompt and output tokens alike; unseen ones untouched
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
@@ -53,13 +54,16 @@ def test_logit_bias_of_minus_100_bans_a_token_from_sampling():
     assert _draws([0.5, 0.3, 0.2], logit_bias={1: -100}) == {0, 2}
 
 
-@pytest.mark.parametrize("bias, message", [
-    ({-1: 1.0}, "logit_bias token id=-1"),
-    ({"5": 1.0}, "logit_bias token id='5'"),
-    ({5: 101.0}, r"logit_bias\[5\]=101.0 must be a number in \[-100, 100\]"),
-    ({5: math.nan}, r"logit_bias\[5\]=nan"),
-    ([5], "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        ({-1: 1.0}, "logit_bias token id=-1"),
+        ({"5": 1.0}, "logit_bias token id='5'"),
+        ({5: 101.0}, r"logit_bias\[5\]=101.0 must be a number in \[-100, 100\]"),
+        ({5: math.nan}, r"logit_bias\[5\]=nan"),
+        ([5], "must be a dict"),
+    ],
+)
 def test_bad_logit_bias_is_rejected_by_name(bias, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(logit_bias=bias)
@@ -83,22 +87,22 @@ def test_top_k_keeps_the_k_most_likely_tokens():
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
-    assert _draws([0.4, 0.3, 0.2, 0.1], top_p=0.5) == {0, 1}   # 0.4 < 0.5: the second token is needed
-    assert _draws([0.4, 0.3, 0.2, 0.1], top_p=0.3) == {0}      # the most likely token always stays
+    assert _draws([0.4, 0.3, 0.2, 0.1], top_p=0.5) == {0, 1}  # 0.4 < 0.5: the second token is needed
+    assert _draws([0.4, 0.3, 0.2, 0.1], top_p=0.3) == {0}  # the most likely token always stays
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
-    assert _draws([0.5, 0.3, 0.2], min_p=0.5) == {0, 1}       # threshold 0.25
-    assert _draws([0.5, 0.3, 0.2], min_p=0.3) == {0, 1, 2}    # threshold 0.15
+    assert _draws([0.5, 0.3, 0.2], min_p=0.5) == {0, 1}  # threshold 0.25
+    assert _draws([0.5, 0.3, 0.2], min_p=0.3) == {0, 1, 2}  # threshold 0.15
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
-    logits = [9.0, 1.0, 2.0, 8.0]   # EOS (0) first, then stop token 3
+    logits = [9.0, 1.0, 2.0, 8.0]  # EOS (0) first, then stop token 3
     params = dict(temperature=0, min_tokens=3, stop_token_ids=[3])
-    assert _greedy(logits, _seq([1], [2, 2], **params)) == 2          # two outputs: both masked
-    assert _greedy(logits, _seq([1], [2, 2, 2], **params)) == EOS    # three: free again
-    assert _greedy(logits, _seq([1], [2], ignore_eos=True, **params)) == EOS   # ignore_eos: EOS is not banned
-    assert _greedy(logits, _seq([1], [2], temperature=0, stop_token_ids=[3])) == EOS   # no min_tokens
+    assert _greedy(logits, _seq([1], [2, 2], **params)) == 2  # two outputs: both masked
+    assert _greedy(logits, _seq([1], [2, 2, 2], **params)) == EOS  # three: free again
+    assert _greedy(logits, _seq([1], [2], ignore_eos=True, **params)) == EOS  # ignore_eos: EOS is not banned
+    assert _greedy(logits, _seq([1], [2], temperature=0, stop_token_ids=[3])) == EOS  # no min_tokens
 
 
 def test_stop_token_ids_are_not_masked_without_min_tokens():

@@ -1,4 +1,5 @@
 """The scheduler on a real block manager, with steps played by hand (no model): admission, budgets, preemption."""
+
 from kvbank.cache.manager import KVCacheManager
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.scheduler import Scheduler
@@ -33,7 +34,7 @@ def test_waiting_requests_are_admitted_in_arrival_order_within_the_token_budget(
     scheduler = _scheduler(budget=25)
     for name in "abc":
         _add(scheduler, name, 10)
-    assert _step(scheduler) == [("a", 10), ("b", 10), ("c", 5)]   # c's prompt is cut to fit the budget
+    assert _step(scheduler) == [("a", 10), ("b", 10), ("c", 5)]  # c's prompt is cut to fit the budget
     assert _step(scheduler) == [("a", 1), ("b", 1), ("c", 5)]
 
 
@@ -57,21 +58,21 @@ def test_single_token_steps_go_before_prefill_chunks_whatever_their_age():
     scheduler = _scheduler(budget=10, prefix_caching=True)
     _add(scheduler, "x", 9)
     _step(scheduler)
-    scheduler.finish(scheduler.running[0])                     # x's two full blocks stay cached
+    scheduler.finish(scheduler.running[0])  # x's two full blocks stay cached
     _add(scheduler, "a", 15, first=500)
     assert _step(scheduler) == [("a", 10)]
-    _add(scheduler, "b", 9)                                    # x's prompt: only its last token is computed
+    _add(scheduler, "b", 9)  # x's prompt: only its last token is computed
     assert _step(scheduler) == [("b", 1), ("a", 5)]
 
 
 def test_a_full_pool_preempts_the_newest_sequence_and_recomputes_it_later():
     scheduler = _scheduler(num_blocks=2)
     a, b = _add(scheduler, "a", BLOCK), _add(scheduler, "b", BLOCK)
-    assert _step(scheduler) == [("a", BLOCK), ("b", BLOCK)]   # one block each: the pool is full
-    assert _step(scheduler) == [("a", 1)]                     # a needs a second block: b gives its one up
+    assert _step(scheduler) == [("a", BLOCK), ("b", BLOCK)]  # one block each: the pool is full
+    assert _step(scheduler) == [("a", 1)]  # a needs a second block: b gives its one up
     assert scheduler.num_preemptions == 1 and list(scheduler.waiting) == [b]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
     scheduler.finish(a)
-    assert _step(scheduler) == [("b", BLOCK + 1)]            # its prompt and its sampled token again
+    assert _step(scheduler) == [("b", BLOCK + 1)]  # its prompt and its sampled token again
     scheduler.finish(b)
     assert scheduler.manager.num_free_blocks == 2

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server: a real `kvbank serve` process driven by the official `openai` client,
 checked against the offline engine's greedy output; plus AsyncEngine's contract, in process."""
+
 import asyncio
 import json
 import re
@@ -20,8 +21,9 @@ from kvbank.server import AsyncEngine, build_app
 MODEL_NAME = "kvbank-test-model"
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-PINNED_SYSTEM = ("You are the librarian of a small town. Answer in one short sentence about opening hours, "
-                 "loans and late fees.")
+PINNED_SYSTEM = (
+    "You are the librarian of a small town. Answer in one short sentence about opening hours, loans and late fees."
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +33,20 @@ def server(kvbank_env, tmp_path_factory):
     log_path = folder / "server.log"
     pin_file = folder / "system.txt"
     pin_file.write_text(f"{PINNED_SYSTEM}\n")
-    process, url = start_server(["--dtype", "float32", "--served-model-name", MODEL_NAME, "--log-level", "warning",
-                                 "--pin-prompt", str(pin_file)], kvbank_env, log_path)
+    process, url = start_server(
+        [
+            "--dtype",
+            "float32",
+            "--served-model-name",
+            MODEL_NAME,
+            "--log-level",
+            "warning",
+            "--pin-prompt",
+            str(pin_file),
+        ],
+        kvbank_env,
+        log_path,
+    )
     yield process, url, log_path
     stop_server(process)
 
@@ -71,6 +85,7 @@ def _assert_openai_error(body: dict) -> dict:
 
 # --- the server ----------------------------------------------------------------------------------
 
+
 def test_health_and_models_list_the_served_model(base_url, client, reference):
     with urllib.request.urlopen(f"{base_url}/health") as response:
         assert response.status == 200
@@ -96,8 +111,16 @@ def test_completion_equals_offline_greedy(client, reference):
 def test_streamed_completion_equals_offline_greedy(client, reference):
     prompt = "Water boils at"
     expected = reference.generate(prompt, GREEDY)[0].outputs[0]
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == expected.text
     assert text_chunks[-1].choices[0].finish_reason == expected.finish_reason
@@ -109,8 +132,9 @@ def test_streamed_completion_equals_offline_greedy(client, reference):
 def test_chat_equals_offline_greedy(client, reference):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     expected = reference.chat(messages, GREEDY)[0]
-    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=MAX_TOKENS,
-                                              temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0
+    )
     assert response.object == "chat.completion"
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected.outputs[0].text
@@ -123,8 +147,11 @@ def test_chat_equals_offline_greedy(client, reference):
 def test_streamed_chat_starts_with_the_role_and_equals_offline_greedy(client, reference):
     messages = [{"role": "user", "content": "Name a color."}]
     expected = reference.chat(messages, GREEDY)[0].outputs[0]
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
-                                                 temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
@@ -135,8 +162,9 @@ def test_n_choices_logprobs_and_stop_strings_equal_offline(client, reference):
     prompt = "The three primary colours are"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, logprobs=2, stop=["."])
     expected = reference.generate(prompt, params)[0]
-    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         n=2, logprobs=2, stop=["."])
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, n=2, logprobs=2, stop=["."]
+    )
     assert [c.index for c in response.choices] == [0, 1]
     for choice, completion in zip(response.choices, expected.outputs):
         assert choice.text == completion.text and "." not in choice.text
@@ -150,15 +178,24 @@ def test_n_choices_logprobs_and_stop_strings_equal_offline(client, reference):
 def test_chat_logprobs_and_streamed_usage(client, reference):
     messages = [{"role": "user", "content": "Count to five."}]
     expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3))[0].outputs[0]
-    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
-                                              temperature=0, logprobs=True, top_logprobs=3)
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = response.choices[0].logprobs.content
     assert [c.logprob for c in content] == pytest.approx(
-        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)], abs=1e-4)
+        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)], abs=1e-4
+    )
     assert all(len(c.top_logprobs) == 3 for c in content)
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == expected.text
@@ -172,8 +209,9 @@ def test_async_client_streams_concurrent_requests(base_url, reference):
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
         async def one(prompt: str) -> str:
-            stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
             return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
         try:
@@ -186,8 +224,10 @@ def test_async_client_streams_concurrent_requests(base_url, reference):
 
 def test_repeated_chat_prompt_is_served_from_the_prefix_cache(client):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
-    first, second = (client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
-                     for _ in range(2))
+    first, second = (
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+        for _ in range(2)
+    )
     block_size = 16
     assert second.usage.prompt_tokens_details.cached_tokens >= block_size
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
@@ -201,17 +241,19 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(base_url, 
     message = _assert_openai_error(body)["message"]
     assert str(limit + 100) in message and str(limit) in message
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=limit)
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=limit)
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": "Hi", "temperature": -1},
-    {"prompt": "Hi", "n": "many"},
-    {"prompt": [[]]},
-    {"max_tokens": 4},
-    b'{"prompt": "Hi"',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "Hi", "temperature": -1},
+        {"prompt": "Hi", "n": "many"},
+        {"prompt": [[]]},
+        {"max_tokens": 4},
+        b'{"prompt": "Hi"',
+    ],
+)
 def test_invalid_bodies_are_a_400_in_openai_shape(base_url, body):
     status, response = _post(f"{base_url}/v1/completions", body)
     assert status == 400
@@ -219,8 +261,9 @@ def test_invalid_bodies_are_a_400_in_openai_shape(base_url, body):
 
 
 def test_bad_temperature_names_the_field(base_url):
-    status, response = _post(f"{base_url}/v1/chat/completions",
-                             {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1})
+    status, response = _post(
+        f"{base_url}/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}
+    )
     assert status == 400
     assert "temperature" in _assert_openai_error(response)["message"]
 
@@ -233,6 +276,7 @@ def test_unknown_model_is_a_404(client):
 
 
 # --- AsyncEngine, in process ---------------------------------------------------------------------
+
 
 @pytest.fixture
 def async_engine(reference):
@@ -298,7 +342,8 @@ def test_stalled_reader_gets_merged_deltas_and_at_most_one_pending_output(async_
     completion = merged.outputs[0]
     assert completion.token_ids == expected.token_ids and completion.text == expected.text
     assert [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)] == pytest.approx(
-        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)], abs=1e-4)
+        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids)], abs=1e-4
+    )
     assert merged.finished and completion.finish_reason == "length"
 
 
@@ -360,8 +405,12 @@ def test_pinned_system_prompt_is_cached_on_first_use_and_salts_isolate(client):
     messages = [{"role": "system", "content": PINNED_SYSTEM}, {"role": "user", "content": "When do you open?"}]
     first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens >= 16
-    salted = [client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
-                                             extra_body={"cache_salt": "tenant-x"}) for _ in range(2)]
+    salted = [
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-x"}
+        )
+        for _ in range(2)
+    ]
     assert salted[0].usage.prompt_tokens_details.cached_tokens == 0
     assert salted[1].usage.prompt_tokens_details.cached_tokens >= 16
     assert salted[0].choices[0].message.content == first.choices[0].message.content
@@ -369,12 +418,16 @@ def test_pinned_system_prompt_is_cached_on_first_use_and_salts_isolate(client):
 
 # --- request validation and the fields passed through ----------------------------------------------
 
-@pytest.mark.parametrize(("messages", "param"), [
-    ([{"role": "wizard", "content": "Hi"}], "messages.0.role"),
-    ([{"role": "system", "content": "Be brief."}, {"role": "tool", "content": "42"}], "messages.1.role"),
-    ([{"role": "user", "content": None}], "messages.0.content"),
-    ([{"role": "user"}], "messages.0.content"),
-])
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "wizard", "content": "Hi"}], "messages.0.role"),
+        ([{"role": "system", "content": "Be brief."}, {"role": "tool", "content": "42"}], "messages.1.role"),
+        ([{"role": "user", "content": None}], "messages.0.content"),
+        ([{"role": "user"}], "messages.0.content"),
+    ],
+)
 def test_unknown_role_or_null_user_content_is_a_400_naming_the_field(base_url, messages, param):
     status, body = _post(f"{base_url}/v1/chat/completions", {"messages": messages, "max_tokens": 2})
     assert status == 400
@@ -384,8 +437,12 @@ def test_unknown_role_or_null_user_content_is_a_400_naming_the_field(base_url, m
 def test_developer_role_is_accepted_as_the_system_message(client, reference):
     user = {"role": "user", "content": "Name a fruit."}
     expected = reference.chat([{"role": "system", "content": "Be brief."}, user], GREEDY)[0].outputs[0]
-    response = client.chat.completions.create(model=MODEL_NAME, messages=[
-        {"role": "developer", "content": "Be brief."}, user], max_tokens=MAX_TOKENS, temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "developer", "content": "Be brief."}, user],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
     assert response.choices[0].message.content == expected.text
 
 
@@ -393,25 +450,28 @@ def test_seed_out_of_range_is_a_400_stating_the_range(base_url, client):
     status, body = _post(f"{base_url}/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": 2**64})
     assert status == 400
     error = _assert_openai_error(body)
-    assert error["param"] == "seed" and str(-2**63) in error["message"] and str(2**64 - 1) in error["message"]
+    assert error["param"] == "seed" and str(-(2**63)) in error["message"] and str(2**64 - 1) in error["message"]
     # Large seeds in range used to overflow when seeding the n completions.
     response = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, n=2, seed=2**64 - 1)
     assert len(response.choices) == 2
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
-    ("functions", [{"name": "f", "parameters": {}}]),
-    ("function_call", "auto"),
-    ("guided_json", {"type": "object"}),
-    ("logit_bias", {"abc": 1}),
-    ("logit_bias", {"5": 101}),
-    ("logit_bias", {"999999": 1}),
-    ("stop_token_ids", [999999]),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("function_call", "auto"),
+        ("guided_json", {"type": "object"}),
+        ("logit_bias", {"abc": 1}),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"999999": 1}),
+        ("stop_token_ids", [999999]),
+    ],
+)
 def test_fields_that_would_change_the_answer_are_refused_by_name(base_url, field, value):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
     status, response = _post(f"{base_url}/v1/chat/completions", body)
@@ -420,20 +480,29 @@ def test_fields_that_would_change_the_answer_are_refused_by_name(base_url, field
 
 
 def test_harmless_fields_and_plain_text_format_are_accepted(client):
-    response = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=2, temperature=0, metadata={"k": "v"}, store=False,
-                                              response_format={"type": "text"}, tool_choice="none")
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        temperature=0,
+        metadata={"k": "v"},
+        store=False,
+        response_format={"type": "text"},
+        tool_choice="none",
+    )
     assert response.choices[0].finish_reason == "length"
 
 
 def test_stop_token_ids_min_tokens_and_special_tokens_pass_through(client, reference):
     prompt = "The capital of France is"
     greedy = reference.generate(prompt, GREEDY)[0].outputs[0].token_ids
-    fields = dict(stop_token_ids=[greedy[3]], min_tokens=2, skip_special_tokens=False,
-                  include_stop_str_in_output=True, stop=["."])
+    fields = dict(
+        stop_token_ids=[greedy[3]], min_tokens=2, skip_special_tokens=False, include_stop_str_in_output=True, stop=["."]
+    )
     expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **fields))[0]
-    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body=fields)
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=fields
+    )
     choice = response.choices[0]
     assert choice.text == expected.outputs[0].text
     assert choice.finish_reason == "stop" and choice.stop_reason == expected.outputs[0].stop_reason
@@ -441,17 +510,21 @@ def test_stop_token_ids_min_tokens_and_special_tokens_pass_through(client, refer
 
 
 def _expected_prompt_logprobs(expected) -> list:
-    return [None] + [entry[token].logprob for entry, token in zip(expected.prompt_logprobs[1:],
-                                                                  expected.prompt_token_ids[1:])]
+    return [None] + [
+        entry[token].logprob for entry, token in zip(expected.prompt_logprobs[1:], expected.prompt_token_ids[1:])
+    ]
 
 
 def test_prompt_logprobs_come_back_per_choice(base_url, reference):
     prompt = "Paris is the capital of"
     expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
-    for route, body in (("completions", {"prompt": prompt}),
-                        ("chat/completions", {"messages": [{"role": "user", "content": prompt}]})):
-        status, response = _post(f"{base_url}/v1/{route}", {**body, "max_tokens": 2, "temperature": 0,
-                                                            "prompt_logprobs": 1, "n": 2})
+    for route, body in (
+        ("completions", {"prompt": prompt}),
+        ("chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+    ):
+        status, response = _post(
+            f"{base_url}/v1/{route}", {**body, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, "n": 2}
+        )
         assert status == 200, response
         for choice in response["choices"]:
             entries = choice["prompt_logprobs"]
@@ -460,8 +533,9 @@ def test_prompt_logprobs_come_back_per_choice(base_url, reference):
                 tokens = expected.prompt_token_ids
                 got = [None] + [e[str(t)]["logprob"] for e, t in zip(entries[1:], tokens[1:])]
                 assert got == pytest.approx(_expected_prompt_logprobs(expected), abs=1e-4)
-    status, events, _ = request(f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 2, "stream": True,
-                                                              "prompt_logprobs": 1})
+    status, events, _ = request(
+        f"{base_url}/v1/completions", {"prompt": prompt, "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
+    )
     chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
     assert len(chunks[0]["choices"][0]["prompt_logprobs"]) == len(expected.prompt_token_ids)
     assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
@@ -469,20 +543,24 @@ def test_prompt_logprobs_come_back_per_choice(base_url, reference):
 
 def test_echo_prepends_the_prompt_and_its_logprobs(client, reference):
     prompt = "The sky is"
-    expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=1,
-                                                         prompt_logprobs=1))[0]
-    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
-                                         echo=True, logprobs=1)
+    expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=1, prompt_logprobs=1))[0]
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1
+    )
     choice = response.choices[0]
     assert choice.text == prompt + expected.outputs[0].text
     completion = expected.outputs[0]
-    wanted = _expected_prompt_logprobs(expected) + [lp[t].logprob for lp, t in zip(completion.logprobs,
-                                                                                  completion.token_ids)]
+    wanted = _expected_prompt_logprobs(expected) + [
+        lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)
+    ]
     assert choice.logprobs.token_logprobs == pytest.approx(wanted, abs=1e-4)
     assert "".join(choice.logprobs.tokens) == choice.text
     assert choice.logprobs.text_offset[len(expected.prompt_token_ids)] == len(prompt)
-    streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
-                                              echo=True, logprobs=1, stream=True))
+    streamed = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1, stream=True
+        )
+    )
     assert streamed[0].choices[0].text.startswith(prompt)
     assert "".join(c.choices[0].text for c in streamed) == choice.text
     assert [lp for c in streamed for lp in c.choices[0].logprobs.token_logprobs] == pytest.approx(wanted, abs=1e-4)
@@ -491,8 +569,10 @@ def test_echo_prepends_the_prompt_and_its_logprobs(client, reference):
 
 # --- --pin-prompt on a model whose tokenizer adds BOS ---------------------------------------------
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -512,9 +592,15 @@ def bos_adding_checkpoint(tmp_path_factory):
     config.update(bos_token="<|endoftext|>", add_bos_token=True, chat_template=CHATML)
     config_path.write_text(json.dumps(config))
     torch.manual_seed(0)
-    model_config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=512)
+    model_config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     transformers.LlamaForCausalLM(model_config).save_pretrained(folder)
     return folder
 
@@ -526,8 +612,11 @@ def test_pin_prompt_hits_chat_requests_on_a_bos_adding_model(bos_adding_checkpoi
     pin_file = tmp_path / "system.txt"
     pin_file.write_text(f"{PINNED_SYSTEM}\n")
     log_path = tmp_path / "server.log"
-    process, url = start_server(["--model", str(bos_adding_checkpoint), "--dtype", "float32",
-                                 "--pin-prompt", str(pin_file)], kvbank_env, log_path)
+    process, url = start_server(
+        ["--model", str(bos_adding_checkpoint), "--dtype", "float32", "--pin-prompt", str(pin_file)],
+        kvbank_env,
+        log_path,
+    )
     try:
         wait_healthy(process, url, log_path)
         pinned = int(re.search(r"pinned (\d+) tokens", log_path.read_text()).group(1))

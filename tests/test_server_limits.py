@@ -1,6 +1,7 @@
 """`kvbank serve` in production shape: API key, admission control, caps, /metrics, many concurrent
 streaming clients, disconnects, graceful shutdown and a property-based fuzz of request bodies.
 Every test talks HTTP to a real server process."""
+
 import asyncio
 import json
 import re
@@ -26,10 +27,30 @@ MAX_N = 3
 @pytest.fixture(scope="module")
 def server(kvbank_env, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("limits") / "server.log"
-    process, url = start_server(["--dtype", "float32", "--served-model-name", MODEL, "--log-level", "warning",
-                                 "--api-key", KEY, "--max-num-seqs", str(MAX_NUM_SEQS),
-                                 "--max-queued-requests", str(MAX_QUEUED), "--max-tokens-cap", str(MAX_TOKENS_CAP),
-                                 "--max-n", str(MAX_N), "--num-gpu-blocks", "256"], kvbank_env, log_path)
+    process, url = start_server(
+        [
+            "--dtype",
+            "float32",
+            "--served-model-name",
+            MODEL,
+            "--log-level",
+            "warning",
+            "--api-key",
+            KEY,
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-queued-requests",
+            str(MAX_QUEUED),
+            "--max-tokens-cap",
+            str(MAX_TOKENS_CAP),
+            "--max-n",
+            str(MAX_N),
+            "--num-gpu-blocks",
+            "256",
+        ],
+        kvbank_env,
+        log_path,
+    )
     wait_healthy(process, url, log_path)
     yield url
     stop_server(process)
@@ -67,8 +88,9 @@ def test_api_key_guards_every_route_but_health(server):
     for path in ("/v1/models", "/metrics"):
         status, body, _ = request(f"{server}{path}")
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
-    status, body, _ = request(f"{server}/v1/completions", {"prompt": "Hi", "max_tokens": 1},
-                              headers={"Authorization": "Bearer wrong"})
+    status, body, _ = request(
+        f"{server}/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers={"Authorization": "Bearer wrong"}
+    )
     assert status == 401 and set(body["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.AuthenticationError):
         _client(server, "wrong").models.list()
@@ -81,32 +103,49 @@ def test_caps_on_max_tokens_and_n_are_400s_naming_value_and_limit(server):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=MAX_TOKENS_CAP + 1)
     assert f"max_tokens={MAX_TOKENS_CAP + 1}" in raised.value.message and str(MAX_TOKENS_CAP) in raised.value.message
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=MAX_N + 1,
-                                       max_tokens=2)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=MAX_N + 1, max_tokens=2
+        )
     assert raised.value.param == "n" and f"n={MAX_N + 1}" in raised.value.message
     # A chat request naming no max_tokens gets the cap, not the whole context.
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
-                                           temperature=0, extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell a long story."}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert reply.usage.completion_tokens == MAX_TOKENS_CAP
 
 
 def test_metrics_use_the_documented_names_and_move(server):
     before = _metrics(server)
-    for name in ("kvbank:kv_cache_usage_perc", "kvbank:prefix_cache_queries_total", "kvbank:prefix_cache_hits_total",
-                 "kvbank:num_preemptions_total", "kvbank:num_requests_running", "kvbank:num_requests_waiting",
-                 "kvbank:prompt_tokens_total", "kvbank:generation_tokens_total",
-                 "kvbank:time_to_first_token_seconds_count", "kvbank:inter_token_latency_seconds_count",
-                 "kvbank:e2e_request_latency_seconds_count", "process_resident_memory_bytes"):
+    for name in (
+        "kvbank:kv_cache_usage_perc",
+        "kvbank:prefix_cache_queries_total",
+        "kvbank:prefix_cache_hits_total",
+        "kvbank:num_preemptions_total",
+        "kvbank:num_requests_running",
+        "kvbank:num_requests_waiting",
+        "kvbank:prompt_tokens_total",
+        "kvbank:generation_tokens_total",
+        "kvbank:time_to_first_token_seconds_count",
+        "kvbank:inter_token_latency_seconds_count",
+        "kvbank:e2e_request_latency_seconds_count",
+        "process_resident_memory_bytes",
+    ):
         assert name in before, name
-    _client(server).completions.create(model=MODEL, prompt="The sea is", max_tokens=5, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    _client(server).completions.create(
+        model=MODEL, prompt="The sea is", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = _metrics(server)
     assert after["kvbank:generation_tokens_total"] - before["kvbank:generation_tokens_total"] == 5
     assert after["kvbank:e2e_request_latency_seconds_count"] == before["kvbank:e2e_request_latency_seconds_count"] + 1
     assert after["kvbank:time_to_first_token_seconds_count"] == before["kvbank:time_to_first_token_seconds_count"] + 1
     assert after["kvbank:inter_token_latency_seconds_count"] == before["kvbank:inter_token_latency_seconds_count"] + 4
-    assert after['kvbank:time_to_first_token_seconds_bucket{le="+Inf"}'] == after[
-        "kvbank:time_to_first_token_seconds_count"]
+    assert (
+        after['kvbank:time_to_first_token_seconds_bucket{le="+Inf"}']
+        == after["kvbank:time_to_first_token_seconds_count"]
+    )
 
 
 async def _stream_text(client: openai.AsyncOpenAI, prompt: str) -> str:
@@ -152,12 +191,14 @@ def test_full_queue_is_a_429_with_retry_after_and_nothing_is_lost(server):
 
 def test_client_that_disconnects_mid_stream_frees_its_blocks_within_a_second(server):
     body = {"prompt": "Write a very long story.", "max_tokens": MAX_TOKENS_CAP, "stream": True, "ignore_eos": True}
-    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            running = _metrics(server)["kvbank:num_requests_running"]
-            assert running == 1, (running, _metrics(server))
+    with (
+        httpx.Client(base_url=server, headers=AUTH, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        running = _metrics(server)["kvbank:num_requests_running"]
+        assert running == 1, (running, _metrics(server))
     hung_up = time.monotonic()
     metrics = _until_idle(server, timeout=1.0)
     assert time.monotonic() - hung_up < 1.0
@@ -165,30 +206,54 @@ def test_client_that_disconnects_mid_stream_frees_its_blocks_within_a_second(ser
     assert metrics["kvbank:generation_tokens_total"] > 0
 
 
-_json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=False, width=32)
-                            | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
-                            | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
-_fields = {"model": st.just(MODEL) | st.text(max_size=5), "max_tokens": st.integers(-2, 6) | _json_values,
-           "temperature": st.floats(-1, 3) | _json_values, "top_p": st.floats(-0.5, 1.5) | _json_values,
-           "n": st.integers(-1, 4) | _json_values, "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5),
-           "seed": st.integers(-5, 2**70) | _json_values, "presence_penalty": st.floats(-3, 3) | _json_values,
-           "frequency_penalty": st.floats(-3, 3) | _json_values, "logprobs": st.integers(-1, 30) | _json_values,
-           "stream": st.booleans() | _json_values, "top_k": st.integers(-2, 50) | _json_values,
-           "min_p": st.floats(-1, 2) | _json_values, "repetition_penalty": st.floats(-1, 3) | _json_values,
-           "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _json_values,
-           "user": _json_values, "cache_salt": st.text(max_size=4) | _json_values, "min_tokens": st.integers(-1, 9)}
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=False, width=32) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+_fields = {
+    "model": st.just(MODEL) | st.text(max_size=5),
+    "max_tokens": st.integers(-2, 6) | _json_values,
+    "temperature": st.floats(-1, 3) | _json_values,
+    "top_p": st.floats(-0.5, 1.5) | _json_values,
+    "n": st.integers(-1, 4) | _json_values,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5),
+    "seed": st.integers(-5, 2**70) | _json_values,
+    "presence_penalty": st.floats(-3, 3) | _json_values,
+    "frequency_penalty": st.floats(-3, 3) | _json_values,
+    "logprobs": st.integers(-1, 30) | _json_values,
+    "stream": st.booleans() | _json_values,
+    "top_k": st.integers(-2, 50) | _json_values,
+    "min_p": st.floats(-1, 2) | _json_values,
+    "repetition_penalty": st.floats(-1, 3) | _json_values,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _json_values,
+    "user": _json_values,
+    "cache_salt": st.text(max_size=4) | _json_values,
+    "min_tokens": st.integers(-1, 9),
+}
 _completion_bodies = st.fixed_dictionaries(
-    {"prompt": st.text(max_size=20) | st.lists(st.integers(-5, 60000), max_size=6) | _json_values},
-    optional=_fields)
-_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                            "content": st.text(max_size=20) | _json_values}), max_size=3)
-_chat_bodies = st.fixed_dictionaries({"messages": _messages | _json_values},
-                                     optional={**_fields, "max_completion_tokens": st.integers(-1, 6) | _json_values,
-                                               "top_logprobs": st.integers(-1, 25) | _json_values})
+    {"prompt": st.text(max_size=20) | st.lists(st.integers(-5, 60000), max_size=6) | _json_values}, optional=_fields
+)
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+            "content": st.text(max_size=20) | _json_values,
+        }
+    ),
+    max_size=3,
+)
+_chat_bodies = st.fixed_dictionaries(
+    {"messages": _messages | _json_values},
+    optional={
+        **_fields,
+        "max_completion_tokens": st.integers(-1, 6) | _json_values,
+        "top_logprobs": st.integers(-1, 25) | _json_values,
+    },
+)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=st.data())
 def test_fuzzed_request_bodies_never_cause_a_server_error(server, route, data):
     body = data.draw(_completion_bodies if route == "/v1/completions" else _chat_bodies)
@@ -204,18 +269,21 @@ def test_fuzzed_request_bodies_never_cause_a_server_error(server, route, data):
 
 def test_sigterm_finishes_running_streams_then_exits_0(kvbank_env, tmp_path):
     log_path = tmp_path / "server.log"
-    process, url = start_server(["--dtype", "float32", "--log-level", "warning", "--shutdown-timeout", "30"],
-                                kvbank_env, log_path)
+    process, url = start_server(
+        ["--dtype", "float32", "--log-level", "warning", "--shutdown-timeout", "30"], kvbank_env, log_path
+    )
     try:
         wait_healthy(process, url, log_path)
         body = {"prompt": "Once upon a time", "max_tokens": 40, "stream": True, "ignore_eos": True}
         texts = []
-        with httpx.Client(base_url=url, timeout=60) as http:
-            with http.stream("POST", "/v1/completions", json=body) as response:
-                lines = response.iter_lines()
-                texts.append(next(line for line in lines if line.startswith("data:")))
-                process.send_signal(signal.SIGTERM)
-                texts += [line for line in lines if line.startswith("data:")]
+        with (
+            httpx.Client(base_url=url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            lines = response.iter_lines()
+            texts.append(next(line for line in lines if line.startswith("data:")))
+            process.send_signal(signal.SIGTERM)
+            texts += [line for line in lines if line.startswith("data:")]
         assert texts[-1] == "data: [DONE]"
         chunks = [json.loads(line[6:]) for line in texts[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"

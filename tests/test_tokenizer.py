@@ -125,9 +125,7 @@ def test_smollm_chat_template_matches_transformers(smollm, reference, messages):
     expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     rendered = smollm.apply_chat_template(messages, add_generation_prompt=True)
     assert rendered == expected
-    assert smollm.apply_chat_template(messages, tokenize=True) == smollm.encode(
-        rendered, add_special_tokens=False
-    )
+    assert smollm.apply_chat_template(messages, tokenize=True) == smollm.encode(rendered, add_special_tokens=False)
     without_prompt = smollm.apply_chat_template(messages, add_generation_prompt=False)
     assert rendered == without_prompt + "<|im_start|>assistant\n"
 
@@ -148,9 +146,7 @@ def test_save_and_from_folder_round_trip(smollm, tmp_path):
         assert loaded.decode(ids, skip_special_tokens=False) == text
     for messages in CONVERSATIONS:
         assert loaded.apply_chat_template(messages) == smollm.apply_chat_template(messages)
-    assert [loaded.token_text(i) for i in range(0, 49152, 997)] == [
-        smollm.token_text(i) for i in range(0, 49152, 997)
-    ]
+    assert [loaded.token_text(i) for i in range(0, 49152, 997)] == [smollm.token_text(i) for i in range(0, 49152, 997)]
 
 
 def test_from_folder_reads_hugging_face_layout(smollm, tmp_path):
@@ -324,9 +320,7 @@ def test_sentencepiece_gguf_matches_sentencepiece(tmp_path):
     )  # fmt: skip
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     ids = range(sp.get_piece_size())
-    types = [
-        2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in ids
-    ]
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in ids]
     reader = write_gguf(
         tmp_path / "trained.gguf", "llama", [sp.id_to_piece(i) for i in ids],
         token_types=types, token_scores=[sp.get_score(i) for i in ids],
@@ -393,16 +387,14 @@ def test_chat_template_environment(tmp_path):
         bos_token_id=256, chat_template=template,
     )  # fmt: skip
     tok = Tokenizer.from_gguf(reader)
-    messages = [{"role": "user", "content": "<b>\"é\"</b>"}] * 3
+    messages = [{"role": "user", "content": '<b>"é"</b>'}] * 3
     rendered = tok.apply_chat_template(messages, tools=[{"name": "f"}])
     line = '<s>user="<b>\\"é\\"</b>"|\n'
     assert rendered == line * 2 + '[{"name": "f"}]' + "20"
     assert tok.apply_chat_template(messages[:1], add_generation_prompt=False) == line
     with pytest.raises(ValueError, match="unknown role bad"):
         tok.apply_chat_template([{"role": "bad", "content": ""}])
-    assert tok.apply_chat_template(messages[:1], tokenize=True) == tok.encode(
-        line + "20", add_special_tokens=False
-    )
+    assert tok.apply_chat_template(messages[:1], tokenize=True) == tok.encode(line + "20", add_special_tokens=False)
 
 
 # --- Errors -----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ time roughly in proportion to the sharing.
 This file finds the groups (plain Python on block ids) and describes them in the step's
 metadata; the kernel is `fast._cascade_decode`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,15 +22,16 @@ from kvbank.attention.metadata import SharedPrefix, additive_mask
 MIN_SHARED_TOKENS = 128
 
 
-def find_shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int,
-                         min_blocks: int) -> list[tuple[list[int], int]]:
+def find_shared_prefixes(
+    tables: list[list[int]], lens: list[int], block_size: int, min_blocks: int
+) -> list[tuple[list[int], int]]:
     """Groups of decodes that share leading blocks: (decode indices, number of shared blocks).
 
     Only blocks wholly before a decode's own token are shared: those are full and visible to it.
     Groups are chosen to maximise the blocks not read twice, and each shares >= `min_blocks`.
     """
     usable = [min(len(t), (n - 1) // block_size) for t, n in zip(tables, lens)]
-    order = sorted(range(len(tables)), key=lambda i: tables[i][:usable[i]])
+    order = sorted(range(len(tables)), key=lambda i: tables[i][: usable[i]])
     lcp = [_common_length(tables[a], tables[b], min(usable[a], usable[b])) for a, b in zip(order, order[1:])]
     return _best_groups(order, lcp, 0, len(order), min_blocks)[1]
 
@@ -41,8 +43,9 @@ def _common_length(a: list[int], b: list[int], limit: int) -> int:
     return n
 
 
-def _best_groups(order: list[int], lcp: list[int], lo: int, hi: int,
-                 min_blocks: int) -> tuple[int, list[tuple[list[int], int]]]:
+def _best_groups(
+    order: list[int], lcp: list[int], lo: int, hi: int, min_blocks: int
+) -> tuple[int, list[tuple[list[int], int]]]:
     # order[lo:hi] is sorted, so its common prefix is its smallest adjacent one: keep the run
     # whole, or split it there and do better in the two halves.
     if hi - lo < 2:
@@ -56,14 +59,22 @@ def _best_groups(order: list[int], lcp: list[int], lo: int, hi: int,
     return whole, [(order[lo:hi], shared)] if whole else []
 
 
-def share_prefixes(step: DenseStep, tables: list[list[int]], lens: list[int], block_size: int,
-                   mask_dtype: torch.dtype, device: torch.device, min_tokens: int = MIN_SHARED_TOKENS) -> None:
+def share_prefixes(
+    step: DenseStep,
+    tables: list[list[int]],
+    lens: list[int],
+    block_size: int,
+    mask_dtype: torch.dtype,
+    device: torch.device,
+    min_tokens: int = MIN_SHARED_TOKENS,
+) -> None:
     """Record the decodes' shared prefixes in `step` (decode tables and context lengths as lists)."""
     # Shared ranges are whole multiples of the flash kernel's key padding, so they need none.
     unit = padded_key_length(1, block_size) // block_size
     min_blocks = padded_length(max(1, min_tokens // block_size), unit)
-    groups = [(rows, shared // unit * unit)
-              for rows, shared in find_shared_prefixes(tables, lens, block_size, min_blocks)]
+    groups = [
+        (rows, shared // unit * unit) for rows, shared in find_shared_prefixes(tables, lens, block_size, min_blocks)
+    ]
     if not groups:
         return
     skip = [0] * len(tables)

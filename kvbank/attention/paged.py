@@ -2,6 +2,7 @@
 
 Slow and obviously right; the fast path is tested against it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     return torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values)
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Attention of every new token over its sequence's cached past (K/V already written)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     tables = meta.decode_block_tables.tolist() if meta.num_decode_tokens else []

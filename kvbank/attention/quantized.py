@@ -8,6 +8,7 @@ that keep a block's newest tokens in full precision (KIVI) also pass their scrat
 Prefill calls are padded like the dense ones (fast.QUERY_PAD / KEY_PAD), so that the CPU flash
 kernel meets few shapes and memory stays flat under varied prompt lengths.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvbank.attention.fast import _flash_with_lse, _pad_rows, padded_length, padded_query_rows, KEY_PAD
+from kvbank.attention.fast import KEY_PAD, _flash_with_lse, _pad_rows, padded_length, padded_query_rows
 from kvbank.attention.metadata import AttentionMetadata
 
 #: Quantized layers dequantize at most this many tokens of a sequence's context at a time; None
@@ -70,8 +71,9 @@ class _Merged:
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
 
-    def add(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> None:
+    def add(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> None:
         """queries [B, H, Lq, D]; keys, values [B, H, C, D]; mask additive, broadcastable to [B, H, Lq, C]."""
         out, lse = _flash_with_lse(queries, keys, values, 0.0, False, attn_mask=mask, scale=scale)
         # A query that sees nothing in this range contributes nothing (the kernel reports lse 0).
@@ -104,9 +106,15 @@ def _pad_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
     return mask if mask.shape[-1] == width else F.pad(mask, (0, width - mask.shape[-1]), value=float("-inf"))
 
 
-def quantized_paged_attention(q: torch.Tensor, layer: BlockReader, kind: str, view: QuantizedView,
-                              meta: AttentionMetadata, scale: float,
-                              scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def quantized_paged_attention(
+    q: torch.Tensor,
+    layer: BlockReader,
+    kind: str,
+    view: QuantizedView,
+    meta: AttentionMetadata,
+    scale: float,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Attention of every new token (q: [T, heads, dim]) over a quantized layer's blocks.
 
     `kind` picks the range length (DEQUANT_CHUNK_TOKENS); `scratch` is a KIVI layer's
@@ -129,10 +137,11 @@ def quantized_paged_attention(q: torch.Tensor, layer: BlockReader, kind: str, vi
             keys, values = layer.read(tables[:, first:last])
             if scratch is not None:
                 _overlay_own_blocks(keys, values, scratch, view.decode_own_blocks, first, last, n)
-            mask = meta.decode_mask[..., first * bs:last * bs]
+            mask = meta.decode_mask[..., first * bs : last * bs]
             if decode_step is None:
-                attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                                          attn_mask=mask, scale=scale)
+                attended = F.scaled_dot_product_attention(
+                    queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+                )
                 break
             merged.add(queries, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
         else:
@@ -140,38 +149,55 @@ def quantized_paged_attention(q: torch.Tensor, layer: BlockReader, kind: str, vi
         out[:n] = attended.reshape(n, -1, head_dim).to(q.dtype)
     for i, (chunk, mask) in enumerate(zip(meta.prefills, view.chunk_masks)):
         rows = mask.shape[-2]
-        queries = _pad_rows(q[chunk.start:chunk.end], rows).transpose(0, 1).unsqueeze(0)
+        queries = _pad_rows(q[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0)
         table = chunk.block_table.unsqueeze(0)
         blocks = len(chunk.block_table)
         chunk_step = step if step is not None and step < blocks else None  # one range: concatenate
-        ranges = [(layer.read(table[:, a:a + (chunk_step or blocks)]), a * bs)
-                  for a in range(0, blocks, chunk_step or blocks)]
+        ranges = [
+            (layer.read(table[:, a : a + (chunk_step or blocks)]), a * bs)
+            for a in range(0, blocks, chunk_step or blocks)
+        ]
         if scratch is not None:
             first, last = view.chunk_rows[i]
-            own = (scratch[0][first:last].reshape(1, -1, num_kv_heads, head_dim),
-                   scratch[1][first:last].reshape(1, -1, num_kv_heads, head_dim))
+            own = (
+                scratch[0][first:last].reshape(1, -1, num_kv_heads, head_dim),
+                scratch[1][first:last].reshape(1, -1, num_kv_heads, head_dim),
+            )
             ranges.append((own, blocks * bs))
         if chunk_step is None:
             keys = torch.cat([k for (k, _), _ in ranges], dim=1) if len(ranges) > 1 else ranges[0][0][0]
             values = torch.cat([v for (_, v), _ in ranges], dim=1) if len(ranges) > 1 else ranges[0][0][1]
             keys, values = _pad_keys(keys, mask.shape[-1]), _pad_keys(values, mask.shape[-1])
-            attended = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                                      attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            attended = F.scaled_dot_product_attention(
+                queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=group > 1
+            )
         else:
             merged = _Merged()
             for (keys, values), offset in ranges:
                 width = padded_length(keys.shape[1], KEY_PAD)
-                columns = _pad_columns(mask[..., offset:offset + keys.shape[1]], width)
+                columns = _pad_columns(mask[..., offset : offset + keys.shape[1]], width)
                 # The kernel wants as many K/V heads as query heads.
-                merged.add(queries, _pad_keys(keys, width).transpose(1, 2).repeat_interleave(group, dim=1),
-                           _pad_keys(values, width).transpose(1, 2).repeat_interleave(group, dim=1), columns, scale)
+                merged.add(
+                    queries,
+                    _pad_keys(keys, width).transpose(1, 2).repeat_interleave(group, dim=1),
+                    _pad_keys(values, width).transpose(1, 2).repeat_interleave(group, dim=1),
+                    columns,
+                    scale,
+                )
             attended = merged.out
-        out[chunk.start:chunk.end] = attended.squeeze(0)[:, :chunk.end - chunk.start].transpose(0, 1).to(q.dtype)
+        out[chunk.start : chunk.end] = attended.squeeze(0)[:, : chunk.end - chunk.start].transpose(0, 1).to(q.dtype)
     return out
 
 
-def _overlay_own_blocks(keys: torch.Tensor, values: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor],
-                        own_blocks: torch.Tensor, first: int, last: int, n: int) -> None:
+def _overlay_own_blocks(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor],
+    own_blocks: torch.Tensor,
+    first: int,
+    last: int,
+    n: int,
+) -> None:
     """Put each decode's full-precision scratch block in place of its own block, if in [first, last)."""
     inside = ((own_blocks >= first) & (own_blocks < last)).nonzero().squeeze(1)
     if inside.numel():

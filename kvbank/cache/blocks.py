@@ -9,6 +9,7 @@ and the identity of its parent (the root hash for a chain's first block, else th
 indexed parent block). Serials are never reused, so a hit proves the whole prefix is the same
 token sequence even if the hash function collides.
 """
+
 from __future__ import annotations
 
 import itertools

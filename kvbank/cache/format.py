@@ -5,6 +5,7 @@ the model dtype (`skip_layers`) and the int4/int2 group size. It yields every la
 storage kind, and the prefix-cache namespace: K/V written in one format are never served to a
 request that runs in another.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,10 @@ class KVFormat:
         skip = set()
         for index in self.skip_layers:
             if not -num_layers <= index < num_layers:
-                raise ValueError(f"kv_cache_dtype_skip_layers has layer {index}, but the model has "
-                                 f"{num_layers} layers (0..{num_layers - 1}, or negative from the end)")
+                raise ValueError(
+                    f"kv_cache_dtype_skip_layers has layer {index}, but the model has "
+                    f"{num_layers} layers (0..{num_layers - 1}, or negative from the end)"
+                )
             skip.add(index % num_layers)
         quantized = CODECS[self.dtype](model_dtype, self.group_size)
         full = (FullPrecision(model_dtype), FullPrecision(model_dtype))
@@ -56,7 +59,7 @@ class KVFormat:
 
 
 def layer_kind(codecs: CodecPair, model_dtype: torch.dtype) -> str:
-    """"dense" for K/V kept as the model computes them, else the kind the codec asks for."""
+    """ "dense" for K/V kept as the model computes them, else the kind the codec asks for."""
     key = codecs[0]
     if isinstance(key, FullPrecision) and key.dtype == model_dtype:
         return "dense"

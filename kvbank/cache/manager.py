@@ -3,6 +3,7 @@
 Plain Python, no tensors: block contents are moved by the runner, which drains
 `pending_copies` (copy-on-write source -> destination block ids) before each forward pass.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -43,8 +44,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     """Gives each sequence a block table and keeps the prefix index up to date."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_pinned_fraction: float = 0.5) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_pinned_fraction: float = 0.5
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -135,7 +137,9 @@ class KVCacheManager:
             serial = None
             if parent is not None:  # after a collision the rest of the chain stays unindexed
                 block = self.pool.blocks[seq.block_table[i]]
-                serial = self.pool.register(block, seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), parent)
+                serial = self.pool.register(
+                    block, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent
+                )
             seq.chain_serials.append(serial)
 
     def pin(self, token_ids: Tokens[int], root_hash: bytes, keep_free: int = 0) -> int:
@@ -149,16 +153,22 @@ class KVCacheManager:
             return len(key[1])
         blocks = self._walk(key[1], root_hash)
         if len(blocks) * self.block_size < len(key[1]):
-            raise ValueError(f"only {len(blocks) * self.block_size} of the prefix's {len(key[1])} tokens are cached; "
-                             "compute the prefix before pinning it")
+            raise ValueError(
+                f"only {len(blocks) * self.block_size} of the prefix's {len(key[1])} tokens are cached; "
+                "compute the prefix before pinning it"
+            )
         added = len({b.block_id for b in blocks} - set(self.pinned_blocks))
         if len(self.pinned_blocks) + added > self.max_pinned_blocks:
-            raise ValueError(f"pinning {added} more blocks would pin {len(self.pinned_blocks) + added} of "
-                             f"{self.pool.num_blocks}, over the limit of {self.max_pinned_blocks} "
-                             f"(max_pinned_fraction)")
+            raise ValueError(
+                f"pinning {added} more blocks would pin {len(self.pinned_blocks) + added} of "
+                f"{self.pool.num_blocks}, over the limit of {self.max_pinned_blocks} "
+                f"(max_pinned_fraction)"
+            )
         if self.pool.num_blocks - len(self.pinned_blocks) - added < keep_free:
-            raise ValueError(f"pinning {added} more blocks would leave {self.pool.num_blocks - len(self.pinned_blocks) - added}"
-                             f" unpinned, but a request in flight needs up to {keep_free}; pin before sending it")
+            raise ValueError(
+                f"pinning {added} more blocks would leave {self.pool.num_blocks - len(self.pinned_blocks) - added}"
+                f" unpinned, but a request in flight needs up to {keep_free}; pin before sending it"
+            )
         for block in blocks:
             self.pool.share(block)
             self.pinned_blocks[block.block_id] += 1
@@ -193,7 +203,7 @@ class KVCacheManager:
         parent: bytes | int = root_hash
         chain = root_hash
         for i in range(len(token_ids) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             chain = hashes[i] if hashes is not None else block_hash(chain, tokens)
             found = self.pool.lookup(chain, tokens, parent)
             if found is None:
@@ -207,7 +217,7 @@ class KVCacheManager:
         while len(seq.block_hashes) < num_blocks:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else seq.root_hash
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _blocks_to_add(self, seq: Sequence, num_new: int) -> int:
         return max(0, blocks_for(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table))

@@ -1,4 +1,5 @@
 """Chained hashes of full blocks: a block's hash covers its tokens and every token before it."""
+
 from __future__ import annotations
 
 import hashlib

@@ -19,6 +19,7 @@ Codecs:
   `group_size` channels. They quantize whole blocks only: the engine keeps a block's tokens in
   full precision until the block is full (the residual window).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
 Stored = dict[str, torch.Tensor]
 
 _SCALE_DTYPE = torch.float16
-_TINY = 2.0 ** -24  # the smallest positive float16
+_TINY = 2.0**-24  # the smallest positive float16
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -56,8 +57,9 @@ class Codec:
         raise NotImplementedError
 
     def bytes_per_block(self, block_size: int, heads: int, dim: int) -> int:
-        return sum(math.prod(shape) * _element_size(dtype)
-                   for shape, dtype in self.components(block_size, heads, dim).values())
+        return sum(
+            math.prod(shape) * _element_size(dtype) for shape, dtype in self.components(block_size, heads, dim).values()
+        )
 
 
 class FullPrecision(Codec):
@@ -116,8 +118,12 @@ class PerTokenFP8(Codec):
     def dequantize(self, stored: Stored, dtype: torch.dtype) -> torch.Tensor:
         scale = stored["scale"].float().unsqueeze(-1)
         codes = stored["codes"]
-        if (self.fp8 == torch.float8_e4m3fn and codes.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-                and scale.max() < 2.0**7):
+        if (
+            self.fp8 == torch.float8_e4m3fn
+            and codes.device.type == "cpu"
+            and dtype in (torch.bfloat16, torch.float32)
+            and scale.max() < 2.0**7
+        ):
             # PyTorch's e4m3 -> bfloat16 conversion is scalar on CPU. Moving the exponent and
             # mantissa bits into a bfloat16 gives the same number times 2**-120 (subnormals
             # included), which the scale multiply undoes: 2.5x faster, and exact.
@@ -169,8 +175,11 @@ class KiviKeys(Codec):
     def components(self, block_size: int, heads: int, dim: int) -> Components:
         if dim % (8 // self.bits):
             raise ValueError(f"head_dim={dim} is not a multiple of {8 // self.bits}, needed to pack int{self.bits}")
-        return {"codes": ((block_size, heads, dim * self.bits // 8), torch.uint8),
-                "scale": ((heads, dim), _SCALE_DTYPE), "min": ((heads, dim), _SCALE_DTYPE)}
+        return {
+            "codes": ((block_size, heads, dim * self.bits // 8), torch.uint8),
+            "scale": ((heads, dim), _SCALE_DTYPE),
+            "min": ((heads, dim), _SCALE_DTYPE),
+        }
 
     def quantize(self, x: torch.Tensor) -> Stored:
         codes, scale, low = _asymmetric(x, 1, self.bits)
@@ -197,8 +206,11 @@ class KiviValues(Codec):
         if dim % (8 // self.bits):
             raise ValueError(f"head_dim={dim} is not a multiple of {8 // self.bits}, needed to pack int{self.bits}")
         groups = dim // self.group_size
-        return {"codes": ((block_size, heads, dim * self.bits // 8), torch.uint8),
-                "scale": ((block_size, heads, groups), _SCALE_DTYPE), "min": ((block_size, heads, groups), _SCALE_DTYPE)}
+        return {
+            "codes": ((block_size, heads, dim * self.bits // 8), torch.uint8),
+            "scale": ((block_size, heads, groups), _SCALE_DTYPE),
+            "min": ((block_size, heads, groups), _SCALE_DTYPE),
+        }
 
     def quantize(self, x: torch.Tensor) -> Stored:
         grouped = x.reshape(*x.shape[:-1], -1, self.group_size)

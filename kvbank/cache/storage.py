@@ -4,6 +4,7 @@
 allocates and serves its layers. `plan_pool` is the arithmetic that sizes the pool; the engine
 and `kvbank plan` both use it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from kvbank.attention.metadata import AttentionMetadata
 from kvbank.cache.format import KVFormat
 from kvbank.cache.layers import KINDS, KVKind, KVLayer, PoolSpec, StepSeq
 from kvbank.cache.quant import CodecPair
+
+DEFAULT_FORMAT = KVFormat()
 
 
 class ModelShape(Protocol):
@@ -58,8 +61,14 @@ def _by_kind(model: ModelShape, model_dtype: torch.dtype, kv_format: KVFormat) -
     return layers
 
 
-def plan_pool(model: ModelShape, model_dtype: torch.dtype, memory_bytes: int, block_size: int = 16,
-              kv_format: KVFormat = KVFormat(), reserved_seqs: int = 0) -> PoolPlan:
+def plan_pool(
+    model: ModelShape,
+    model_dtype: torch.dtype,
+    memory_bytes: int,
+    block_size: int = 16,
+    kv_format: KVFormat = DEFAULT_FORMAT,
+    reserved_seqs: int = 0,
+) -> PoolPlan:
     """Blocks that fit in `memory_bytes` after reserving per-sequence memory for `reserved_seqs`."""
     codecs = kv_format.codecs(model.num_layers, model_dtype)
     shape = (block_size, model.num_kv_heads, model.head_dim)
@@ -76,14 +85,23 @@ def plan_pool(model: ModelShape, model_dtype: torch.dtype, memory_bytes: int, bl
 class KVStorage:
     """Every layer's KV blocks: `layers[i]` is layer i's storage, `kinds` the kinds that own them."""
 
-    def __init__(self, model: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, kv_format: KVFormat = KVFormat(), reserved_seqs: int = 0) -> None:
+    def __init__(
+        self,
+        model: ModelShape,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_format: KVFormat = DEFAULT_FORMAT,
+        reserved_seqs: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
-        spec = PoolSpec(num_blocks, block_size, model.num_heads, model.num_kv_heads, model.head_dim, dtype, device,
-                        reserved_seqs)
+        spec = PoolSpec(
+            num_blocks, block_size, model.num_heads, model.num_kv_heads, model.head_dim, dtype, device, reserved_seqs
+        )
         codecs: list[CodecPair] = kv_format.codecs(model.num_layers, dtype)
         self.layers: list[KVLayer] = [None] * model.num_layers  # type: ignore[list-item]
         self.kinds: list[KVKind] = []

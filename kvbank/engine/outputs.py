@@ -1,4 +1,5 @@
 """What a request gives back, shaped like vLLM's RequestOutput."""
+
 from __future__ import annotations
 
 import enum

@@ -1,11 +1,12 @@
 """Sampling parameters, shaped like vLLM's so code written for one runs on the other."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
-SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -58,34 +59,71 @@ class SamplingParams:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "must be -1, 0 (off) or a positive integer")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            self.top_k,
+            "must be -1, 0 (off) or a positive integer",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", self.max_tokens, "must be a positive integer or None")
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            self.max_tokens,
+            "must be a positive integer or None",
+        )
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-               f"must be <= max_tokens={self.max_tokens}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               "logprobs", self.logprobs, "must be an integer in [0, 20]")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-               "prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20]")
-        _check(self.seed is None or (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
-               self.seed, f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"must be <= max_tokens={self.max_tokens}",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            self.logprobs,
+            "must be an integer in [0, 20]",
+        )
+        _check(
+            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "must be an integer in [0, 20]",
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX),
+            "seed",
+            self.seed,
+            f"must be an integer in [{SEED_MIN}, {SEED_MAX}]",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop, "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "must be non-negative integers")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be non-negative integers",
+        )
         self._validate_logit_bias()
 
     def _validate_logit_bias(self) -> None:
-        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
-               "must be a dict from token id to bias")
+        _check(
+            self.logit_bias is None or isinstance(self.logit_bias, dict),
+            "logit_bias",
+            self.logit_bias,
+            "must be a dict from token id to bias",
+        )
         for token_id, bias in (self.logit_bias or {}).items():
             _check(_is_int(token_id) and token_id >= 0, "logit_bias token id", token_id, "must be an integer >= 0")
-            _check(_is_number(bias) and -100.0 <= bias <= 100.0, f"logit_bias[{token_id}]", bias,
-                   "must be a number in [-100, 100]")
+            _check(
+                _is_number(bias) and -100.0 <= bias <= 100.0,
+                f"logit_bias[{token_id}]",
+                bias,
+                "must be a number in [-100, 100]",
+            )
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError if a token id these parameters name is not in a vocabulary of `vocab_size`."""

@@ -1,4 +1,5 @@
 """What a prompt may be (text, token ids, or a dict with a tenant's cache salt) and its validation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """From logits to tokens: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -31,7 +32,9 @@ def token_logprobs(logprobs: torch.Tensor, chosen: int, k: int, token_text: Call
 class Sampler:
     """Samples one token per row; each row follows its own sequence's SamplingParams."""
 
-    def __init__(self, eos_token_ids: frozenset[int], token_text: Callable[[int], str], generator: torch.Generator) -> None:
+    def __init__(
+        self, eos_token_ids: frozenset[int], token_text: Callable[[int], str], generator: torch.Generator
+    ) -> None:
         self.eos_token_ids = eos_token_ids
         self.token_text = token_text
         self.generator = generator
@@ -47,8 +50,10 @@ class Sampler:
         random_rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
             probs = self._probabilities(logits[random_rows], [seqs[r].params for r in random_rows])
-            uniforms = [torch.rand(1, generator=seqs[row].generator or self.generator, dtype=torch.float64,
-                                   device=probs.device) for row in random_rows]
+            uniforms = [
+                torch.rand(1, generator=seqs[row].generator or self.generator, dtype=torch.float64, device=probs.device)
+                for row in random_rows
+            ]
             tokens[random_rows] = _draw(probs, torch.cat(uniforms))
         tokens_list = tokens.tolist()
         want_logprobs = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]

@@ -6,6 +6,7 @@ request with `n > 1` runs as one sequence until its prompt is done and then fork
 admitted only with room for all n. When a running sequence cannot grow, the newest running
 sequence is preempted by recompute.
 """
+
 from __future__ import annotations
 
 import bisect

@@ -1,4 +1,5 @@
 """Requests and the sequences they run as (one per completion when n > 1)."""
+
 from __future__ import annotations
 
 import enum
@@ -61,7 +62,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -84,8 +85,9 @@ class Sequence:
         child.status = self.status
         return child
 
-    def check_stop(self, token: int, new_len: int, eos_token_ids: frozenset[int],
-                    max_model_len: int) -> tuple[str, int | str | None] | None:
+    def check_stop(
+        self, token: int, new_len: int, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> tuple[str, int | str | None] | None:
         """(finish reason, stop reason) once `token`, just appended with `new_len` new characters, ends
         the sequence; None while it goes on. A matched stop string is cut from the text here."""
         params = self.params
@@ -97,7 +99,7 @@ class Sequence:
             for stop in params.stop_strings:
                 index = self.text.find(stop, max(0, len(self.text) - new_len - len(stop) + 1))
                 if index >= 0:
-                    self.text = self.text[:index + (len(stop) if params.include_stop_str_in_output else 0)]
+                    self.text = self.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
                     return "stop", stop
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return "length", None
@@ -112,7 +114,7 @@ class Sequence:
         stops = self.params.stop_strings
         if self.is_finished or not stops:
             return self.text
-        return self.text[:max(0, len(self.text) - max(map(len, stops)) + 1)]
+        return self.text[: max(0, len(self.text) - max(map(len, stops)) + 1)]
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -130,8 +132,8 @@ class Sequence:
         text, start = self.settled_text(), self.num_sent_tokens
         delta = CompletionOutput(
             index=self.index,
-            text=text[self.num_sent_chars:],
-            token_ids=self.token_ids[self.num_prompt_tokens + start:],
+            text=text[self.num_sent_chars :],
+            token_ids=self.token_ids[self.num_prompt_tokens + start :],
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs[start:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
@@ -146,8 +148,15 @@ class Request:
 
     _arrivals = itertools.count()
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 root_hash: bytes, arrival_time: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        root_hash: bytes,
+        arrival_time: float,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -189,6 +198,6 @@ class Request:
     def _new_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         if self.prompt_logprobs is None:
             return None
-        new = self.prompt_logprobs[self._num_sent_prompt_logprobs:]
+        new = self.prompt_logprobs[self._num_sent_prompt_logprobs :]
         self._num_sent_prompt_logprobs = len(self.prompt_logprobs)
         return new

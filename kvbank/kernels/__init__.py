@@ -5,6 +5,7 @@ failed build, or KVBANK_NATIVE_KERNELS=0. Callers keep their PyTorch path for No
 without a compiler runs the same engine, only slower. The first build takes about a minute on two
 cores; later processes load the cached library (under $TORCH_EXTENSIONS_DIR or ~/.cache).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,15 +49,25 @@ def failure() -> str | None:
 def _build() -> dict[str, object]:
     try:
         from torch.utils.cpp_extension import load
+
         digest = hashlib.sha256(b"".join((_SOURCE_DIR / f).read_bytes() for f in SOURCES)).hexdigest()[:12]
         name = f"kvbank_native_{digest}"
         if not _cached(name):
-            print("kvbank: compiling the native CPU kernels (once, about a minute on two cores; "
-                  "KVBANK_NATIVE_KERNELS=0 skips them)", file=sys.stderr, flush=True)
+            print(
+                "kvbank: compiling the native CPU kernels (once, about a minute on two cores; "
+                "KVBANK_NATIVE_KERNELS=0 skips them)",
+                file=sys.stderr,
+                flush=True,
+            )
         # parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.
         with _ninja_on_path():
-            module = load(name=name, sources=[str(_SOURCE_DIR / SOURCES[0])],
-                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            module = load(
+                name=name,
+                sources=[str(_SOURCE_DIR / SOURCES[0])],
+                extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
         return {"module": module}
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say why once
         reason = f"{type(exc).__name__}: {exc}"
@@ -82,6 +93,7 @@ def _ninja_folders() -> list[str]:
     folders = [os.path.dirname(sys.executable)]
     with contextlib.suppress(ImportError):
         import ninja
+
         folders.insert(0, ninja.BIN_DIR)
     return folders
 
@@ -99,6 +111,7 @@ def _ninja_on_path() -> Iterator[None]:
 def _cached(name: str) -> bool:
     try:  # where torch keeps builds: $TORCH_EXTENSIONS_DIR or its per-version cache folder
         from torch.utils.cpp_extension import _get_build_directory
+
         return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
     except Exception:
         return False

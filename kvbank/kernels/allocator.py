@@ -1,4 +1,5 @@
 """glibc allocator tuning for the CPU hot loop."""
+
 from __future__ import annotations
 
 import ctypes

@@ -1,4 +1,5 @@
 """From a model file to a model ready to run: load, cast, keep 4-bit weights packed, pick kernels."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,11 +41,17 @@ def build_model(config: EngineConfig, progress: ProgressFn | None = None) -> Bui
     model_config = loaded.config
     limit = config.max_model_len or model_config.max_position_embeddings
     if limit > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len={limit} exceeds the model's context length "
-                         f"{model_config.max_position_embeddings}")
+        raise ValueError(
+            f"max_model_len={limit} exceeds the model's context length {model_config.max_position_embeddings}"
+        )
     model_config.max_position_embeddings = limit
-    model, packed = assemble(model_config, {k: v.to(device) for k, v in loaded.state_dict.items()}, loaded.int4,
-                             config.packs_int4_weights(bool(loaded.int4)), dtype)
+    model, packed = assemble(
+        model_config,
+        {k: v.to(device) for k, v in loaded.state_dict.items()},
+        loaded.int4,
+        config.packs_int4_weights(bool(loaded.int4)),
+        dtype,
+    )
     built = BuiltModel(model.eval(), model_config, loaded.tokenizer, loaded.path, packed, None)
     del loaded
     built.load_peak = peak.stop()
@@ -56,8 +63,14 @@ def build_model(config: EngineConfig, progress: ProgressFn | None = None) -> Bui
     return built
 
 
-def assemble(config: ModelConfig, state_dict: dict[str, torch.Tensor], int4: dict[str, Int4Blocks], pack: bool,
-             dtype: torch.dtype, max_rows: int = PACKED_MAX_ROWS) -> tuple[LlamaForCausalLM, int]:
+def assemble(
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    int4: dict[str, Int4Blocks],
+    pack: bool,
+    dtype: torch.dtype,
+    max_rows: int = PACKED_MAX_ROWS,
+) -> tuple[LlamaForCausalLM, int]:
     """The model as the engine runs it: weights fused and cast, 4-bit ones packed if `pack`.
     Returns the model and the number of packed projections.
 

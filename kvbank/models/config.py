@@ -1,4 +1,5 @@
 """The shape of a Llama-family decoder, as read from a GGUF file or a Hugging Face config."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

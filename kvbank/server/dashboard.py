@@ -22,6 +22,7 @@ given in its address (`/dashboard#key=KEY`) as a bearer header, or, when it has 
 form that posts the key to `/dashboard/login`, which answers with an HttpOnly cookie holding a
 token derived from the key; the API's key check accepts that cookie for `/dashboard/state` only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,9 +33,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
-
 from importlib import resources
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -87,8 +87,17 @@ def install_dashboard(app: FastAPI, async_engine: AsyncEngine, api_key: str | No
         if api_key is None:
             return Response(status_code=204)
         if not hmac.compare_digest(body.key.encode(), api_key.encode()):
-            return JSONResponse({"error": {"message": "wrong API key", "type": "invalid_request_error",
-                                           "param": "key", "code": "invalid_api_key"}}, status_code=401)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "wrong API key",
+                        "type": "invalid_request_error",
+                        "param": "key",
+                        "code": "invalid_api_key",
+                    }
+                },
+                status_code=401,
+            )
         response = Response(status_code=204)
         response.set_cookie(COOKIE_NAME, cookie_token(api_key), httponly=True, samesite="strict", path="/dashboard")
         return response
@@ -132,8 +141,12 @@ class StatsSampler:
     task on the serving event loop, started with the app (or lazily by the first dashboard request).
     """
 
-    def __init__(self, read_stats: Callable[[], dict[str, Any]], interval_s: float = SAMPLE_INTERVAL_S,
-                 history_s: float = HISTORY_S) -> None:
+    def __init__(
+        self,
+        read_stats: Callable[[], dict[str, Any]],
+        interval_s: float = SAMPLE_INTERVAL_S,
+        history_s: float = HISTORY_S,
+    ) -> None:
         self.read_stats = read_stats
         self.interval_s = interval_s
         self._points: deque[dict[str, float]] = deque(maxlen=math.ceil(history_s / interval_s) + 1)
@@ -165,14 +178,16 @@ class StatsSampler:
         elapsed = clock - self._last_clock if self._last_clock is not None else 0.0
         rate = max(0.0, generated - self._last_generated) / elapsed if elapsed > 0 else 0.0
         self._last_clock, self._last_generated = clock, generated
-        self._points.append({
-            "time": round(time.time(), 3),
-            "hit_rate": round(float(stats.get("prefix_cache_hit_rate", 0.0)), 4),
-            "tokens_per_s": round(rate, 2),
-            "running": int(stats.get("num_requests_running", 0)),
-            "waiting": int(stats.get("num_requests_waiting", 0)),
-            "kv_usage": round(float(stats.get("kv_cache_usage", 0.0)), 4),
-        })
+        self._points.append(
+            {
+                "time": round(time.time(), 3),
+                "hit_rate": round(float(stats.get("prefix_cache_hit_rate", 0.0)), 4),
+                "tokens_per_s": round(rate, 2),
+                "running": int(stats.get("num_requests_running", 0)),
+                "waiting": int(stats.get("num_requests_waiting", 0)),
+                "kv_usage": round(float(stats.get("kv_cache_usage", 0.0)), 4),
+            }
+        )
 
     def history(self, since: float | None = None) -> list[dict[str, float]]:
         """The recorded points, oldest first; only those later than `since` when given."""

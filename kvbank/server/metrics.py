@@ -4,6 +4,7 @@ Counters and gauges come from the engine's own counters (`AsyncEngine.stats()`);
 histograms are fed by `RequestTimer.observe`, which the engine thread calls with every step's
 outputs. Names use the `kvbank:` prefix where vLLM uses `vllm:`, so dashboards port over.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -15,8 +16,27 @@ from collections.abc import Sequence
 from kvbank.engine.outputs import RequestOutput
 from kvbank.memory import PARTS, MemoryReport
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class Histogram:
@@ -103,8 +123,12 @@ _GAUGES = (
 )
 
 
-def render_metrics(stats: dict[str, float], timer: RequestTimer, extra_gauges: dict[str, float] | None = None,
-                   memory: MemoryReport | None = None) -> str:
+def render_metrics(
+    stats: dict[str, float],
+    timer: RequestTimer,
+    extra_gauges: dict[str, float] | None = None,
+    memory: MemoryReport | None = None,
+) -> str:
     """The whole /metrics page; `memory` adds the engine's memory by part (kvbank.memory)."""
     lines: list[str] = []
     for key, name, help_text in _COUNTERS:
@@ -118,8 +142,11 @@ def render_metrics(stats: dict[str, float], timer: RequestTimer, extra_gauges: d
         lines += render_memory(memory)
     rss = resident_memory_bytes()
     if rss is not None:
-        lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                  "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]
+        lines += [
+            "# HELP process_resident_memory_bytes Resident memory size in bytes.",
+            "# TYPE process_resident_memory_bytes gauge",
+            f"process_resident_memory_bytes {rss}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -130,8 +157,11 @@ def render_memory(report: MemoryReport) -> list[str]:
     lines = [f"# HELP {name} Bytes the engine holds, by part ({parts}).", f"# TYPE {name} gauge"]
     lines += [f'{name}{{part="{part}"}} {value}' for part, value in report.parts().items()]
     if report.load_peak is not None:
-        lines += ["# HELP kvbank:load_peak_bytes Most resident memory loading the weights added above the start.",
-                  "# TYPE kvbank:load_peak_bytes gauge", f"kvbank:load_peak_bytes {report.load_peak}"]
+        lines += [
+            "# HELP kvbank:load_peak_bytes Most resident memory loading the weights added above the start.",
+            "# TYPE kvbank:load_peak_bytes gauge",
+            f"kvbank:load_peak_bytes {report.load_peak}",
+        ]
     return lines
 
 

@@ -3,6 +3,7 @@
 A new kind is one module with a `KVKind` subclass (and its layer class) plus one line here; a
 codec names the kind that stores it (`Codec.kind`).
 """
+
 from kvbank.cache.layers.base import KVKind, KVLayer, PoolSpec, StepSeq
 from kvbank.cache.layers.dense import DenseKind
 from kvbank.cache.layers.kivi import KiviKind

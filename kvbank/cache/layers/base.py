@@ -7,6 +7,7 @@ everyone else. In the model each layer then does `written = layer.write(k, v, me
 `layer.attend(q, written, meta, scale)`; `written` is whatever attend needs of this step's fresh
 K/V, so nothing is left on the layer for a later call to pick up.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -105,5 +106,5 @@ class KVKind(ABC):
             for t in layer.tensors:
                 t[dst] = t[src]
 
-    def release_block(self, block_id: int) -> None:
+    def release_block(self, block_id: int) -> None:  # noqa: B027 -- most kinds keep nothing per block outside the pool
         """A block went back to the free list without being indexed."""

@@ -4,6 +4,7 @@ Decodes are read in place by the native kernel where it has a fast path (bfloat1
 BF16 CPU); otherwise blocks are gathered, and leading blocks that several decodes share are read
 once (attention/cascade.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,9 @@ class DenseLayer:
         write_kv(self.k, self.v, k, v, meta.slot_mapping)
         return k, v  # chunks from position 0 attend to their fresh K/V directly
 
-    def attend(self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         return paged_attention(q, *written, self.k, self.v, meta, meta.kinds[self.kind], scale)
 
 
@@ -42,17 +44,21 @@ class DenseKind(KVKind):
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
         self.layers = [DenseLayer(spec, self.name) for _ in codecs]
-        self.decode_kernel = native_decode_kernel(spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads,
-                                                  spec.head_dim, spec.block_size)
+        self.decode_kernel = native_decode_kernel(
+            spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size
+        )
         self.cascade = self.decode_kernel is None and cascade_available(spec.device)
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> DenseStep:
         bs, dtype, device = self.spec.block_size, self.spec.dtype, self.spec.device
-        chunk_masks = [additive_mask(chunk_visibility(s.start, s.end, bs).to(device), dtype) if s.start else None
-                       for s in steps if s.num_tokens > 1]
+        chunk_masks = [
+            additive_mask(chunk_visibility(s.start, s.end, bs).to(device), dtype) if s.start else None
+            for s in steps
+            if s.num_tokens > 1
+        ]
         step = DenseStep(self.decode_kernel, chunk_masks)
         decodes = [s for s in steps if s.num_tokens == 1]
         if decodes and self.cascade:
-            tables = [s.block_table[:-(-s.end // bs)] for s in decodes]
+            tables = [s.block_table[: -(-s.end // bs)] for s in decodes]
             share_prefixes(step, tables, [s.end for s in decodes], bs, dtype, device)
         return step

@@ -5,6 +5,7 @@ Residual slots belong to blocks (not sequences), so forks share them and copy-on
 them. They are this kind's alone: the pool reserves one per expected sequence, grows the table
 when more blocks are open at once (many forks), and gives the extra back once they close.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ class ResidualSlots:
     most a quarter of it is in use.
     """
 
-    def __init__(self, num_layers: int, reserved: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, reserved: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.reserved = max(reserved, 1)
         self.k = [self._zeros(self.reserved) for _ in range(num_layers)]
@@ -79,7 +81,7 @@ class ResidualSlots:
         for tensors in (self.k, self.v):
             for i, t in enumerate(tensors):
                 resized = self._zeros(capacity)
-                resized[:len(live)] = t.index_select(0, index)
+                resized[: len(live)] = t.index_select(0, index)
                 tensors[i] = resized
         self.of_block = {block_id: slot for slot, block_id in enumerate(live)}
         self.free = list(range(capacity - 1, len(live) - 1, -1))
@@ -134,15 +136,17 @@ class KiviLayer(CodecLayer):
             rows.view(-1, *x.shape[1:]).index_copy_(0, plan.scratch_slots, x)
             scratch.append(rows)
         if plan.full_rows is not None:
-            self._store_blocks(plan.full_blocks, scratch[0].index_select(0, plan.full_rows),
-                               scratch[1].index_select(0, plan.full_rows))
+            self._store_blocks(
+                plan.full_blocks, scratch[0].index_select(0, plan.full_rows), scratch[1].index_select(0, plan.full_rows)
+            )
         if plan.keep_rows is not None:
             for rows, store in zip(scratch, stores):
                 store.index_copy_(0, plan.keep_slots, rows.index_select(0, plan.keep_rows))
         return scratch[0], scratch[1]
 
-    def attend(self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         view = meta.kinds[self.kind].view
         return quantized_paged_attention(q, self, KiviKind.name, view, meta, scale, scratch=written)
 
@@ -226,8 +230,9 @@ class KiviKind(KVKind):
             chunk_rows.append((first_row, rows))
         for block_id in filled:
             residual.release(block_id)
-        plan = ResidualPlan(rows, _tensor(scratch_slots, device), *_pair(preload, device), *_pair(full, device),
-                            *_pair(keep, device))
+        plan = ResidualPlan(
+            rows, _tensor(scratch_slots, device), *_pair(preload, device), *_pair(full, device), *_pair(keep, device)
+        )
         view = QuantizedView(masks, chunk_rows, _tensor(own_blocks, device) if own_blocks else None)
         return KiviStep(view, plan)
 

@@ -1,5 +1,6 @@
 """Per-token storage: every token is quantized as it is written (int8, fp8, or a float dtype
 other than the model's), and attention reads whole blocks back through the codec."""
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,13 @@ class CodecLayer:
         self.dtype = spec.dtype
         self.block_size = spec.block_size
         self.heads = spec.num_kv_heads
-        self.sides = [{name: torch.zeros(spec.num_blocks, *shape, dtype=cdtype, device=spec.device)
-                       for name, (shape, cdtype) in codec.components(*spec.block_shape).items()}
-                      for codec in codecs]
+        self.sides = [
+            {
+                name: torch.zeros(spec.num_blocks, *shape, dtype=cdtype, device=spec.device)
+                for name, (shape, cdtype) in codec.components(*spec.block_shape).items()
+            }
+            for codec in codecs
+        ]
         self.tensors = [t for side in self.sides for t in side.values()]
 
     def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
