@@ -23,7 +23,10 @@ class EngineConfig:
     it, "dense" turns it off); float32 always runs dense, exactly like the reference.
     `kv_cache_dtype` is how the KV pool stores keys and values (see kvbank.cache.quant); the
     layers in `kv_cache_dtype_skip_layers` stay in the model dtype; `kv_quant_group_size` is the
-    number of channels that share a scale in int4/int2 values.
+    number of channels that share a scale in int4/int2 values. `batch_invariant` makes greedy
+    output independent of what else is batched (every step size runs the same weight kernel, and
+    every token attends through the native decode kernel: bfloat16 on a CPU with dense KV layers);
+    False lets small steps use 4-bit weights and prefills use flash attention, which is faster.
     """
 
     model: str | None = None
@@ -42,6 +45,7 @@ class EngineConfig:
     kv_cache_dtype_skip_layers: tuple[int, ...] = ()
     kv_quant_group_size: int = DEFAULT_GROUP_SIZE
     seed: int = 0
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -89,6 +89,8 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of every new token (q, k, v: [T, heads, dim]) over its sequence's cached past."""
+    if meta.row_block_tables is not None:
+        return _attend_rows(q, k_cache, v_cache, meta, scale)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -125,6 +127,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                       enable_gqa=group > 1)
         out[chunk.start:chunk.end] = attended.squeeze(0)[:, :n].transpose(0, 1)
     return out
+
+
+def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+    # Every token as a decode of its own sequence, its K/V already in the pool: one fixed order
+    # of arithmetic per token, whatever the chunking of its prompt and whatever else is batched.
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
+    attended = meta.decode_kernel.paged_decode_attention(queries, k_cache, v_cache, meta.row_block_tables,
+                                                         meta.row_context_lens, scale, DECODE_PARTITION)
+    return attended.view(q.shape)
 
 
 def cascade_available(device: torch.device) -> bool:

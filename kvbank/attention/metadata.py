@@ -47,6 +47,9 @@ class AttentionMetadata:
     `shared_prefixes` lists the groups, and `suffix_block_tables` / `suffix_mask` describe every
     decode's blocks after its group's shared ones (see attention/cascade.py). `decode_kernel`,
     when set, is the native module that reads decodes straight from the blocks (attention/fast.py).
+    `row_block_tables` / `row_context_lens`, when set, give every new token its sequence's blocks
+    and its position + 1: dense layers then attend every token, prefill or decode, with the decode
+    kernel, so a token's result depends on its own sequence alone (batch-invariant mode).
     """
 
     slot_mapping: torch.Tensor
@@ -61,6 +64,8 @@ class AttentionMetadata:
     suffix_block_tables: torch.Tensor | None = None
     suffix_mask: torch.Tensor | None = None
     decode_kernel: object | None = None
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
 
 @dataclass

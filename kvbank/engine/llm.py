@@ -24,7 +24,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, max_pinned_fraction: float = 0.5, weight_format: str = "auto",
                  kv_cache_dtype: str = "auto", kv_cache_dtype_skip_layers: Sequence[int] = (),
-                 kv_quant_group_size: int = DEFAULT_GROUP_SIZE, seed: int = 0, show_progress: bool = False) -> None:
+                 kv_quant_group_size: int = DEFAULT_GROUP_SIZE, seed: int = 0, batch_invariant: bool = True,
+                 show_progress: bool = False) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                               kv_cache_memory_gb=kv_cache_memory_gb, num_gpu_blocks=num_gpu_blocks,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -32,7 +33,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching, max_pinned_fraction=max_pinned_fraction,
                               weight_format=weight_format, kv_cache_dtype=kv_cache_dtype,
                               kv_cache_dtype_skip_layers=tuple(kv_cache_dtype_skip_layers),
-                              kv_quant_group_size=kv_quant_group_size, seed=seed)
+                              kv_quant_group_size=kv_quant_group_size, seed=seed,
+                              batch_invariant=batch_invariant)
         self.engine = LLMEngine(config, progress=_progress_bar() if show_progress else None)
 
     def get_tokenizer(self) -> Tokenizer:

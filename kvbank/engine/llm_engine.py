@@ -90,7 +90,7 @@ class LLMEngine:
             f"|kv={config.kv_cache_dtype}/{skip}/{config.kv_quant_group_size}".encode()
             if config.kv_cache_dtype != "auto" else b"")
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model.eval(), storage, self.device)
+        self.runner = ModelRunner(model.eval(), storage, self.device, config.batch_invariant)
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
         token_text = self.tokenizer.token_text if self.tokenizer else str
         self.sampler = Sampler(self.eos_token_ids, token_text, torch.Generator(self.device).manual_seed(config.seed))
@@ -106,7 +106,7 @@ class LLMEngine:
             raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
         if wanted == "dense" or not usable:
             return 0
-        return model.pack_weights(loaded.int4, PACKED_MAX_ROWS)
+        return model.pack_weights(loaded.int4, None if self.config.batch_invariant else PACKED_MAX_ROWS)
 
     @property
     def kv_bytes_per_token(self) -> float:

@@ -31,7 +31,8 @@ class StepLogits:
 class ModelRunner:
     """Owns the model and the KV storage; executes one batch per call."""
 
-    def __init__(self, model: LlamaForCausalLM, storage: KVStorage, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, storage: KVStorage, device: torch.device,
+                 batch_invariant: bool = False) -> None:
         self.model = model
         self.storage = storage
         self.device = device
@@ -43,6 +44,8 @@ class ModelRunner:
         if "dense" in storage.kinds:
             self.decode_kernel = native_decode_kernel(device, self.dtype, config.num_heads, config.num_kv_heads,
                                                       config.head_dim, self.block_size)
+        #: dense layers attend every token, prefill or decode, with the decode kernel (see _row_tables)
+        self.attend_rows = batch_invariant and self.decode_kernel is not None
         # Without the kernel, dense layers read shared prefixes once; quantized ones dequantize per sequence.
         self.cascade = self.decode_kernel is None and cascade_available(device) and "dense" in storage.kinds
 
@@ -100,7 +103,19 @@ class ModelRunner:
             meta.views["token"] = self._token_view(batch, meta)
         if "block" in self.storage.kinds:
             meta.views["block"], meta.residual_plan = self._block_view(batch, meta)
-        return self._tensor(input_ids), self._tensor(positions), meta
+        position_tensor = self._tensor(positions)
+        if self.attend_rows:
+            meta.row_block_tables, meta.row_context_lens = self._row_tables(batch, position_tensor)
+        return self._tensor(input_ids), position_tensor, meta
+
+    def _row_tables(self, batch: list[ScheduledSeq], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each new token's block table and context length (its position + 1), for batch-invariant attention."""
+        bs = self.block_size
+        tables = [item.seq.block_table[:-(-(item.seq.num_computed_tokens + item.num_tokens) // bs)] for item in batch]
+        width = max(map(len, tables))
+        per_seq = self._tensor([t + [0] * (width - len(t)) for t in tables])
+        owner = torch.repeat_interleave(self._tensor([item.num_tokens for item in batch]))
+        return per_seq.index_select(0, owner), positions + 1
 
     def _token_view(self, batch: list[ScheduledSeq], meta: AttentionMetadata) -> QuantizedView:
         # Every token, new ones included, is read back from the quantized pool.

@@ -55,9 +55,10 @@ def packed_matmul_available(device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A linear layer with a dense weight and, for batches of at most `max_rows` tokens, int4 blocks."""
+    """A linear layer with a dense weight and, for batches of at most `max_rows` tokens (all: None), int4 blocks."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: Int4Blocks, max_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: Int4Blocks,
+                 max_rows: int | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -67,7 +68,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros.to(weight.dtype).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
         return out if self.bias is None else out + self.bias
