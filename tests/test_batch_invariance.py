@@ -9,7 +9,7 @@ from kvbank import LLM, SamplingParams
 from kvbank.attention import AttentionMetadata
 from kvbank.attention.fast import DECODE_PARTITION, native_decode_kernel, paged_attention
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -84,24 +84,26 @@ def test_a_query_rows_attention_is_the_same_however_its_prompt_is_chunked_and_ba
         assert torch.equal(chunk, whole[start:end]), (start, end)
 
 
-def test_a_tokens_kv_is_the_same_from_prefill_and_from_decode(native):
-    llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=32)
-    if not llm.engine.runner.attend_rows:
-        pytest.skip("batch-invariant attention needs the native kernel's AVX-512 BF16 path")
-    written: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+def test_a_tokens_kv_is_the_same_from_prefill_and_from_decode(llm, monkeypatch):
+    written: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per step, per layer: the last token's K, V
+    rows: list[int] = []  # per step: how many tokens it computed
     layers = llm.engine.runner.storage.kv_caches
     for layer in layers:
-        def record(k, v, meta, layer=layer, original=layer.write):
+        def record(k, v, meta, layer=layer, write=layer.write):
             if layer is layers[0]:
                 written.append([])
+                rows.append(k.shape[0])
             written[-1].append((k[-1].clone(), v[-1].clone()))
-            original(k, v, meta)
-        layer.write = record
-    prompt = _chat(llm, "Name three rivers.")
-    token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2)).pop().outputs[0].token_ids[0]
+            write(k, v, meta)
+        monkeypatch.setattr(layer, "write", record)
+    prompt = _chat(llm, "Name three rivers of Europe, and say which of them is the longest.")
+    token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids[0]
     decoded = written[-1]  # the second step decoded `token`
     written.clear()
-    llm.generate([prompt + [token]], SamplingParams(temperature=0, max_tokens=1))  # prefilled in chunks of 32
-    assert len(written) > 1
-    prefilled = written[-1]
+    rows.clear()
+    # The prompt's blocks are cached now: the last one is recomputed, `token` included, as a prefill chunk.
+    llm.generate([prompt + [token]], SamplingParams(temperature=0, max_tokens=1))
+    prefilled = written[0]
+    assert rows[0] > 1
+    assert len(prefilled) == len(decoded) == len(layers)
     assert all(torch.equal(a, b) for pair_a, pair_b in zip(decoded, prefilled) for a, b in zip(pair_a, pair_b))
