@@ -8,6 +8,8 @@ laid along the query axis, so grouped-query attention needs no K/V expansion, an
 that several decodes share are read once (attention/cascade.py).
 Prefills: one call per chunk; a chunk that starts at position 0 attends to its own fresh K/V with
 the causal kernel, a chunk that continues a cached sequence gathers its blocks and uses a mask.
+Batch-invariant steps (metadata `row_block_tables`) instead give every token, prefill or decode,
+to the native kernel as a decode of its own sequence, after the step's K/V are written.
 """
 from __future__ import annotations
 

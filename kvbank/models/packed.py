@@ -3,7 +3,9 @@
 A decode step of a small model on a CPU is bound by reading the weights. GGUF's Q4_0/Q4_1
 blocks (32 weights, one scale, one offset) map exactly onto torch's grouped int4 matmul
 (w = (q - 8) * scale + zero), so small batches read 4-bit weights while large batches
-(prefill) use the dense copy, where compute, not memory, is the limit.
+(prefill) use the dense copy, where compute, not memory, is the limit. The two round
+differently, so a batch-invariant engine gives every batch the 4-bit path: each of the two
+kernels alone gives a row the same result whatever the number of rows.
 """
 from __future__ import annotations
 
