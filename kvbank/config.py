@@ -24,8 +24,9 @@ class EngineConfig:
     `kv_cache_dtype` is how the KV pool stores keys and values (see kvbank.cache.quant); the
     layers in `kv_cache_dtype_skip_layers` stay in the model dtype; `kv_quant_group_size` is the
     number of channels that share a scale in int4/int2 values. `batch_invariant` makes greedy
-    output independent of what else is batched (every step size runs the same weight kernel, and
-    every token attends through the native decode kernel: bfloat16 on a CPU with dense KV layers);
+    output independent of what else is batched (every step size runs the 4-bit weight kernel, and
+    every token attends through the native decode kernel: bfloat16 on a CPU, a Q4 GGUF, dense KV
+    layers; dense weights or float32 are not invariant);
     False runs steps of more than 8 tokens on the dense weights and prefills through flash attention,
     which is faster for prefills.
     """
