@@ -26,9 +26,8 @@ class EngineConfig:
     number of channels that share a scale in int4/int2 values. `batch_invariant` makes greedy
     output independent of what else is batched (every step size runs the 4-bit weight kernel, and
     every token attends through the native decode kernel: bfloat16 on a CPU, a Q4 GGUF, dense KV
-    layers; dense weights or float32 are not invariant);
-    False runs steps of more than 8 tokens on the dense weights and prefills through flash attention,
-    which is faster for prefills.
+    layers; dense weights or float32 are not invariant); False runs steps of more than 8 tokens on
+    the dense weights and prefills through flash attention, which is faster for prefills.
     """
 
     model: str | None = None
