@@ -8,6 +8,7 @@ Each number is the median of --repeats runs after a warm-up; the two systems' ru
 
     python bench/throughput.py                      # full table, JSON to bench/results/
     python bench/throughput.py --dtypes bfloat16 --batches 1 --no-hf --profile
+    python bench/throughput.py --dtypes bfloat16 --no-hf --no-batch-invariant   # the faster mixed kernels
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def distinct_prompts(count: int, length: int, vocab: int, salt: int) -> list[lis
 class KvbankRunner:
     name = "kvbank"
 
-    def __init__(self, model: str, dtype: str) -> None:
-        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=64)
+    def __init__(self, model: str, dtype: str, batch_invariant: bool = True) -> None:
+        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=64,
+                       batch_invariant=batch_invariant)
         self.vocab = self.llm.engine.model_config.vocab_size
         self.calls = 0
 
@@ -128,6 +130,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers side")
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="run kvbank with batch_invariant=False (output may depend on the batch)")
     parser.add_argument("--profile", action="store_true", help="print a kvbank decode profile per batch size")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "throughput.json"))
     args = parser.parse_args()
@@ -135,10 +139,10 @@ def main() -> None:
     args.prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
     model = args.model or bundled_model_path()
     report = {"model": model, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "results": {}}
+              "repeats": args.repeats, "batch_invariant": args.batch_invariant, "results": {}}
     for dtype in args.dtypes.split(","):
         print(f"{dtype}:", flush=True)
-        runners = [KvbankRunner(model, dtype)] + ([] if args.no_hf else [TransformersRunner(model, dtype)])
+        runners = [KvbankRunner(model, dtype, args.batch_invariant)] + ([] if args.no_hf else [TransformersRunner(model, dtype)])
         report["results"][dtype] = measure(runners, args)
         if args.profile:
             for batch in args.batches:

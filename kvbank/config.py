@@ -37,7 +37,11 @@ class EngineConfig:
     it, "dense" turns it off); float32 always runs dense, exactly like the reference.
     `kv_cache_dtype` is how the KV pool stores keys and values (see kvbank.cache.quant); the
     layers in `kv_cache_dtype_skip_layers` stay in the model dtype; `kv_quant_group_size` is the
-    number of channels that share a scale in int4/int2 values.
+    number of channels that share a scale in int4/int2 values. `batch_invariant` makes greedy
+    output independent of what else is batched (every step size runs the 4-bit weight kernel, and
+    every token attends through the native decode kernel: bfloat16 on a CPU, a Q4 GGUF, dense KV
+    layers; dense weights or float32 are not invariant); False runs steps of more than 8 tokens on
+    the dense weights and prefills through flash attention, which is faster for prefills.
     """
 
     model: str | None = option(None, "a .gguf file or a Hugging Face model folder",
@@ -65,6 +69,9 @@ class EngineConfig:
                                                          metavar="I,J,...", default_text="none")
     kv_quant_group_size: int = option(DEFAULT_GROUP_SIZE, "channels sharing one scale in int4/int2 values")
     seed: int = option(0, "seed of the sampler (a request's own seed overrides it)", plan=False)
+    batch_invariant: bool = option(True, "greedy output independent of what else runs: every step uses the 4-bit "
+                                   "weights and every token attends through the decode kernel (bfloat16 on an "
+                                   "AVX-512 BF16 CPU with a Q4 GGUF); --no-batch-invariant prefills faster")
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -169,7 +169,7 @@ def predict(config: EngineConfig) -> MemoryReport:
     if "rope_freqs" in state_dict:  # read by value to build the rotary tables; tiny
         state_dict["rope_freqs"] = torch.ones(shapes["rope_freqs"])
     int4 = {name: _meta_blocks(shapes[name]) for name in int4_names}
-    model, _ = assemble(model_config, state_dict, int4, config.packs_int4_weights(bool(int4)), config.torch_dtype)
+    model, _ = assemble(model_config, state_dict, int4, config)
     kv_pool, residual = _predict_kv(model_config, config)
     weights = weight_parts(model)
     return MemoryReport(

@@ -28,9 +28,7 @@ MAX_N = 3
 def server(kvbank_env, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("limits") / "server.log"
     process, url = start_server(
-        [
-            "--dtype",
-            "float32",
+        [  # the default dtype (bfloat16, packed 4-bit weights): what users run
             "--served-model-name",
             MODEL,
             "--log-level",
@@ -170,6 +168,29 @@ def test_32_concurrent_streaming_clients_get_what_they_get_alone_and_free_everyt
     assert together == alone
     metrics = _until_idle(server)
     assert metrics["kvbank:kv_cache_usage_perc"] == 0
+
+
+def test_identical_greedy_chats_get_one_answer_alone_together_and_after_a_busy_period(server):
+    """Temperature 0 gives one answer per request whatever else runs (the default configuration)."""
+    messages = [{"role": "user", "content": "Describe a lighthouse at night in two sentences."}]
+
+    async def chat(client: openai.AsyncOpenAI) -> str:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True
+        )
+        return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+
+    async def run(copies: int) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(chat(client) for _ in range(copies)))
+        finally:
+            await client.close()
+
+    alone = asyncio.run(run(1))[0]
+    assert alone
+    assert asyncio.run(run(16)) == [alone] * 16
+    assert asyncio.run(run(1)) == [alone]
 
 
 def test_full_queue_is_a_429_with_retry_after_and_nothing_is_lost(server):

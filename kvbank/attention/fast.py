@@ -8,6 +8,8 @@ laid along the query axis, so grouped-query attention needs no K/V expansion, an
 that several decodes share are read once (attention/cascade.py).
 Prefills: one call per chunk; a chunk that starts at position 0 attends to its own fresh K/V with
 the causal kernel, a chunk that continues a cached sequence gathers its blocks and uses a mask.
+Batch-invariant steps (DenseStep.row_block_tables) instead give every token, prefill or decode,
+to the native kernel as a decode of its own sequence, after the step's K/V are written.
 """
 from __future__ import annotations
 
@@ -54,7 +56,10 @@ class DenseStep:
     and so needs only the causal kernel); it is [new, context_start + new] or larger, padded rows
     and columns (chunk_visibility) being ignored. When decodes share leading blocks,
     `shared_prefixes` lists the groups, and `suffix_block_tables` / `suffix_mask` describe every
-    decode's blocks after its group's shared ones (attention/cascade.py).
+    decode's blocks after its group's shared ones (attention/cascade.py). `row_block_tables` /
+    `row_context_lens`, when set, give every new token its sequence's blocks and its position + 1:
+    every token, prefill or decode, is then attended by the decode kernel, so its result depends on
+    its own sequence alone (batch-invariant mode).
     """
 
     decode_kernel: object | None
@@ -62,6 +67,8 @@ class DenseStep:
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)
     suffix_block_tables: torch.Tensor | None = None
     suffix_mask: torch.Tensor | None = None
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
 
 def padded_length(n: int, multiple: int) -> int:
@@ -110,6 +117,8 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, step: DenseStep, scale: float) -> torch.Tensor:
     """Attention of every new token (q, k, v: [T, heads, dim]) over its sequence's cached past."""
+    if step.row_block_tables is not None:
+        return _attend_rows(q, k_cache, v_cache, step, scale)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -146,6 +155,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                       enable_gqa=group > 1)
         out[chunk.start:chunk.end] = attended.squeeze(0)[:, :n].transpose(0, 1)
     return out
+
+
+def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: DenseStep,
+                 scale: float) -> torch.Tensor:
+    # Every token as a decode of its own sequence, its K/V already in the pool: one fixed order
+    # of arithmetic per token, whatever the chunking of its prompt and whatever else is batched.
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
+    attended = step.decode_kernel.paged_decode_attention(queries, k_cache, v_cache, step.row_block_tables,
+                                                         step.row_context_lens, scale, DECODE_PARTITION)
+    return attended.view(q.shape)
 
 
 def cascade_available(device: torch.device) -> bool:

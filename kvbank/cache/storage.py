@@ -94,13 +94,22 @@ class KVStorage:
         device: torch.device,
         kv_format: KVFormat = DEFAULT_FORMAT,
         reserved_seqs: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
         spec = PoolSpec(
-            num_blocks, block_size, model.num_heads, model.num_kv_heads, model.head_dim, dtype, device, reserved_seqs
+            num_blocks,
+            block_size,
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            device,
+            reserved_seqs,
+            batch_invariant,
         )
         codecs: list[CodecPair] = kv_format.codecs(model.num_layers, dtype)
         self.layers: list[KVLayer] = [None] * model.num_layers  # type: ignore[list-item]

@@ -48,7 +48,7 @@ class LLMEngine:
         self.pool_plan = self._plan_pool()
         self.num_blocks = config.num_gpu_blocks or self.pool_plan.num_blocks
         storage = KVStorage(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
-                            self.kv_format, config.max_num_seqs)
+                            self.kv_format, config.max_num_seqs, config.batch_invariant)
         self.manager = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
                                       config.max_pinned_fraction)
         self.manager.pool.on_empty = storage.release

@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 namespace {
 
@@ -243,8 +243,10 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lens_p[i]);
   const int64_t parts = std::max<int64_t>(1, (longest + partition - 1) / partition);
   // Partial results: [n, heads, parts, group, dim] and [n, heads, parts, group] (max, sum).
-  std::vector<float> acc(n * heads * parts * group * dim);
-  std::vector<float> maxes(n * heads * parts * group), sums(n * heads * parts * group);
+  // Left uninitialized: every item writes its max and sum, and the merge reads only the partial
+  // sums of non-empty items. A prefill's rows bring many items, so zeroing would cost a pass.
+  const int64_t items = n * heads * parts * group;
+  std::unique_ptr<float[]> acc(new float[items * dim]), maxes(new float[items]), sums(new float[items]);
   const T* q_p = q.data_ptr<T>();
   const T* k_p = k_cache.data_ptr<T>();
   const T* v_p = v_cache.data_ptr<T>();
@@ -268,10 +270,10 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
       if (fast != nullptr) {
         fast(reinterpret_cast<const uint16_t*>(q_i), reinterpret_cast<const uint16_t*>(k_p),
              reinterpret_cast<const uint16_t*>(v_p), t_p + i * width, begin, end, block_size, heads, h, s,
-             acc.data() + row * dim, maxes.data() + row, sums.data() + row);
+             acc.get() + row * dim, maxes.get() + row, sums.get() + row);
       } else {
         attend_range<T, D>(q_i, k_p, v_p, t_p + i * width, begin, end, block_size, heads, h, group, dim, s,
-                           acc.data() + row * dim, maxes.data() + row, sums.data() + row);
+                           acc.get() + row * dim, maxes.get() + row, sums.get() + row);
       }
     }
   });
@@ -287,7 +289,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
           if (sums[row] == 0.0f) continue;
           const float w = exp_neg(maxes[row] - best);
           total += w * sums[row];
-          const float* a = acc.data() + row * dim;
+          const float* a = acc.get() + row * dim;
           for (int64_t d = 0; d < dim; ++d) merged[d] += w * a[d];
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;

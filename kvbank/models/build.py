@@ -45,13 +45,7 @@ def build_model(config: EngineConfig, progress: ProgressFn | None = None) -> Bui
             f"max_model_len={limit} exceeds the model's context length {model_config.max_position_embeddings}"
         )
     model_config.max_position_embeddings = limit
-    model, packed = assemble(
-        model_config,
-        {k: v.to(device) for k, v in loaded.state_dict.items()},
-        loaded.int4,
-        config.packs_int4_weights(bool(loaded.int4)),
-        dtype,
-    )
+    model, packed = assemble(model_config, {k: v.to(device) for k, v in loaded.state_dict.items()}, loaded.int4, config)
     built = BuiltModel(model.eval(), model_config, loaded.tokenizer, loaded.path, packed, None)
     del loaded
     built.load_peak = peak.stop()
@@ -64,23 +58,22 @@ def build_model(config: EngineConfig, progress: ProgressFn | None = None) -> Bui
 
 
 def assemble(
-    config: ModelConfig,
-    state_dict: dict[str, torch.Tensor],
-    int4: dict[str, Int4Blocks],
-    pack: bool,
-    dtype: torch.dtype,
-    max_rows: int = PACKED_MAX_ROWS,
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], int4: dict[str, Int4Blocks], engine: EngineConfig
 ) -> tuple[LlamaForCausalLM, int]:
-    """The model as the engine runs it: weights fused and cast, 4-bit ones packed if `pack`.
-    Returns the model and the number of packed projections.
+    """The model as `engine` runs it: weights fused and cast, 4-bit ones packed where the engine
+    keeps them packed. Returns the model and the number of packed projections.
 
-    With meta tensors in `state_dict` and `int4` this builds the same model without any data,
-    which is how kvbank.memory.predict sizes it.
+    A batch-invariant engine runs every step on the 4-bit weights, so it keeps no dense copy of
+    them; otherwise the dense copy serves steps of more than PACKED_MAX_ROWS tokens. With meta
+    tensors in `state_dict` and `int4` this builds the same model without any data, which is how
+    kvbank.memory.predict sizes it.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model.load_weights(state_dict, dtype)
-    return model, model.pack_weights(int4, max_rows) if pack else 0
+    model.load_weights(state_dict, engine.torch_dtype)
+    if not engine.packs_int4_weights(bool(int4)):
+        return model, 0
+    return model, model.pack_weights(int4, None if engine.batch_invariant else PACKED_MAX_ROWS)
 
 
 class PeakTracker:

@@ -238,8 +238,12 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict({k: cast.setdefault(id(v), v.to(dtype)) for k, v in params.items()}, assign=True)
         self._build_rope(state_dict.get("rope_freqs"), dtype)
 
-    def pack_weights(self, int4: dict[str, Int4Blocks], max_rows: int) -> int:
-        """Give every projection whose GGUF weights are all 4-bit an int4 path; returns how many."""
+    def pack_weights(self, int4: dict[str, Int4Blocks], max_rows: int | None) -> int:
+        """Give every projection whose GGUF weights are all 4-bit an int4 path; returns how many.
+
+        The int4 path serves steps of at most `max_rows` tokens, or every step for None: a row's
+        result then never depends on how many rows share its step.
+        """
         packed = 0
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."

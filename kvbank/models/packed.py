@@ -3,7 +3,9 @@
 A decode step of a small model on a CPU is bound by reading the weights. GGUF's Q4_0/Q4_1
 blocks (32 weights, one scale, one offset) map exactly onto torch's grouped int4 matmul
 (w = (q - 8) * scale + zero), so small batches read 4-bit weights while large batches
-(prefill) use the dense copy, where compute, not memory, is the limit.
+(prefill) use the dense copy, where compute, not memory, is the limit. The two round
+differently, so a batch-invariant engine gives every batch the 4-bit path: each of the two
+kernels alone gives a row the same result whatever the number of rows.
 """
 from __future__ import annotations
 
@@ -55,11 +57,15 @@ def packed_matmul_available(device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A linear layer with a dense weight and, for batches of at most `max_rows` tokens, int4 blocks."""
+    """A linear layer on int4 blocks for batches of at most `max_rows` tokens, on its dense weight above.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: Int4Blocks, max_rows: int) -> None:
+    With `max_rows=None` every batch takes the int4 path, and the dense weight is not kept.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: Int4Blocks,
+                 max_rows: int | None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = None if max_rows is None else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.max_rows = max_rows
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1))
@@ -67,7 +73,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros.to(weight.dtype).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
         return out if self.bias is None else out + self.bias

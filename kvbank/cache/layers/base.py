@@ -46,6 +46,8 @@ class PoolSpec:
     device: torch.device
     #: sequences the pool expects at once (KIVI reserves a residual block for each)
     reserved_seqs: int = 0
+    #: a token's attention may not depend on how its prompt was chunked or what else is batched
+    batch_invariant: bool = False
 
     @property
     def block_shape(self) -> tuple[int, int, int]:

@@ -48,8 +48,12 @@ class DenseKind(KVKind):
             spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size
         )
         self.cascade = self.decode_kernel is None and cascade_available(spec.device)
+        #: every token, prefill or decode, is attended by the decode kernel (batch invariance)
+        self.attend_rows = spec.batch_invariant and self.decode_kernel is not None
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> DenseStep:
+        if self.attend_rows:
+            return self._row_step(steps)
         bs, dtype, device = self.spec.block_size, self.spec.dtype, self.spec.device
         chunk_masks = [
             additive_mask(chunk_visibility(s.start, s.end, bs).to(device), dtype) if s.start else None
@@ -61,4 +65,17 @@ class DenseKind(KVKind):
         if decodes and self.cascade:
             tables = [s.block_table[: -(-s.end // bs)] for s in decodes]
             share_prefixes(step, tables, [s.end for s in decodes], bs, dtype, device)
+        return step
+
+    def _row_step(self, steps: list[StepSeq]) -> DenseStep:
+        """Each new token's block table and context length (its position + 1), in batch order."""
+        bs, device = self.spec.block_size, self.spec.device
+        tables = [s.block_table[: -(-s.end // bs)] for s in steps]
+        width = max(map(len, tables))
+        per_seq = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        owner = torch.repeat_interleave(torch.tensor([s.num_tokens for s in steps]))
+        lens = torch.cat([torch.arange(s.start + 1, s.end + 1) for s in steps])
+        step = DenseStep(self.decode_kernel, [])
+        step.row_block_tables = per_seq.index_select(0, owner).to(device)
+        step.row_context_lens = lens.to(device)
         return step

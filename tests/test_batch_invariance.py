@@ -1,0 +1,110 @@
+"""Greedy output of the default configuration (bfloat16, packed 4-bit weights, CPU) does not depend
+on what else runs: the same request gives the same tokens, and the same log-probabilities to the
+bit, alone, among copies of itself, among other prompts, and after a busy period filled the prefix
+cache with K/V from batched steps."""
+import pytest
+import torch
+
+from kvbank import LLM, SamplingParams
+from kvbank.attention import AttentionMetadata
+from kvbank.attention.fast import DECODE_PARTITION, DenseStep, native_decode_kernel, paged_attention
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def llm(native):
+    # A small token budget makes longer prompts prefill in chunks whose size depends on the load.
+    llm = LLM(max_num_batched_tokens=96, num_gpu_blocks=512)
+    if not llm.engine.runner.storage.kind("dense").attend_rows:
+        pytest.skip("batch-invariant attention needs the native kernel's AVX-512 BF16 path")
+    return llm
+
+
+def _chat(llm: LLM, text: str) -> list[int]:
+    return llm.render_chat([{"role": "user", "content": text}])
+
+
+def _answers(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    outputs = llm.generate(prompts, GREEDY)
+    return [(o.outputs[0].token_ids, [step[token] for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outputs]
+
+
+def test_greedy_answer_is_the_same_alone_batched_mixed_and_after_a_busy_period(llm):
+    request = _chat(llm, "Explain why the sky is blue, and what colour sunsets are.")
+    others = [_chat(llm, f"Tell story {i} about a {'very ' * (9 * i)}small cat.") for i in range(5)]
+    alone = _answers(llm, [request])[0]
+    assert len(alone[0]) == GREEDY.max_tokens
+    together = _answers(llm, [request] * 16)
+    assert all(answer == alone for answer in together)
+    mixed = _answers(llm, others[:2] + [request] + others[2:])
+    assert mixed[2] == alone
+    assert _answers(llm, [request])[0] == alone  # its prompt's K/V now come from the batched steps
+
+
+def _pool_with(lengths: list[int], heads: int, dim: int, block: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-n // block) for n in lengths)
+    k_cache, v_cache = (torch.randn(blocks, block, heads, dim, generator=generator).to(torch.bfloat16) for _ in "kv")
+    order = torch.randperm(blocks, generator=generator).tolist()  # blocks of a sequence lie anywhere
+    tables, first = [], 0
+    for n in lengths:
+        count = -(-n // block)
+        tables.append(order[first:first + count])
+        first += count
+    return k_cache, v_cache, tables
+
+
+def _attend(q: torch.Tensor, k_cache, v_cache, rows: list[tuple[list[int], int]], kernel) -> torch.Tensor:
+    """Attention of query rows, each given as (its sequence's block table, its position)."""
+    width = max(len(table) for table, _ in rows)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.long), num_decode_tokens=0,
+                             decode_block_tables=None, decode_context_lens=None, prefills=[],
+                             block_size=k_cache.shape[1], dtype=k_cache.dtype)
+    step = DenseStep(kernel, [])
+    step.row_block_tables = torch.tensor([table + [0] * (width - len(table)) for table, _ in rows])
+    step.row_context_lens = torch.tensor([position + 1 for _, position in rows])
+    return paged_attention(q, None, None, k_cache, v_cache, meta, step, 0.125)
+
+
+def test_a_query_rows_attention_is_the_same_however_its_prompt_is_chunked_and_batched(native):
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    kernel = native_decode_kernel(torch.device("cpu"), torch.bfloat16, heads, kv_heads, dim, block)
+    if kernel is None:
+        pytest.skip("no AVX-512 BF16 fast path on this CPU")
+    prompt, other = 600, 2 * DECODE_PARTITION + 40  # both span several partitions
+    k_cache, v_cache, (table, other_table) = _pool_with([prompt, other], kv_heads, dim, block, seed=0)
+    queries = torch.randn(prompt, heads, dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    whole = _attend(queries, k_cache, v_cache, [(table, p) for p in range(prompt)], kernel)
+    for start, end in ((0, 1), (0, 97), (255, 300), (511, 600), (599, 600)):  # chunks, and a decode at the end
+        others = [(other_table, p) for p in (5, 300, other - 1)]
+        rows = others[:1] + [(table, p) for p in range(start, end)] + others[1:]
+        q = torch.cat((queries[:1], queries[start:end], queries[:2]))
+        chunk = _attend(q, k_cache, v_cache, rows, kernel)[1:1 + end - start]
+        assert torch.equal(chunk, whole[start:end]), (start, end)
+
+
+def test_a_tokens_kv_is_the_same_from_prefill_and_from_decode(llm, monkeypatch):
+    written: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per step, per layer: the last token's K, V
+    rows: list[int] = []  # per step: how many tokens it computed
+    layers = llm.engine.runner.storage.layers
+    for layer in layers:
+        def record(k, v, meta, layer=layer, write=layer.write):
+            if layer is layers[0]:
+                written.append([])
+                rows.append(k.shape[0])
+            written[-1].append((k[-1].clone(), v[-1].clone()))
+            return write(k, v, meta)
+        monkeypatch.setattr(layer, "write", record)
+    prompt = _chat(llm, "Name three rivers of Europe, and say which of them is the longest.")
+    token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids[0]
+    decoded = written[-1]  # the second step decoded `token`
+    written.clear()
+    rows.clear()
+    # The prompt's blocks are cached now: the last one is recomputed, `token` included, as a prefill chunk.
+    llm.generate([prompt + [token]], SamplingParams(temperature=0, max_tokens=1))
+    prefilled = written[0]
+    assert rows[0] > 1
+    assert len(prefilled) == len(decoded) == len(layers)
+    assert all(torch.equal(a, b) for pair_a, pair_b in zip(decoded, prefilled) for a, b in zip(pair_a, pair_b))
