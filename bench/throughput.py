@@ -10,6 +10,7 @@ Each number is the median of --repeats runs after a warm-up; the two systems' ru
     python bench/throughput.py --dtypes bfloat16 --batches 1 --no-hf --profile
     python bench/throughput.py --dtypes bfloat16 --no-hf --no-batch-invariant   # the faster mixed kernels
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,9 @@ class KvbankRunner:
     name = "kvbank"
 
     def __init__(self, model: str, dtype: str, batch_invariant: bool = True) -> None:
-        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=64,
-                       batch_invariant=batch_invariant)
+        self.llm = LLM(
+            model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=64, batch_invariant=batch_invariant
+        )
         self.vocab = self.llm.engine.model_config.vocab_size
         self.calls = 0
 
@@ -78,8 +80,14 @@ class TransformersRunner:
         self.calls += 1
         ids = torch.tensor(distinct_prompts(batch, PROMPT_LEN, self.vocab, self.calls))
         start = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         elapsed = time.perf_counter() - start
         assert out.shape[1] == PROMPT_LEN + new_tokens
         return batch * new_tokens / elapsed
@@ -107,8 +115,11 @@ def measure(runners: list, args) -> dict[str, dict[str, float]]:
                 samples[r.name].append(job(r))
         for r in runners:
             results[r.name][metric] = statistics.median(samples[r.name])
-            print(f"  {r.name:12s} {metric:14s} {results[r.name][metric]:8.1f} tok/s  "
-                  f"(runs: {', '.join(f'{x:.0f}' for x in samples[r.name])})", flush=True)
+            print(
+                f"  {r.name:12s} {metric:14s} {results[r.name][metric]:8.1f} tok/s  "
+                f"(runs: {', '.join(f'{x:.0f}' for x in samples[r.name])})",
+                flush=True,
+            )
     return results
 
 
@@ -130,19 +141,31 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers side")
-    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                        help="run kvbank with batch_invariant=False (output may depend on the batch)")
+    parser.add_argument(
+        "--no-batch-invariant",
+        dest="batch_invariant",
+        action="store_false",
+        help="run kvbank with batch_invariant=False (output may depend on the batch)",
+    )
     parser.add_argument("--profile", action="store_true", help="print a kvbank decode profile per batch size")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "throughput.json"))
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
     model = args.model or bundled_model_path()
-    report = {"model": model, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "batch_invariant": args.batch_invariant, "results": {}}
+    report = {
+        "model": model,
+        "threads": torch.get_num_threads(),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "batch_invariant": args.batch_invariant,
+        "results": {},
+    }
     for dtype in args.dtypes.split(","):
         print(f"{dtype}:", flush=True)
-        runners = [KvbankRunner(model, dtype, args.batch_invariant)] + ([] if args.no_hf else [TransformersRunner(model, dtype)])
+        runners = [KvbankRunner(model, dtype, args.batch_invariant)] + (
+            [] if args.no_hf else [TransformersRunner(model, dtype)]
+        )
         report["results"][dtype] = measure(runners, args)
         if args.profile:
             for batch in args.batches:
@@ -165,7 +188,9 @@ def print_table(results: dict, batches: list[int]) -> None:
             print(f"{dtype:9s} {metric:14s} {value:10.1f} {ref_text} {ratio}")
         if f"decode_b{batches[0]}" in ours and batches[0] == 1:
             for batch in batches[1:]:
-                print(f"{dtype:9s} {'b' + str(batch) + ' / b1':14s} {ours[f'decode_b{batch}'] / ours['decode_b1']:9.2f}x")
+                print(
+                    f"{dtype:9s} {'b' + str(batch) + ' / b1':14s} {ours[f'decode_b{batch}'] / ours['decode_b1']:9.2f}x"
+                )
 
 
 if __name__ == "__main__":

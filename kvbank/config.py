@@ -5,6 +5,7 @@ builds it, and the `kvbank` command generates its flags from the fields and thei
 (`help`, and optionally `choices`, `metavar`, `default_text` for a default that is not a value,
 and `plan=False` for options that change none of the numbers `kvbank plan` prints).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,8 +17,14 @@ from kvbank.cache.format import KVFormat
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES
 from kvbank.models.packed import packed_matmul_available
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 _WEIGHT_FORMATS = ("auto", "dense", "int4")
 
@@ -44,34 +51,46 @@ class EngineConfig:
     the dense weights and prefills through flash attention, which is faster for prefills.
     """
 
-    model: str | None = option(None, "a .gguf file or a Hugging Face model folder",
-                               default_text="the bundled SmolLM2-135M-Instruct")
-    dtype: str = option("auto", "weights and activations; auto is bfloat16 (float16 is refused on CPU)",
-                        choices=("auto", *_DTYPES))
+    model: str | None = option(
+        None, "a .gguf file or a Hugging Face model folder", default_text="the bundled SmolLM2-135M-Instruct"
+    )
+    dtype: str = option(
+        "auto", "weights and activations; auto is bfloat16 (float16 is refused on CPU)", choices=("auto", *_DTYPES)
+    )
     device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory_gb: float = option(1.0, "memory for the KV pool in GiB")
-    num_gpu_blocks: int | None = option(None, "size the KV pool in blocks instead of memory",
-                                        default_text="from --kv-cache-memory-gb")
-    max_model_len: int | None = option(None, "longest prompt + output in tokens",
-                                       default_text="the model's context length")
+    num_gpu_blocks: int | None = option(
+        None, "size the KV pool in blocks instead of memory", default_text="from --kv-cache-memory-gb"
+    )
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens", default_text="the model's context length"
+    )
     max_num_seqs: int = option(64, "most sequences running at once (int4/int2 reserve a residual slot for each)")
-    max_num_batched_tokens: int = option(2048, "most tokens in one step; longer prompts prefill in chunks",
-                                         plan=False)
+    max_num_batched_tokens: int = option(2048, "most tokens in one step; longer prompts prefill in chunks", plan=False)
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prefixes", plan=False)
     max_pinned_fraction: float = option(0.5, "most of the KV pool that pinned prefixes may hold", plan=False)
-    weight_format: str = option("auto", "auto keeps a GGUF's Q4_0/Q4_1 weights 4-bit for steps of at most 8 "
-                                "tokens in bfloat16 on CPU; dense dequantizes everything; int4 requires the "
-                                "4-bit path", choices=_WEIGHT_FORMATS)
-    kv_cache_dtype: str = option("auto", "how the KV pool stores keys and values; auto is the model dtype",
-                                 choices=KV_CACHE_DTYPES)
-    kv_cache_dtype_skip_layers: tuple[int, ...] = option((), "layers kept in the model dtype, e.g. 0,-1",
-                                                         metavar="I,J,...", default_text="none")
+    weight_format: str = option(
+        "auto",
+        "auto keeps a GGUF's Q4_0/Q4_1 weights 4-bit for steps of at most 8 "
+        "tokens in bfloat16 on CPU; dense dequantizes everything; int4 requires the "
+        "4-bit path",
+        choices=_WEIGHT_FORMATS,
+    )
+    kv_cache_dtype: str = option(
+        "auto", "how the KV pool stores keys and values; auto is the model dtype", choices=KV_CACHE_DTYPES
+    )
+    kv_cache_dtype_skip_layers: tuple[int, ...] = option(
+        (), "layers kept in the model dtype, e.g. 0,-1", metavar="I,J,...", default_text="none"
+    )
     kv_quant_group_size: int = option(DEFAULT_GROUP_SIZE, "channels sharing one scale in int4/int2 values")
     seed: int = option(0, "seed of the sampler (a request's own seed overrides it)", plan=False)
-    batch_invariant: bool = option(True, "greedy output independent of what else runs: every step uses the 4-bit "
-                                   "weights and every token attends through the decode kernel (bfloat16 on an "
-                                   "AVX-512 BF16 CPU with a Q4 GGUF); --no-batch-invariant prefills faster")
+    batch_invariant: bool = option(
+        True,
+        "greedy output independent of what else runs: every step uses the 4-bit "
+        "weights and every token attends through the decode kernel (bfloat16 on an "
+        "AVX-512 BF16 CPU with a Q4 GGUF); --no-batch-invariant prefills faster",
+    )
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -113,8 +132,11 @@ class EngineConfig:
 
         Raises ValueError when `weight_format="int4"` asks for what this model or device cannot do.
         """
-        usable = (has_int4_weights and packed_matmul_available(torch.device(self.device))
-                  and self.torch_dtype == torch.bfloat16)
+        usable = (
+            has_int4_weights
+            and packed_matmul_available(torch.device(self.device))
+            and self.torch_dtype == torch.bfloat16
+        )
         if self.weight_format == "int4" and not usable:
             raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
         return usable and self.weight_format != "dense"

@@ -2,6 +2,7 @@
 on what else runs: the same request gives the same tokens, and the same log-probabilities to the
 bit, alone, among copies of itself, among other prompts, and after a busy period filled the prefix
 cache with K/V from batched steps."""
+
 import pytest
 import torch
 
@@ -27,8 +28,10 @@ def _chat(llm: LLM, text: str) -> list[int]:
 
 def _answers(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     outputs = llm.generate(prompts, GREEDY)
-    return [(o.outputs[0].token_ids, [step[token] for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outputs]
+    return [
+        (o.outputs[0].token_ids, [step[token] for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+        for o in outputs
+    ]
 
 
 def test_greedy_answer_is_the_same_alone_batched_mixed_and_after_a_busy_period(llm):
@@ -51,7 +54,7 @@ def _pool_with(lengths: list[int], heads: int, dim: int, block: int, seed: int):
     tables, first = [], 0
     for n in lengths:
         count = -(-n // block)
-        tables.append(order[first:first + count])
+        tables.append(order[first : first + count])
         first += count
     return k_cache, v_cache, tables
 
@@ -59,9 +62,15 @@ def _pool_with(lengths: list[int], heads: int, dim: int, block: int, seed: int):
 def _attend(q: torch.Tensor, k_cache, v_cache, rows: list[tuple[list[int], int]], kernel) -> torch.Tensor:
     """Attention of query rows, each given as (its sequence's block table, its position)."""
     width = max(len(table) for table, _ in rows)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.long), num_decode_tokens=0,
-                             decode_block_tables=None, decode_context_lens=None, prefills=[],
-                             block_size=k_cache.shape[1], dtype=k_cache.dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(rows), dtype=torch.long),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefills=[],
+        block_size=k_cache.shape[1],
+        dtype=k_cache.dtype,
+    )
     step = DenseStep(kernel, [])
     step.row_block_tables = torch.tensor([table + [0] * (width - len(table)) for table, _ in rows])
     step.row_context_lens = torch.tensor([position + 1 for _, position in rows])
@@ -81,7 +90,7 @@ def test_a_query_rows_attention_is_the_same_however_its_prompt_is_chunked_and_ba
         others = [(other_table, p) for p in (5, 300, other - 1)]
         rows = others[:1] + [(table, p) for p in range(start, end)] + others[1:]
         q = torch.cat((queries[:1], queries[start:end], queries[:2]))
-        chunk = _attend(q, k_cache, v_cache, rows, kernel)[1:1 + end - start]
+        chunk = _attend(q, k_cache, v_cache, rows, kernel)[1 : 1 + end - start]
         assert torch.equal(chunk, whole[start:end]), (start, end)
 
 
@@ -90,12 +99,14 @@ def test_a_tokens_kv_is_the_same_from_prefill_and_from_decode(llm, monkeypatch):
     rows: list[int] = []  # per step: how many tokens it computed
     layers = llm.engine.runner.storage.layers
     for layer in layers:
+
         def record(k, v, meta, layer=layer, write=layer.write):
             if layer is layers[0]:
                 written.append([])
                 rows.append(k.shape[0])
             written[-1].append((k[-1].clone(), v[-1].clone()))
             return write(k, v, meta)
+
         monkeypatch.setattr(layer, "write", record)
     prompt = _chat(llm, "Name three rivers of Europe, and say which of them is the longest.")
     token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids[0]

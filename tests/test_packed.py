@@ -1,4 +1,5 @@
 """4-bit GGUF weights: exact decoding of the blocks, and the int4 matmul path against dense."""
+
 import gguf
 import numpy as np
 import pytest

@@ -11,12 +11,13 @@ the causal kernel, a chunk that continues a cached sequence gathers its blocks a
 Batch-invariant steps (DenseStep.row_block_tables) instead give every token, prefill or decode,
 to the native kernel as a decode of its own sequence, after the step's K/V are written.
 """
+
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-from dataclasses import dataclass, field
 
 from kvbank import kernels
 from kvbank.attention.metadata import AttentionMetadata, SharedPrefix
@@ -36,8 +37,9 @@ KEY_PAD = 64
 DECODE_PARTITION = 256
 
 
-def native_decode_kernel(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                         head_dim: int, block_size: int):
+def native_decode_kernel(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+):
     """The native decode-attention module if it has a fast path for this model and cache, else None."""
     if device.type != "cpu" or dtype != torch.bfloat16 or num_heads % num_kv_heads:
         return None
@@ -93,8 +95,8 @@ def chunk_visibility(start: int, end: int, block_size: int) -> torch.Tensor:
     rows, width = padded_query_rows(end - start), padded_key_length(end, block_size)
     positions = torch.arange(start, start + rows).unsqueeze(1)
     visible = torch.arange(width).unsqueeze(0) <= positions
-    visible[end - start:] = False
-    visible[end - start:, 0] = True
+    visible[end - start :] = False
+    visible[end - start :, 0] = True
     return visible
 
 
@@ -114,8 +116,16 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     return gathered.view(batch, -1, *cache.shape[2:]).transpose(1, 2)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, step: DenseStep, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    step: DenseStep,
+    scale: float,
+) -> torch.Tensor:
     """Attention of every new token (q, k, v: [T, heads, dim]) over its sequence's cached past."""
     if step.row_block_tables is not None:
         return _attend_rows(q, k_cache, v_cache, step, scale)
@@ -127,8 +137,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         queries = q[:n].view(n, num_kv_heads, group, head_dim)
         if step.decode_kernel is not None:
             attended = step.decode_kernel.paged_decode_attention(
-                queries, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                DECODE_PARTITION)
+                queries, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, DECODE_PARTITION
+            )
         elif step.shared_prefixes:
             attended = _cascade_decode(queries, k_cache, v_cache, step, scale)
         else:
@@ -141,30 +151,35 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if chunk.context_start == 0:
             # Causal: padding rows at the end changes nothing for the rows before them.
             rows = padded_length(n, KEY_PAD)
-            queries, keys, values = (_pad_rows(x[chunk.start:chunk.end], rows).transpose(0, 1).unsqueeze(0)
-                                     for x in (q, k, v))
-            attended = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
-                                                      enable_gqa=group > 1)
+            queries, keys, values = (
+                _pad_rows(x[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0) for x in (q, k, v)
+            )
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1
+            )
         else:
             rows, width = mask.shape[-2:]
-            queries = _pad_rows(q[chunk.start:chunk.end], rows).transpose(0, 1).unsqueeze(0)
+            queries = _pad_rows(q[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0)
             table = _cover(chunk.block_table, -(-width // k_cache.shape[1])).unsqueeze(0)
             keys = _gather_blocks(k_cache, table)[:, :, :width]
             values = _gather_blocks(v_cache, table)[:, :, :width]
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
-                                                      enable_gqa=group > 1)
-        out[chunk.start:chunk.end] = attended.squeeze(0)[:, :n].transpose(0, 1)
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1
+            )
+        out[chunk.start : chunk.end] = attended.squeeze(0)[:, :n].transpose(0, 1)
     return out
 
 
-def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: DenseStep,
-                 scale: float) -> torch.Tensor:
+def _attend_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: DenseStep, scale: float
+) -> torch.Tensor:
     # Every token as a decode of its own sequence, its K/V already in the pool: one fixed order
     # of arithmetic per token, whatever the chunking of its prompt and whatever else is batched.
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
-    attended = step.decode_kernel.paged_decode_attention(queries, k_cache, v_cache, step.row_block_tables,
-                                                         step.row_context_lens, scale, DECODE_PARTITION)
+    attended = step.decode_kernel.paged_decode_attention(
+        queries, k_cache, v_cache, step.row_block_tables, step.row_context_lens, scale, DECODE_PARTITION
+    )
     return attended.view(q.shape)
 
 
@@ -173,13 +188,20 @@ def cascade_available(device: torch.device) -> bool:
     return device.type == "cpu" and _flash_with_lse is not None
 
 
-def _cascade_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    step: DenseStep, scale: float) -> torch.Tensor:
+def _cascade_decode(
+    queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: DenseStep, scale: float
+) -> torch.Tensor:
     # Decode attention (queries [n, kv_heads, group, dim]) with shared prefixes read once; float32 out.
     num_kv_heads, group, head_dim = queries.shape[1:]
-    out, lse = _flash_with_lse(queries, _gather_blocks(k_cache, step.suffix_block_tables),
-                               _gather_blocks(v_cache, step.suffix_block_tables), 0.0, False,
-                               attn_mask=step.suffix_mask, scale=scale)[:2]
+    out, lse = _flash_with_lse(
+        queries,
+        _gather_blocks(k_cache, step.suffix_block_tables),
+        _gather_blocks(v_cache, step.suffix_block_tables),
+        0.0,
+        False,
+        attn_mask=step.suffix_mask,
+        scale=scale,
+    )[:2]
     out = out.float()
     for prefix in step.shared_prefixes:
         rows, m = prefix.rows, prefix.rows.numel()
@@ -187,12 +209,14 @@ def _cascade_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         together = queries[rows].transpose(1, 2).reshape(m * group, num_kv_heads, head_dim)
         together = _pad_rows(together, padded_query_rows(m * group)).transpose(0, 1).unsqueeze(0)
         table = prefix.block_table.unsqueeze(0)
-        shared_out, shared_lse = _flash_with_lse(together, _gather_blocks(k_cache, table),
-                                                 _gather_blocks(v_cache, table), 0.0, False, scale=scale)[:2]
-        shared_out = shared_out[0, :, :m * group].view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
-        shared_lse = shared_lse[0, :, :m * group].view(num_kv_heads, m, group).transpose(0, 1)
+        shared_out, shared_lse = _flash_with_lse(
+            together, _gather_blocks(k_cache, table), _gather_blocks(v_cache, table), 0.0, False, scale=scale
+        )[:2]
+        shared_out = shared_out[0, :, : m * group].view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
+        shared_lse = shared_lse[0, :, : m * group].view(num_kv_heads, m, group).transpose(0, 1)
         own_lse = lse[rows]
         total = torch.logaddexp(shared_lse, own_lse)
-        out[rows] = (shared_out * (shared_lse - total).exp_().unsqueeze(-1)
-                     + out[rows] * (own_lse - total).exp_().unsqueeze(-1))
+        out[rows] = shared_out * (shared_lse - total).exp_().unsqueeze(-1) + out[rows] * (
+            own_lse - total
+        ).exp_().unsqueeze(-1)
     return out

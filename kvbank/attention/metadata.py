@@ -4,6 +4,7 @@ The batch is flat: T new tokens. The first `num_decode_tokens` belong to sequenc
 single token this step (one token each); each prefill chunk after them is a contiguous run.
 Storage kinds add their own step state under `kinds` (see kvbank/cache/layers/base.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -62,7 +63,9 @@ class AttentionMetadata:
         if self.decode_block_tables is None:
             return None
         width = self.decode_block_tables.shape[1] * self.block_size
-        visible = torch.arange(width, device=self.slot_mapping.device).unsqueeze(0) < self.decode_context_lens.unsqueeze(1)
+        visible = torch.arange(width, device=self.slot_mapping.device).unsqueeze(
+            0
+        ) < self.decode_context_lens.unsqueeze(1)
         return additive_mask(visible[:, None, None, :], self.dtype)
 
 
@@ -71,8 +74,9 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store the new tokens' K/V at their slots; caches are [num_blocks, block_size, heads, dim]."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)

@@ -1,4 +1,5 @@
 """The offline Python API, shaped like vLLM's `LLM`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,10 @@ class LLM:
     def __init__(self, model: str | None = None, *, show_progress: bool = False, **options: Any) -> None:
         unknown = sorted(set(options) - _ENGINE_OPTIONS)
         if unknown:
-            raise TypeError(f"LLM() got unknown option(s) {', '.join(unknown)}; "
-                            f"EngineConfig takes {', '.join(sorted(_ENGINE_OPTIONS))}")
+            raise TypeError(
+                f"LLM() got unknown option(s) {', '.join(unknown)}; "
+                f"EngineConfig takes {', '.join(sorted(_ENGINE_OPTIONS))}"
+            )
         config = EngineConfig(model=model, **options)
         self.engine = LLMEngine(config, progress=_progress_bar() if show_progress else None)
 
@@ -35,8 +38,11 @@ class LLM:
             raise ValueError("this model has no tokenizer")
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs come back in the order of `prompts`."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
@@ -48,9 +54,13 @@ class LLM:
                     finished[output.request_id] = output
         return [finished[i] for i in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.render_chat(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
@@ -58,8 +68,9 @@ class LLM:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
-        return self.get_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                        tokenize=True, **kwargs)
+        return self.get_tokenizer().apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's cumulative output after every step that advanced it, until it finishes.

@@ -1,4 +1,5 @@
 """The engine loop: admit requests, run one scheduled step at a time, turn logits into outputs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,10 +48,19 @@ class LLMEngine:
         self.kv_format = config.kv_format
         self.pool_plan = self._plan_pool()
         self.num_blocks = config.num_gpu_blocks or self.pool_plan.num_blocks
-        storage = KVStorage(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
-                            self.kv_format, config.max_num_seqs, config.batch_invariant)
-        self.manager = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
-                                      config.max_pinned_fraction)
+        storage = KVStorage(
+            self.model_config,
+            self.num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.kv_format,
+            config.max_num_seqs,
+            config.batch_invariant,
+        )
+        self.manager = KVCacheManager(
+            self.num_blocks, self.block_size, config.enable_prefix_caching, config.max_pinned_fraction
+        )
         self.manager.pool.on_empty = storage.release
         # K/V written in another format are not interchangeable: keep their cache chains apart.
         self.cache_namespace = self.model_config.fingerprint + self.kv_format.namespace
@@ -61,8 +71,13 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, token_text, torch.Generator(self.device).manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
-                         "prefix_cache_hits": 0, "finished_requests": 0}
+        self.counters = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "finished_requests": 0,
+        }
         self.memory = memory.measure(self, built.load_peak)
 
     @property
@@ -73,18 +88,31 @@ class LLMEngine:
     def _plan_pool(self) -> PoolPlan:
         config = self.config
         gigabytes = config.kv_cache_memory_gb
-        plan = plan_pool(self.model_config, self.dtype, int(gigabytes * 2**30), self.block_size, self.kv_format,
-                         reserved_seqs=config.max_num_seqs)
+        plan = plan_pool(
+            self.model_config,
+            self.dtype,
+            int(gigabytes * 2**30),
+            self.block_size,
+            self.kv_format,
+            reserved_seqs=config.max_num_seqs,
+        )
         if plan.num_blocks < 1 and config.num_gpu_blocks is None:
-            raise ValueError(f"kv_cache_memory_gb={gigabytes} holds less than one block of "
-                             f"{self.block_size} tokens ({plan.bytes_per_block} bytes per block, plus "
-                             f"{plan.residual_bytes_per_seq * plan.reserved_seqs} bytes of residual slots)")
+            raise ValueError(
+                f"kv_cache_memory_gb={gigabytes} holds less than one block of "
+                f"{self.block_size} tokens ({plan.bytes_per_block} bytes per block, plus "
+                f"{plan.residual_bytes_per_seq * plan.reserved_seqs} bytes of residual slots)"
+            )
         return plan
 
     # --- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
         """Validate and queue a request; raises ValueError for anything that could never run."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -97,8 +125,9 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} is more sequences than max_num_seqs={self.config.max_num_seqs} "
-                             "runs at once")
+            raise ValueError(
+                f"n={params.n} is more sequences than max_num_seqs={self.config.max_num_seqs} runs at once"
+            )
         request = Request(request_id, parsed.text, parsed.token_ids, params, root, arrival_time or time.time())
         first = Sequence(request, 0, parsed.token_ids, self._generator(params, 0))
         self._attach_detokenizer(first)
@@ -126,8 +155,9 @@ class LLMEngine:
         Refused (ValueError) if what stays unpinned could no longer hold a request in flight.
         """
         token_ids, root = self._prefix_key(prompt)
-        in_flight = (blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, self.block_size)
-                     for r in self.requests.values())
+        in_flight = (
+            blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, self.block_size) for r in self.requests.values()
+        )
         return self.manager.pin(token_ids, root, keep_free=max(in_flight, default=0))
 
     def unpin_prefix(self, prompt: PromptType) -> int:
@@ -140,8 +170,9 @@ class LLMEngine:
             raise ValueError("pinning needs enable_prefix_caching=True")
         parsed = self._parse(prompt)
         if len(parsed.token_ids) < self.block_size:
-            raise ValueError(f"a prefix of {len(parsed.token_ids)} tokens fills no block of {self.block_size}; "
-                             "nothing to pin")
+            raise ValueError(
+                f"a prefix of {len(parsed.token_ids)} tokens fills no block of {self.block_size}; nothing to pin"
+            )
         return parsed.token_ids, root_hash(self.cache_namespace, parsed.salt)
 
     def has_unfinished_requests(self) -> bool:
@@ -158,18 +189,24 @@ class LLMEngine:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=limit - prompt_len)
         if prompt_len + params.max_tokens > limit:
-            raise ValueError(f"prompt has {prompt_len} tokens and max_tokens={params.max_tokens}: "
-                             f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}")
+            raise ValueError(
+                f"prompt has {prompt_len} tokens and max_tokens={params.max_tokens}: "
+                f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}"
+            )
         needed = blocks_for(prompt_len + params.max_tokens, self.block_size)
         if needed > self.num_blocks:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks "
-                             f"but the pool has only {self.num_blocks}")
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks "
+                f"but the pool has only {self.num_blocks}"
+            )
         usable = self.manager.usable_blocks(token_ids, root)
         if needed > usable:
             pinned = len(self.manager.pinned_blocks)
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks "
-                             f"but only {usable} of the pool's {self.num_blocks} can hold it: {pinned} are pinned "
-                             "(unpin a prefix or lower max_tokens)")
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks "
+                f"but only {usable} of the pool's {self.num_blocks} can hold it: {pinned} are pinned "
+                "(unpin a prefix or lower max_tokens)"
+            )
         return params
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -179,8 +216,9 @@ class LLMEngine:
 
     def _attach_detokenizer(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_token_ids,
-                                                     skip_special_tokens=seq.params.skip_special_tokens)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.request.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
+            )
 
     # --- stepping ---------------------------------------------------------------------------
 
@@ -190,9 +228,11 @@ class LLMEngine:
         if not batch:
             if self.scheduler.waiting:
                 # Admission checks make this unreachable; failing beats a caller spinning on step().
-                raise RuntimeError(f"{len(self.scheduler.waiting)} sequences wait but none can be scheduled "
-                                   f"({self.manager.num_free_blocks} of {self.num_blocks} blocks free, "
-                                   f"{len(self.manager.pinned_blocks)} pinned)")
+                raise RuntimeError(
+                    f"{len(self.scheduler.waiting)} sequences wait but none can be scheduled "
+                    f"({self.manager.num_free_blocks} of {self.num_blocks} blocks free, "
+                    f"{len(self.manager.pinned_blocks)} pinned)"
+                )
             return []
         copies, self.manager.pending_copies = self.manager.pending_copies, []
         try:
@@ -231,8 +271,9 @@ class LLMEngine:
             k = request.params.prompt_logprobs
             start = len(request.prompt_logprobs)
             for j in range(last - first):
-                request.prompt_logprobs.append(token_logprobs(logprobs[j], request.prompt_token_ids[start + j], k,
-                                                              self.sampler.token_text))
+                request.prompt_logprobs.append(
+                    token_logprobs(logprobs[j], request.prompt_token_ids[start + j], k, self.sampler.token_text)
+                )
         seq.num_computed_tokens += item.num_tokens
         self.manager.commit(seq)
 
@@ -305,4 +346,3 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_pinned_blocks": len(self.manager.pinned_blocks),
         }
-

@@ -1,4 +1,5 @@
 """Turns one step's scheduled sequences into flat tensors, runs the model, returns logits."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,9 +71,15 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillChunk(offset, offset + item.num_tokens, start, self._tensor(table[:num_blocks])))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_tables),
-                                 decode_block_tables=None, decode_context_lens=None, prefills=prefills,
-                                 block_size=bs, dtype=self.dtype)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=None,
+            decode_context_lens=None,
+            prefills=prefills,
+            block_size=bs,
+            dtype=self.dtype,
+        )
         if decode_tables:
             width = max(map(len, decode_tables))
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])

@@ -4,6 +4,7 @@ Parameters keep Hugging Face's names except that q/k/v and gate/up are fused int
 each. The model sees a flat batch of new tokens; the KV cache and the attention metadata say
 where each token's past lives.
 """
+
 from __future__ import annotations
 
 import math
@@ -105,10 +106,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """cos, sin: [rows, head_dim] rotary tables at the tokens' positions."""
         rows, T = x.shape[0], meta.slot_mapping.shape[0]  # rows past T only pad the matmuls
         qkv = self.qkv_proj(x)
@@ -150,8 +152,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (None in the first layer).
 
         Returns this layer's output and the residual stream it was added to; the norms do the adds.
@@ -176,8 +185,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens (before the final norm)."""
         T = input_ids.shape[0]
         rows = self._rows(T)
@@ -214,9 +224,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Take Hugging Face-named float32 weights, fuse them, and cast to `dtype`."""
         c = self.config
-        params = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
-                  "norm.weight": state_dict["model.norm.weight"],
-                  "lm_head.weight": state_dict["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]}
+        params = {
+            "embed_tokens.weight": state_dict["model.embed_tokens.weight"],
+            "norm.weight": state_dict["model.norm.weight"],
+            "lm_head.weight": state_dict["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"],
+        }
         for i in range(c.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
@@ -228,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
                 params[dst + "self_attn.q_norm.weight"] = state_dict[attn + "q_norm.weight"]
                 params[dst + "self_attn.k_norm.weight"] = state_dict[attn + "k_norm.weight"]
             params[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-                [state_dict[src + "mlp.gate_proj.weight"], state_dict[src + "mlp.up_proj.weight"]])
+                [state_dict[src + "mlp.gate_proj.weight"], state_dict[src + "mlp.up_proj.weight"]]
+            )
             params[dst + "mlp.down_proj.weight"] = state_dict[src + "mlp.down_proj.weight"]
             params[dst + "input_layernorm.weight"] = state_dict[src + "input_layernorm.weight"]
             params[dst + "post_attention_layernorm.weight"] = state_dict[src + "post_attention_layernorm.weight"]
@@ -247,10 +260,12 @@ class LlamaForCausalLM(nn.Module):
         packed = 0
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
-            groups = {(layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                      (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
-                      (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
-                      (layer.mlp, "down_proj"): ["mlp.down_proj"]}
+            groups = {
+                (layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
+                (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
+                (layer.mlp, "down_proj"): ["mlp.down_proj"],
+            }
             for (module, attr), names in groups.items():
                 parts = [int4.get(f"{prefix}{name}.weight") for name in names]
                 if all(part is not None for part in parts):

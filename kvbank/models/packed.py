@@ -7,6 +7,7 @@ blocks (32 weights, one scale, one offset) map exactly onto torch's grouped int4
 differently, so a batch-invariant engine gives every batch the 4-bit path: each of the two
 kernels alone gives a row the same result whatever the number of rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,9 +25,9 @@ Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 class Int4Blocks:
     """Weights w = (q - 8) * scale + zero, in groups of 32 along the input dimension."""
 
-    q: torch.Tensor      # uint8 [out, in], values 0..15
+    q: torch.Tensor  # uint8 [out, in], values 0..15
     scale: torch.Tensor  # float32 [out, in / 32]
-    zero: torch.Tensor   # float32 [out, in / 32]
+    zero: torch.Tensor  # float32 [out, in / 32]
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str, rows: int) -> Int4Blocks:
@@ -48,8 +49,9 @@ class Int4Blocks:
 
     @staticmethod
     def cat(parts: list[Int4Blocks]) -> Int4Blocks:
-        return Int4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]))
+        return Int4Blocks(
+            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])
+        )
 
 
 def packed_matmul_available(device: torch.device) -> bool:
@@ -62,8 +64,9 @@ class PackedLinear(nn.Module):
     With `max_rows=None` every batch takes the int4 path, and the dense weight is not kept.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: Int4Blocks,
-                 max_rows: int | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: Int4Blocks, max_rows: int | None
+    ) -> None:
         super().__init__()
         self.weight = None if max_rows is None else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
