@@ -18,6 +18,7 @@ def _unpin_all(llm: LLM) -> None:
         llm.engine.manager.unpin(list(tokens), root)
 
 
+@pytest.mark.slow
 def test_a_request_that_cannot_fit_beside_pinned_blocks_fails_naming_the_numbers(small):
     prefix = list(range(1000, 1500))
     try:
@@ -33,6 +34,7 @@ def test_a_request_that_cannot_fit_beside_pinned_blocks_fails_naming_the_numbers
     assert small.engine.manager.num_free_blocks == 64
 
 
+@pytest.mark.slow
 def test_a_pin_that_would_starve_a_request_in_flight_is_refused(small):
     prefix = list(range(1000, 1500))
     small.generate([prefix], SamplingParams(max_tokens=1))  # cached, not pinned yet

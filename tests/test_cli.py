@@ -272,6 +272,7 @@ def test_top_k_of_one_is_greedy(llm):
     assert _run(llm, "--temperature", "1.5", "--top-k", "1", "--max-tokens", "8").token_ids == greedy.token_ids
 
 
+@pytest.mark.slow
 def test_seed_makes_sampling_reproducible(capsys):
     def sample(seed: str) -> str:
         assert (

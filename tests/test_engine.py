@@ -48,6 +48,7 @@ def _assert_all_free(llm):
     assert all(block.ref_count == 0 for block in manager.pool.blocks)
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers(llm, hf_model):
     prompts = _prompts(llm)
     assert len(prompts) >= 10
@@ -81,6 +82,7 @@ def _mixed_prompts(llm) -> list[list[int]]:
     return [base[: 3 + (i * 37) % len(base)] + tok.encode(f" Item {i}:") for i in range(16)]
 
 
+@pytest.mark.slow
 def test_batched_equals_alone_with_chunked_prefill(llm):
     prompts = _mixed_prompts(llm)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -95,6 +97,7 @@ def test_batched_equals_alone_with_chunked_prefill(llm):
     _assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_preemption_keeps_results_exact(llm):
     prompts = _mixed_prompts(llm)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

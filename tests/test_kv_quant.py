@@ -291,6 +291,7 @@ def test_decoding_sees_what_a_prefill_of_the_same_tokens_sees(ids, kv):
     assert (decoded - prefilled).abs().mean() < 0.05
 
 
+@pytest.mark.slow
 def test_int4_with_prefix_caching_forks_and_preemption_gives_the_same_tokens(ids):
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [ids[:40], ids[:40] + ids[100:110], ids[:75]]
@@ -315,6 +316,7 @@ def test_int4_with_prefix_caching_forks_and_preemption_gives_the_same_tokens(ids
         assert not llm.engine.runner.storage.kind("kivi").residual.of_block, "residual slots leaked"
 
 
+@pytest.mark.slow
 def test_sampled_forks_copy_the_residual_block_on_write(ids):
     """n > 1 with sampling: each fork writes its own tokens into a copy of the shared partial block."""
     params = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
@@ -345,6 +347,7 @@ def test_an_int4_engine_skipping_every_layer_computes_what_full_precision_does(i
     )
 
 
+@pytest.mark.slow
 def test_engine_and_kvbank_plan_agree(kvbank_env):
     """`kvbank plan` prints the numbers the engine then really allocates."""
     import json
@@ -401,6 +404,7 @@ def perplexities() -> dict[str, float]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv,limit", [("int8", 0.005), ("fp8_e4m3", 0.015), ("int4", 0.05)])
 def test_perplexity_stays_close_to_full_precision(perplexities, kv, limit):
     delta = perplexities[kv] / perplexities["auto"] - 1
@@ -412,6 +416,7 @@ def test_lower_precision_costs_more_perplexity(perplexities):
     assert all(math.isfinite(p) for p in perplexities.values())
 
 
+@pytest.mark.slow
 def test_int8_greedy_agrees_with_full_precision(ids):
     """Teacher-forced over full precision's own greedy continuations: at most positions the int8
     cache ranks full precision's choice first. (Free-running outputs are also reported; after one

@@ -35,6 +35,7 @@ def test_prediction_equals_the_loaded_engines_tensors(options):
         assert measured.residual_slots == SMALL_POOL["max_num_seqs"] * RESIDUAL_BYTES_PER_SLOT
 
 
+@pytest.mark.slow
 def test_server_log_and_metrics_show_the_memory_plan_predicted(kvbank_env, tmp_path):
     flags = ["--kv-cache-memory-gb", "0.05", "--max-num-seqs", "4"]
     log = tmp_path / "serve.log"

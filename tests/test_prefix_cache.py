@@ -128,6 +128,7 @@ def test_colliding_hashes_still_give_exact_outputs(llm, monkeypatch):
         assert got == expected
 
 
+@pytest.mark.slow
 def test_pool_pressure_evicts_correctly_and_pins_survive():
     small = LLM(dtype="float32", num_gpu_blocks=40, max_pinned_fraction=0.25)
     system = small.render_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
