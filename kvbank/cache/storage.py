@@ -16,6 +16,7 @@ from kvbank.attention.metadata import AttentionMetadata
 from kvbank.cache.format import KVFormat
 from kvbank.cache.layers import KINDS, KVKind, KVLayer, PoolSpec, StepSeq
 from kvbank.cache.quant import CodecPair
+from kvbank.cache.tiers.entry import Layout, dtype_name
 
 DEFAULT_FORMAT = KVFormat()
 
@@ -142,6 +143,38 @@ class KVStorage:
         """A block went back to the free list without being indexed."""
         for kind in self.kinds:
             kind.release_block(block_id)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor ([num_blocks, ...] each), layer by layer: the order of `layout` and entries."""
+        return [t for layer in self.layers for t in layer.tensors]
+
+    def layout(self) -> Layout:
+        """(dtype, one block's shape) of every pool tensor: what a tier entry must match to be loaded."""
+        return tuple((dtype_name(t.dtype), tuple(t.shape[1:])) for t in self.tensors)
+
+    def read_blocks(self, block_ids: list[int], out: list[torch.Tensor]) -> None:
+        """Copy whole blocks into `out` (one [len(block_ids), ...] tensor per pool tensor, any device).
+
+        Only blocks that are full and computed are complete in the pool (KIVI keeps an open block
+        in its residual slot), so callers read those alone.
+        """
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for t, dst in zip(self.tensors, out, strict=True):
+            if dst.device == t.device:
+                torch.index_select(t, 0, index, out=dst)
+            else:
+                dst.copy_(t.index_select(0, index), non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def write_blocks(self, block_ids: list[int], src: list[torch.Tensor]) -> None:
+        """Overwrite whole blocks with `src` (as `read_blocks` fills it)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for t, rows in zip(self.tensors, src, strict=True):
+            t.index_copy_(0, index, rows.to(t.device, non_blocking=True))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V, anything a kind keeps beside them) from source to destination."""
