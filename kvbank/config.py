@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvbank.cache.format import KVFormat
+from kvbank.cache.offload import WRITE_POLICIES, chunk_blocks_for
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES
 from kvbank.models.packed import packed_matmul_available
 
@@ -27,6 +28,7 @@ _DTYPES = {
 }
 
 _WEIGHT_FORMATS = ("auto", "dense", "int4")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 def option(default: Any, help_text: str, **metadata: Any) -> Any:
@@ -92,6 +94,42 @@ class EngineConfig:
         "AVX-512 BF16 CPU with a Q4 GGUF); --no-batch-invariant prefills faster",
     )
 
+    kv_host_gb: float = option(
+        0.0, "host RAM for KV blocks offloaded from the pool, in GiB (0: no host tier)", plan=False
+    )
+    kv_disk_dir: str | None = option(
+        None, "directory that keeps offloaded KV blocks across restarts", default_text="no disk tier", plan=False
+    )
+    kv_disk_gb: float = option(16.0, "most disk space the disk tier may use, in GiB", plan=False)
+    kv_redis_url: str | None = option(
+        None,
+        "Redis (or Valkey) shared by many servers: redis://, rediss://, unix:// or a cluster node",
+        default_text="no Redis tier",
+        plan=False,
+    )
+    kv_redis_ttl: float | None = option(
+        None, "seconds a Redis entry lives after it is written", default_text="no expiry", plan=False
+    )
+    kv_redis_timeout: float = option(1.0, "socket timeout of Redis calls in seconds", plan=False)
+    kv_tier_write_policy: str = option(
+        "write_through",
+        "write_through offloads a chunk when it is computed; write_back when the pool evicts it",
+        choices=WRITE_POLICIES,
+        plan=False,
+    )
+    kv_offload_min_hits: int = option(
+        0, "prefix-cache hits a chunk needs before it is offloaded (0: every chunk)", plan=False
+    )
+    kv_tier_chunk_tokens: int = option(256, "tokens per tier entry (a multiple of --block-size)", plan=False)
+    preemption_mode: str = option(
+        "auto",
+        "what happens to a sequence the pool cannot hold: swap its blocks to host RAM, "
+        "recompute them later, or auto (swap when that is faster)",
+        choices=PREEMPTION_MODES,
+        plan=False,
+    )
+    swap_space_gb: float = option(4.0, "host RAM for swapped-out sequences, in GiB", plan=False)
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,6 +154,26 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         if self.max_model_len is not None:
             _require_positive("max_model_len", self.max_model_len)
+        for name in ("kv_host_gb", "kv_disk_gb", "swap_space_gb", "kv_redis_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be a number >= 0")
+        if self.kv_redis_ttl is not None and not self.kv_redis_ttl > 0:
+            raise ValueError(f"kv_redis_ttl={self.kv_redis_ttl!r} must be > 0 seconds")
+        if self.kv_tier_write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"kv_tier_write_policy={self.kv_tier_write_policy!r} is not one of {', '.join(WRITE_POLICIES)}"
+            )
+        if not isinstance(self.kv_offload_min_hits, int) or self.kv_offload_min_hits < 0:
+            raise ValueError(f"kv_offload_min_hits={self.kv_offload_min_hits!r} must be an integer >= 0")
+        chunk_blocks_for(self.kv_tier_chunk_tokens, self.block_size)  # raises if bad
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether any tier below the pool is configured."""
+        return bool(self.kv_host_gb or self.kv_disk_dir or self.kv_redis_url)
 
     @property
     def kv_format(self) -> KVFormat:

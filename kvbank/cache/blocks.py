@@ -30,6 +30,12 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
     parent: Parent | None = None
     serial: int = 0
+    #: index of the block in its chain (0 for the block after the root)
+    position: int = 0
+    #: times a new sequence found this block in the prefix index
+    hits: int = 0
+    #: a tier holds (or is being sent) an entry that covers this block
+    offloaded: bool = False
 
     def reset(self) -> None:
         self.ref_count = 0
@@ -37,6 +43,9 @@ class Block:
         self.token_ids = ()
         self.parent = None
         self.serial = 0
+        self.position = 0
+        self.hits = 0
+        self.offloaded = False
 
 
 class BlockPool:
@@ -48,9 +57,12 @@ class BlockPool:
         self.empty: deque[int] = deque(range(num_blocks))
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.index: dict[bytes, int] = {}
+        self.by_serial: dict[int, int] = {}
         self._serials = itertools.count(1)
         #: called with the id of a block that goes back to `empty` (its content is dropped)
         self.on_empty: Callable[[int], None] | None = None
+        #: called with an indexed block just before eviction reuses it (its content is still there)
+        self.on_evict: Callable[[Block], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -67,6 +79,8 @@ class BlockPool:
         else:
             block_id, _ = self.cached.popitem(last=False)
             block = self.blocks[block_id]
+            if self.on_evict is not None:
+                self.on_evict(block)
             self._forget(block)
         assert block.ref_count == 0
         block.ref_count = 1
@@ -99,7 +113,16 @@ class BlockPool:
             if self.on_empty is not None:
                 self.on_empty(block.block_id)
 
-    def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...], parent: Parent) -> int | None:
+    def parent_block(self, block: Block) -> Block | None:
+        """The indexed block before `block` in its chain (None at the root or once it left the pool)."""
+        if not isinstance(block.parent, int):
+            return None
+        block_id = self.by_serial.get(block.parent)
+        return None if block_id is None else self.blocks[block_id]
+
+    def register(
+        self, block: Block, block_hash: bytes, token_ids: tuple[int, ...], parent: Parent, position: int = 0
+    ) -> int | None:
         """Index a full, computed block.
 
         Returns the serial that stands for this content from now on: the block's own, or that of
@@ -111,12 +134,14 @@ class BlockPool:
             return same.serial
         if block_hash in self.index:
             return None
-        block.hash, block.token_ids, block.parent = block_hash, token_ids, parent
+        block.hash, block.token_ids, block.parent, block.position = block_hash, token_ids, parent, position
         block.serial = next(self._serials)
         self.index[block_hash] = block.block_id
+        self.by_serial[block.serial] = block.block_id
         return block.serial
 
     def _forget(self, block: Block) -> None:
         if block.hash is not None:
             del self.index[block.hash]
+            del self.by_serial[block.serial]
         block.reset()

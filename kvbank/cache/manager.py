@@ -25,6 +25,8 @@ class Sequence(Protocol):
     block_table: list[int]
     block_hashes: list[bytes]
     chain_serials: list[int | None]
+    #: blocks kept for the sequence before it is admitted (loaded from a tier), released on allocate
+    held_blocks: list[int]
 
     @property
     def num_tokens(self) -> int: ...
@@ -96,6 +98,8 @@ class KVCacheManager:
         hits = self._prefix_hits(seq)
         for block in hits:
             self.pool.share(block)
+            block.hits += 1
+        self._release_held(seq)
         seq.block_table = [block.block_id for block in hits]
         seq.chain_serials = [block.serial for block in hits]
         for _ in range(len(hits), blocks_for(seq.num_tokens, self.block_size)):
@@ -123,6 +127,18 @@ class KVCacheManager:
         for block_id in reversed(seq.block_table):
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
+        self._release_held(seq)
+
+    def hold(self, seq: Sequence, blocks: list[Block]) -> None:
+        """Keep `blocks` out of eviction until `seq` is allocated or freed (they take a reference each)."""
+        for block in blocks:
+            self.pool.share(block)
+            seq.held_blocks.append(block.block_id)
+
+    def cached_prefix(self, seq: Sequence, num_blocks: int) -> list[Block]:
+        """The cached blocks holding the longest prefix of `seq`'s first `num_blocks` whole blocks."""
+        self._hash_blocks(seq, num_blocks)
+        return self._walk(seq.token_ids[: num_blocks * self.block_size], seq.root_hash, seq.block_hashes)
 
     def commit(self, seq: Sequence) -> None:
         """Index every block of `seq` that is now full and computed."""
@@ -138,7 +154,7 @@ class KVCacheManager:
             if parent is not None:  # after a collision the rest of the chain stays unindexed
                 block = self.pool.blocks[seq.block_table[i]]
                 serial = self.pool.register(
-                    block, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent
+                    block, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent, i
                 )
             seq.chain_serials.append(serial)
 
@@ -211,6 +227,11 @@ class KVCacheManager:
             hits.append(found)
             parent = found.serial
         return hits
+
+    def _release_held(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.held_blocks):
+            self.pool.release(self.pool.blocks[block_id])
+        seq.held_blocks = []
 
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

@@ -106,6 +106,20 @@ class LLM:
         """Engine counters: prefix-cache queries/hits/hit rate, pool usage, preemptions, queue depths."""
         return self.engine.stats()
 
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Per tier (host, disk, redis): bytes used, hits, misses, load/store bytes and seconds, errors."""
+        return self.engine.tier_stats()
+
+    def close(self) -> None:
+        """Finish writing offloaded KV to the tiers and close them (a disk tier is complete after this)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
         ids: list[str] = []
         try:

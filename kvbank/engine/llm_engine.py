@@ -11,8 +11,11 @@ import torch
 
 from kvbank import memory
 from kvbank.cache.manager import KVCacheManager, blocks_for
+from kvbank.cache.offload import KVOffload
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
+from kvbank.cache.tiers import build_offload
+from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
@@ -62,8 +65,14 @@ class LLMEngine:
             self.num_blocks, self.block_size, config.enable_prefix_caching, config.max_pinned_fraction
         )
         self.manager.pool.on_empty = storage.release
-        # K/V written in another format are not interchangeable: keep their cache chains apart.
-        self.cache_namespace = self.model_config.fingerprint + self.kv_format.namespace
+        # K/V written in another dtype or format are not interchangeable: keep their cache chains apart.
+        self.cache_namespace = (
+            self.model_config.fingerprint + f"|{dtype_name(self.dtype)}".encode() + self.kv_format.namespace
+        )
+        self.storage = storage
+        self.offload: KVOffload | None = build_offload(
+            config, self.manager, storage, self.model_config.fingerprint, self.cache_namespace
+        )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(built.model, storage, self.device)
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
@@ -134,6 +143,8 @@ class LLMEngine:
         request.seqs.append(first)
         self.requests[request_id] = request
         self.scheduler.add(first)
+        if self.offload is not None:
+            self.offload.request_load(first)
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -144,6 +155,8 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
+                if self.offload is not None:
+                    self.offload.forget(seq)
                 self.scheduler.finish(seq)
         request.forked = True
         request.metrics.finished_time = time.time()
@@ -224,8 +237,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the (cumulative) outputs of requests that made progress."""
+        if self.offload is not None:
+            self.offload.poll(len(self.scheduler.running))
         batch = self.scheduler.schedule()
         if not batch:
+            if self.offload is not None and self.offload.loading:
+                self.offload.wait(timeout=0.01)  # only loading sequences wait: nothing else to do
+                return []
             if self.scheduler.waiting:
                 # Admission checks make this unreachable; failing beats a caller spinning on step().
                 raise RuntimeError(
@@ -235,12 +253,16 @@ class LLMEngine:
                 )
             return []
         copies, self.manager.pending_copies = self.manager.pending_copies, []
+        started = time.perf_counter()
         try:
             result = self.runner.execute(batch, copies)
         except Exception:
             for item in batch:
                 self.abort_request(item.seq.request.request_id)
             raise
+        if self.offload is not None:
+            prompt_tokens = sum(item.num_tokens for item in batch if item.num_tokens > 1)
+            self.offload.observe_prefill(prompt_tokens, time.perf_counter() - started)
         now = time.time()
         touched: dict[str, Request] = {}
         for i, item in enumerate(batch):
@@ -265,6 +287,8 @@ class LLMEngine:
             if not seq.no_prefix_cache and self.config.enable_prefix_caching:
                 self.counters["prefix_cache_queries"] += seq.num_prompt_tokens
                 self.counters["prefix_cache_hits"] += seq.num_computed_tokens
+            if self.offload is not None:
+                self.offload.on_admit(seq)
         if result.prompt_rows[i] is not None:
             first, last = result.prompt_rows[i]
             logprobs = result.logits[first:last].log_softmax(dim=-1)
@@ -276,6 +300,8 @@ class LLMEngine:
                 )
         seq.num_computed_tokens += item.num_tokens
         self.manager.commit(seq)
+        if self.offload is not None:
+            self.offload.on_commit(seq)
 
     def _sample(self, batch: list[ScheduledSeq], result: StepLogits, now: float) -> None:
         seqs: list[Sequence] = []
@@ -324,9 +350,21 @@ class LLMEngine:
             reason = seq.check_stop(token, len(tail), self.eos_token_ids, self.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
+            if self.offload is not None:
+                self.offload.on_finish(seq)
             self.scheduler.finish(seq)
 
+    def close(self) -> None:
+        """Write what the tiers have queued and close them; the engine is unusable afterwards."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
+
     # --- introspection ------------------------------------------------------------------------
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Each tier's bytes, hits, misses, load/store bytes and seconds, errors (empty without tiers)."""
+        return self.offload.stats() if self.offload is not None else {}
 
     def block_states(self) -> bytes:
         """One byte per KV block: 0 free (empty), 1 in use, 2 cached and evictable, 3 pinned."""

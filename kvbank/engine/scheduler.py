@@ -1,7 +1,8 @@
 """Continuous batching: which sequences compute how many tokens this step.
 
 Running sequences go first in arrival order (decodes and unfinished prefill chunks alike), then
-waiting ones are admitted FCFS while the token budget, `max_num_seqs` and the pool allow. A
+waiting ones are admitted FCFS while the token budget, `max_num_seqs` and the pool allow (one
+whose prefix is still loading from a tier is passed over until it lands). A
 request with `n > 1` runs as one sequence until its prompt is done and then forks, so it is
 admitted only with room for all n. When a running sequence cannot grow, the newest running
 sequence is preempted by recompute.
@@ -67,12 +68,15 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         slots = self.num_seq_slots
-        while not preempted and self.waiting and budget > 0:
-            seq = self.waiting[0]
+        for seq in list(self.waiting) if not preempted else []:
+            if budget <= 0:
+                break
+            if seq.loading:  # its prefix is on its way from a tier; later ones need not wait for it
+                continue
             if slots + _slots(seq) > self.max_num_seqs or not self.manager.can_allocate(seq):
                 break
             slots += _slots(seq)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)

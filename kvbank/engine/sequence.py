@@ -32,6 +32,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.chain_serials: list[int | None] = []
+        self.held_blocks: list[int] = []
+        #: a tier load is under way; the scheduler admits the sequence once it lands or times out
+        self.loading = False
         self.status = SequenceStatus.WAITING
         self.generator = generator
         self.logprobs: list[TokenLogprobs] | None = [] if request.params.logprobs is not None else None

@@ -120,8 +120,23 @@ def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     return shapes, int4
 
 
-def _fingerprint(*parts: object) -> bytes:
-    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+#: bytes read from the start, middle and end of every weight file for its fingerprint
+_SAMPLE_BYTES = 1 << 20
+
+
+def _fingerprint(kind: str, files: list[Path]) -> bytes:
+    """Identifies the weights by content, so that two machines holding the same files at different
+    paths share tier entries: names, sizes, and 1 MiB samples from the start, middle and end of each
+    file (a fine-tune changes every tensor, so changes the samples)."""
+    h = hashlib.blake2b(kind.encode(), digest_size=16)
+    for file in sorted(files, key=lambda f: f.name):
+        size = file.stat().st_size
+        h.update(f"|{file.name}|{size}|".encode())
+        with open(file, "rb") as f:
+            for offset in (0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)):
+                f.seek(offset)
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.digest()
 
 
 # --- GGUF -------------------------------------------------------------------------------------
@@ -160,7 +175,7 @@ def _gguf_config(reader, path: str) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_gguf_rope_scaling(meta, arch),
         name=str(meta.get("general.name", os.path.basename(path))),
-        fingerprint=_fingerprint("gguf", os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path)),
+        fingerprint=_fingerprint("gguf", [Path(path)]),
     )
 
 
@@ -313,7 +328,5 @@ def _folder_config(folder: Path) -> ModelConfig:
         qk_norm=model_type == "qwen3",
         rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
         name=str(raw.get("_name_or_path") or folder.name),
-        fingerprint=_fingerprint(
-            "hf", str(folder.resolve()), [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]
-        ),
+        fingerprint=_fingerprint("hf", [*files, folder / "config.json"]),
     )

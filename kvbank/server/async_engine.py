@@ -258,6 +258,8 @@ class AsyncEngine:
         self._inbox.put(_Stop())
         self._thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # --- the engine thread ----------------------------------------------------------------------
 
