@@ -4,6 +4,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -207,6 +208,48 @@ def test_cluster_node_outage_and_return(redis_cluster, make_tier):
         redis_cluster.wait_ok()
     assert wait_until(lambda: tier.put([(k, b"w") for k in keys]) == 16)
     assert tier.get(keys) == [b"w"] * 16
+
+
+def test_a_full_redis_drops_stores_without_an_outage(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(0), b"stored before")])
+    with redis_server.client() as client:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 1_000_000)
+    assert tier.put([(key(1), blob(1, 3_000_000)), (key(2), blob(2, 3_000_000))]) == 0
+
+    assert (tier.stats.stores_dropped, tier.stats.errors) == (2, 2)
+    assert tier.get([key(0)]) == [b"stored before"]  # answered at once: a refused write is not an outage
+
+
+def test_threads_share_one_tier(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+
+    def round_trip(thread: int) -> bool:
+        keys = [key(1000 * thread + i) for i in range(20)]
+        tier.put([(k, blob(thread, 10_000) + k) for k in keys])
+        return tier.get(keys) == [blob(thread, 10_000) + k for k in keys]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(round_trip, range(8)))
+    assert (tier.stats.hits, tier.stats.errors) == (160, 0)
+
+
+def test_a_stalled_cluster_master_costs_at_most_a_timeout(redis_cluster, make_tier):
+    tier = make_tier(redis_cluster.url, namespace="cluster-stall")
+    keys = [key(i) for i in range(32)]
+    tier.put([(k, b"v") for k in keys])
+    stalled = redis_cluster.nodes[2].process.pid
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert tier.get(keys) == [None] * 32
+        assert tier.get(keys) == [None] * 32
+        assert time.monotonic() - start < 2 * TIMEOUT_S + 0.5
+        assert tier.stats.errors == 1
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    assert wait_until(lambda: tier.get(keys) == [b"v"] * 32)
 
 
 def test_refresh_stats_reports_the_store(redis_server, make_tier):

@@ -7,8 +7,8 @@ policy), so this tier has no byte budget of its own.
 
 Redis is a remote service that comes and goes: every fault (refused, reset, timed out, cluster down)
 is answered as a miss or a dropped store, counted, and logged once per outage; for a backoff interval
-after a fault the tier answers without touching the network, so an outage costs each request at most
-a couple of socket timeouts in all, not one per call.
+after a fault (0.5 s, doubling up to 8 s while it lasts) the tier answers without touching the network,
+so a dead or stalled server costs one call a timeout or two per interval, not every call.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import PipelineCommand, RedisCluster
 from redis.connection import Connection, Encoder, PythonRespSerializer
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import AskError, ClusterDownError, RedisClusterException, RedisError, TryAgainError
 from redis.retry import Retry
 
 from kvbank.cache.tiers.base import Buffer, Tier
@@ -37,6 +37,8 @@ BACKOFF_MAX_S = 8.0
 
 #: what counts as "Redis is unreachable or broken" rather than a bug in kvbank
 FAULTS = (RedisError, RedisClusterException, OSError)
+#: a cluster reply that means a master is gone, not that one command failed
+_MASTER_LOST = (redis.ConnectionError, redis.TimeoutError, ClusterDownError)
 
 
 class RedisTier(Tier):
@@ -161,7 +163,7 @@ class RedisTier(Tier):
             return self._client
         with self._connect_lock:
             if not self._mode_known:
-                if self._client.info("cluster").get("cluster_enabled"):
+                if _is_cluster_node(self._client):
                     self._client.close()
                     self._client = RedisCluster.from_url(
                         self._raw_url, connection_class=_ZeroCopyConnection, **self._options
@@ -190,11 +192,43 @@ class RedisTier(Tier):
             log.info("redis tier at %s is back", self.url)
 
 
+def _is_cluster_node(client: redis.Redis) -> bool:
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except redis.ResponseError:  # INFO refused (an ACL, a proxy without it): not a cluster we could route for
+        return False
+
+
 def _execute(client: redis.Redis | RedisCluster, commands: list[tuple]) -> list[Any]:
+    if isinstance(client, RedisCluster):
+        return _execute_on_cluster(client, commands)
     pipe = client.pipeline(transaction=False)
     for command in commands:
         pipe.execute_command(*command)
     return pipe.execute(raise_on_error=False)
+
+
+def _execute_on_cluster(cluster: RedisCluster, commands: list[tuple]) -> list[Any]:
+    """One pipeline per master, but without redis-py's fallback that resends a failed master's commands one
+    by one, each waiting out its own timeout: a master that stays unreachable is an outage of the tier."""
+    replies = _send(cluster, commands, follow_redirects=False)
+    if any(isinstance(reply, redis.ConnectionError) for reply in replies):  # a socket to a restarted master
+        replies = _send(cluster, commands, follow_redirects=False)
+    lost = next((reply for reply in replies if isinstance(reply, _MASTER_LOST)), None)
+    if lost is not None:
+        raise lost
+    # Slots being migrated: let redis-py follow the redirects and refresh its slot map.
+    moved = [i for i, reply in enumerate(replies) if isinstance(reply, (AskError, TryAgainError))]
+    if moved:
+        for i, reply in zip(moved, _send(cluster, [commands[i] for i in moved], follow_redirects=True)):
+            replies[i] = reply
+    return replies
+
+
+def _send(cluster: RedisCluster, commands: list[tuple], follow_redirects: bool) -> list[Any]:
+    stack = [PipelineCommand(command, {}, position) for position, command in enumerate(commands)]
+    pipe = cluster.pipeline(transaction=False)
+    return pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=follow_redirects)
 
 
 def _store_usage(client: redis.Redis | RedisCluster) -> tuple[int, int]:
