@@ -215,7 +215,7 @@ def test_a_full_redis_drops_stores_without_an_outage(redis_server, make_tier):
     tier.put([(key(0), b"stored before")])
     with redis_server.client() as client:
         client.config_set("maxmemory-policy", "noeviction")
-        client.config_set("maxmemory", client.info("memory")["used_memory"] + 1_000_000)
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 200_000)
     assert tier.put([(key(1), blob(1, 3_000_000)), (key(2), blob(2, 3_000_000))]) == 0
 
     assert (tier.stats.stores_dropped, tier.stats.errors) == (2, 2)
