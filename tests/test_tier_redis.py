@@ -276,6 +276,11 @@ def test_bad_url_scheme_is_refused(url):
     assert "secret" not in str(error.value)
 
 
+def test_namespace_with_hash_tag_braces_is_refused():
+    with pytest.raises(ValueError, match="braces"):
+        RedisTier("redis://127.0.0.1:1", "model-{a}")
+
+
 def test_password_is_masked_in_logs(make_tier, caplog):
     tier = make_tier("redis://:hunter2@127.0.0.1:1")
     with caplog.at_level(logging.WARNING, logger="kvbank.tiers"):

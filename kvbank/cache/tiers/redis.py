@@ -61,6 +61,8 @@ class RedisTier(Tier):
             raise ValueError(f"redis TTL {ttl_seconds} s must be positive (or None for no expiry)")
         if timeout_seconds <= 0:
             raise ValueError(f"redis timeout {timeout_seconds} s must be positive")
+        if "{" in namespace or "}" in namespace:  # a cluster would hash every key by the braces' content alone
+            raise ValueError(f"redis namespace {namespace!r} must not contain braces")
         self.prefix = f"kvbank:{namespace}:"
         self.ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
         self._raw_url = url
