@@ -1,0 +1,288 @@
+"""The Redis tier against real redis-server processes: standalone (TCP and unix socket) and a 3-master cluster."""
+
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvbank.cache.tiers.redis import BACKOFF_START_S, RedisTier
+
+pytest_plugins = ["redis_servers"]  # redis_server, unix_redis_server, redis_cluster
+
+TIMEOUT_S = 0.3
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def blob(i: int, size: int = 200_000) -> bytes:
+    return bytes([i % 251]) * size + i.to_bytes(8, "big")
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def make_tier():
+    tiers = []
+
+    def make(url: str, namespace: str = "model-a:fp16", **options) -> RedisTier:
+        tiers.append(RedisTier(url, namespace, timeout_seconds=TIMEOUT_S, **options))
+        return tiers[-1]
+
+    yield make
+    for tier in tiers:
+        tier.close()
+
+
+@pytest.mark.parametrize("server", ["redis_server", "unix_redis_server", "redis_cluster"])
+def test_batch_round_trip(server, request, make_tier):
+    url = request.getfixturevalue(server).url
+    tier = make_tier(url, namespace=f"round-trip-{server}")
+    tensor = torch.arange(300_000, dtype=torch.int32)  # a non-byte buffer: stored by its bytes
+    entries = [(key(i), blob(i)) for i in range(6)]
+    entries += [(key(6), bytearray(blob(6))), (key(7), memoryview(tensor.numpy()))]
+
+    assert tier.put(entries) == len(entries)
+    got = tier.get([key(i) for i in range(10)])
+
+    assert got[:7] == [blob(i) for i in range(7)]
+    assert got[7] == tensor.numpy().tobytes()
+    assert got[8:] == [None, None]
+    assert all(isinstance(b, bytes) for b in got[:8])
+    stored = sum(len(memoryview(b).cast("B")) for _, b in entries)
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.load_bytes, tier.stats.store_bytes) == (8, 2, stored, stored)
+    assert (tier.stats.errors, tier.stats.stores_dropped) == (0, 0)
+
+
+def test_cluster_spreads_a_batch_over_its_masters(redis_cluster, make_tier):
+    tier = make_tier(redis_cluster.url, namespace="spread")
+    assert tier.put([(key(i), blob(i, 100)) for i in range(32)]) == 32
+    per_node = []
+    for node in redis_cluster.nodes:
+        with node.client() as client:
+            per_node.append(len(client.keys("kvbank:spread:*")))
+    assert sum(per_node) == 32
+    assert sum(n > 0 for n in per_node) > 1
+
+
+def test_contains_and_delete(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(i), blob(i, 100)) for i in range(3)])
+    assert tier.contains([key(0), key(1), key(2), key(3)]) == [True, True, True, False]
+
+    tier.delete([key(1), key(3)])
+
+    assert tier.contains([key(0), key(1), key(2)]) == [True, False, True]
+    assert tier.get([key(1)]) == [None]
+
+
+def test_entries_live_under_the_namespaced_key(redis_server, make_tier):
+    tier = make_tier(redis_server.url, namespace="smollm2:int8")
+    tier.put([(key(5), b"entry")])
+    with redis_server.client() as client:
+        assert client.get(f"kvbank:smollm2:int8:{key(5).hex()}") == b"entry"
+
+
+def test_namespaces_do_not_see_each_other(redis_server, make_tier):
+    fp16 = make_tier(redis_server.url, namespace="model-a:fp16")
+    int8 = make_tier(redis_server.url, namespace="model-a:int8")
+    fp16.put([(key(1), b"fp16 entry")])
+
+    assert int8.get([key(1)]) == [None]
+    assert int8.contains([key(1)]) == [False]
+    int8.delete([key(1)])
+    assert fp16.get([key(1)]) == [b"fp16 entry"]
+
+
+def test_ttl_expires_entries(redis_server, make_tier):
+    tier = make_tier(redis_server.url, ttl_seconds=0.2)
+    tier.put([(key(1), b"short-lived")])
+    with redis_server.client() as client:
+        assert 0 < client.pttl(f"{tier.prefix}{key(1).hex()}") <= 200
+    assert wait_until(lambda: tier.contains([key(1)]) == [False])
+
+
+def test_without_ttl_entries_do_not_expire(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(1), b"kept")])
+    with redis_server.client() as client:
+        assert client.pttl(f"{tier.prefix}{key(1).hex()}") == -1
+
+
+def test_killed_server_gives_fast_misses_then_hits_after_restart(redis_server, make_tier, caplog):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(i), blob(i, 1000)) for i in range(4)])
+    keys = [key(i) for i in range(4)]
+    redis_server.kill()
+
+    with caplog.at_level(logging.INFO, logger="kvbank.tiers"):
+        start = time.monotonic()
+        for _ in range(20):
+            assert tier.get(keys) == [None] * 4
+            assert tier.contains(keys) == [False] * 4
+            assert tier.put([(key(9), b"lost")]) == 0
+            tier.delete(keys)
+        assert time.monotonic() - start < 3 * TIMEOUT_S  # the first call faults, the rest skip the network
+
+        assert tier.stats.errors >= 1
+        assert tier.stats.stores_dropped == 20
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
+        assert redis_server.url in warnings[0].getMessage()
+
+        redis_server.restart()  # same port, empty: what we store now must be served again
+        assert wait_until(lambda: tier.put([(key(1), b"again")]) == 1)
+        assert tier.get([key(1)]) == [b"again"]
+
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        f"redis tier at {redis_server.url} is back"
+    ]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_backoff_skips_the_network_until_the_interval_has_passed(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    redis_server.kill()
+    tier.get([key(1)])
+    errors = tier.stats.errors
+    redis_server.start()
+
+    assert tier.get([key(1)]) == [None]
+    assert tier.stats.errors == errors  # skipped, not tried
+    time.sleep(BACKOFF_START_S)
+    tier.put([(key(1), b"x")])
+    assert tier.get([key(1)]) == [b"x"]
+
+
+def test_a_stalled_server_costs_at_most_a_timeout(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(1), b"x")])
+    os.kill(redis_server.process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert tier.get([key(1)]) == [None]
+        assert tier.get([key(1)]) == [None]
+        assert time.monotonic() - start < 2 * TIMEOUT_S + 0.5
+        assert tier.stats.errors == 1
+    finally:
+        os.kill(redis_server.process.pid, signal.SIGCONT)
+
+
+def test_server_started_after_the_tier(redis_server, make_tier):
+    redis_server.kill()
+    tier = make_tier(redis_server.url)  # no server yet: constructing must not fail
+    assert tier.get([key(1)]) == [None]
+
+    redis_server.start()
+
+    assert wait_until(lambda: tier.put([(key(1), b"late")]) == 1)
+    assert tier.get([key(1)]) == [b"late"]
+
+
+def test_cluster_node_outage_and_return(redis_cluster, make_tier):
+    tier = make_tier(redis_cluster.url, namespace="cluster-outage")
+    keys = [key(i) for i in range(16)]
+    tier.put([(k, b"v") for k in keys])
+    node = redis_cluster.nodes[1]
+    node.kill()
+    try:
+        start = time.monotonic()
+        assert tier.get(keys) == [None] * 16
+        assert tier.put([(k, b"v") for k in keys]) == 0
+        assert time.monotonic() - start < 6 * TIMEOUT_S
+        assert tier.stats.errors >= 1
+    finally:
+        node.start()
+        redis_cluster.wait_ok()
+    assert wait_until(lambda: tier.put([(k, b"w") for k in keys]) == 16)
+    assert tier.get(keys) == [b"w"] * 16
+
+
+def test_a_full_redis_drops_stores_without_an_outage(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(0), b"stored before")])
+    with redis_server.client() as client:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 200_000)
+    assert tier.put([(key(1), blob(1, 3_000_000)), (key(2), blob(2, 3_000_000))]) == 0
+
+    assert (tier.stats.stores_dropped, tier.stats.errors) == (2, 2)
+    assert tier.get([key(0)]) == [b"stored before"]  # answered at once: a refused write is not an outage
+
+
+def test_threads_share_one_tier(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+
+    def round_trip(thread: int) -> bool:
+        keys = [key(1000 * thread + i) for i in range(20)]
+        tier.put([(k, blob(thread, 10_000) + k) for k in keys])
+        return tier.get(keys) == [blob(thread, 10_000) + k for k in keys]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(round_trip, range(8)))
+    assert (tier.stats.hits, tier.stats.errors) == (160, 0)
+
+
+def test_a_stalled_cluster_master_costs_at_most_a_timeout(redis_cluster, make_tier):
+    tier = make_tier(redis_cluster.url, namespace="cluster-stall")
+    keys = [key(i) for i in range(32)]
+    tier.put([(k, b"v") for k in keys])
+    stalled = redis_cluster.nodes[2].process.pid
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert tier.get(keys) == [None] * 32
+        assert tier.get(keys) == [None] * 32
+        assert time.monotonic() - start < 2 * TIMEOUT_S + 0.5
+        assert tier.stats.errors == 1
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    assert wait_until(lambda: tier.get(keys) == [b"v"] * 32)
+
+
+def test_refresh_stats_reports_the_store(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(i), blob(i, 500_000)) for i in range(4)])
+    tier.refresh_stats()
+    assert tier.stats.entries == 4
+    assert tier.stats.bytes_used > 4 * 500_000
+    assert tier.capacity_bytes is None
+
+
+def test_refresh_stats_sums_the_cluster_masters(redis_cluster, make_tier):
+    tier = make_tier(redis_cluster.url, namespace="refresh")
+    tier.put([(key(i), b"v") for i in range(8)])
+    tier.refresh_stats()
+    assert tier.stats.entries >= 8
+    assert tier.stats.bytes_used > 3 * 500_000  # each master's baseline is about 1 MB
+
+
+@pytest.mark.parametrize("url", ["http://localhost:6379", "localhost:6379", "memcached://:secret@cache:11211"])
+def test_bad_url_scheme_is_refused(url):
+    with pytest.raises(ValueError, match="redis://, rediss://, unix://") as error:
+        RedisTier(url, "ns")
+    assert "secret" not in str(error.value)
+
+
+def test_namespace_with_hash_tag_braces_is_refused():
+    with pytest.raises(ValueError, match="braces"):
+        RedisTier("redis://127.0.0.1:1", "model-{a}")
+
+
+def test_password_is_masked_in_logs(make_tier, caplog):
+    tier = make_tier("redis://:hunter2@127.0.0.1:1")
+    with caplog.at_level(logging.WARNING, logger="kvbank.tiers"):
+        tier.get([key(1)])
+    assert "hunter2" not in caplog.text and "redis://:***@127.0.0.1:1" in caplog.text
