@@ -190,6 +190,18 @@ class KVOffload:
             view = memoryview(blob.numpy())
             for tier in self.tiers:
                 tier.put([(key, view)])
+            self._stores.task_done()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued entry has reached the tiers; False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._stores.all_tasks_done:
+            while self._stores.unfinished_tasks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._stores.all_tasks_done.wait(remaining)
+        return True
 
     # --- loading ----------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -144,7 +145,9 @@ def unpack(fmt: EntryFormat, blob: Buffer) -> tuple[EntryInfo, list[torch.Tensor
         raise BadEntry("format", f"dtype/KV format/block size/layout {theirs[:3]} differ from {ours[:3]}")
     if payload_len != fmt.payload_bytes(info.num_blocks) or (PREFIX_BYTES + header_len) % _ALIGN:
         raise BadEntry("header", f"{payload_len} payload bytes do not hold {info.num_blocks} blocks")
-    payload = torch.frombuffer(view, dtype=torch.uint8, offset=PREFIX_BYTES + header_len, count=payload_len)
+    with warnings.catch_warnings():  # an immutable blob (bytes from Redis) is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        payload = torch.frombuffer(view, dtype=torch.uint8, offset=PREFIX_BYTES + header_len, count=payload_len)
     return info, payload_views(fmt, payload, info.num_blocks)
 
 
