@@ -86,6 +86,21 @@ class BlockPool:
         block.ref_count = 1
         return block
 
+    def evict_cached(self) -> int:
+        """Evict every cached free block (as if the pool needed them all); returns how many."""
+        count = 0
+        while self.cached:
+            block_id, _ = self.cached.popitem(last=False)
+            block = self.blocks[block_id]
+            if self.on_evict is not None:
+                self.on_evict(block)
+            self._forget(block)
+            self.empty.append(block_id)
+            if self.on_empty is not None:
+                self.on_empty(block_id)
+            count += 1
+        return count
+
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], parent: Parent) -> Block | None:
         """The indexed block holding exactly these tokens after exactly this parent, if any."""
         block_id = self.index.get(block_hash)

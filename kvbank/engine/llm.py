@@ -120,6 +120,10 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the pool's cached prefix blocks (not pinned ones, not the tiers'); returns blocks dropped."""
+        return self.engine.reset_prefix_cache()
+
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
         ids: list[str] = []
         try:

@@ -354,6 +354,10 @@ class LLMEngine:
                 self.offload.on_finish(seq)
             self.scheduler.finish(seq)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block not in use or pinned (tiers keep theirs); returns blocks dropped."""
+        return self.manager.pool.evict_cached()
+
     def close(self) -> None:
         """Write what the tiers have queued and close them; the engine is unusable afterwards."""
         if self.offload is not None:
