@@ -56,13 +56,15 @@ class LoadedChunk:
 
 @dataclass
 class LoadJob:
-    """One sequence's lookup: chain keys and tokens of its whole prompt blocks, from `first` on."""
+    """One sequence's lookup: chain keys and tokens of its whole prompt blocks, from `first` on;
+    blocks from `usable` on are fetched with their chunk but not installed."""
 
     seq: Sequence
     keys: list[bytes]
     token_ids: tuple[int, ...]
     root: bytes
     first: int
+    usable: int
     deadline: float
     chunks: list[LoadedChunk] | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -208,20 +210,24 @@ class KVOffload:
     def request_load(self, seq: Sequence) -> bool:
         """Look for `seq`'s missing prompt blocks in the tiers; True if a load is under way."""
         bs = self.manager.block_size
-        num_full = (len(seq.token_ids) - 1) // bs  # the last token is always computed, as on a pool hit
-        if not self.manager.enable_prefix_caching or seq.no_prefix_cache or num_full == 0:
+        # The last token is always computed (as on a pool hit), but an entry may run up to the
+        # prompt's last whole block: it is loaded and only the blocks before that one installed.
+        usable = (len(seq.token_ids) - 1) // bs
+        whole = len(seq.token_ids) // bs
+        if not self.manager.enable_prefix_caching or seq.no_prefix_cache or usable == 0:
             return False
-        cached = len(self.manager.cached_prefix(seq, num_full))
+        cached = len(self.manager.cached_prefix(seq, whole))
+        if cached >= usable:
+            return False
         first = cached - cached % self.chunk_blocks
-        if cached == num_full:
-            return False
-        tokens = (num_full - first) * bs
+        tokens = (usable - first) * bs
         job = LoadJob(
             seq,
-            list(seq.block_hashes[:num_full]),
-            tuple(seq.token_ids[: num_full * bs]),
+            list(seq.block_hashes[:whole]),
+            tuple(seq.token_ids[: whole * bs]),
             seq.root_hash,
             first,
+            usable,
             deadline=time.monotonic() + max(MIN_LOAD_SECONDS, tokens * self.seconds_per_token),
         )
         try:
@@ -285,15 +291,16 @@ class KVOffload:
         chunks = job.chunks or []
         while job.installed < len(chunks) and (budget is None or budget > 0):
             chunk = chunks[job.installed]
-            have = self.manager.cached_prefix(job.seq, chunk.position + chunk.num_blocks)
+            count = min(chunk.num_blocks, job.usable - chunk.position)
+            have = self.manager.cached_prefix(job.seq, chunk.position + count)
             skip = max(0, len(have) - chunk.position)
-            if len(have) < chunk.position or self.pool.num_free - keep_free < chunk.num_blocks - skip:
+            if len(have) < chunk.position or self.pool.num_free - keep_free < count - skip:
                 job.installed = len(chunks)  # the chain broke or the pool is full: compute the rest
                 break
             # Hold the chain up to here too: without its head, the loaded blocks could not be found.
             self.manager.hold(job.seq, have[len(job.seq.held_blocks) :])
-            blocks = [self.pool.take() for _ in range(chunk.num_blocks - skip)]
-            self.storage.write_blocks([b.block_id for b in blocks], [v[skip:] for v in chunk.views])
+            blocks = [self.pool.take() for _ in range(count - skip)]
+            self.storage.write_blocks([b.block_id for b in blocks], [v[skip:count] for v in chunk.views])
             parent: bytes | int = have[-1].serial if have else job.root
             for i, block in enumerate(blocks):
                 position = chunk.position + skip + i
