@@ -144,6 +144,26 @@ def tier_ttft(tokens: int, repeats: int, redis: Redis, workdir: Path) -> dict:
     }
 
 
+def chunk_sweep(tokens: int, repeats: int, redis: Redis, sizes: list[int]) -> dict:
+    """Redis-served TTFT of a `tokens`-token prompt per entry size (tokens per chunk)."""
+    out = {}
+    for size in sizes:
+        times = []
+        with LLM(kv_redis_url=redis.url, kv_tier_chunk_tokens=size) as llm:
+            ttft(llm, prompt_tokens(llm, 64, offset=10**6))
+            for r in range(repeats):
+                ids = prompt_tokens(llm, tokens, offset=(r + 1) * 150_000 + 11 * size)
+                ttft(llm, ids)
+                assert llm.engine.offload.flush()
+                llm.reset_prefix_cache()
+                seconds, cached = ttft(llm, ids)
+                assert cached >= tokens - size - 16, (size, cached)
+                times.append(seconds)
+        out[size] = statistics.median(times)
+        print(f"  chunk {size:5d} tokens: Redis-served TTFT {out[size] * 1e3:7.1f} ms")
+    return out
+
+
 def tier_bandwidth(tokens: int, repeats: int, redis: Redis, workdir: Path) -> dict:
     """put/get GB/s of each tier on the real entries of a `tokens`-token prompt, one batch each way."""
     with LLM(kv_host_gb=2.0) as llm:
@@ -293,6 +313,8 @@ def main() -> None:
         try:
             results["ttft"] = tier_ttft(args.tokens, args.repeats, redis, workdir)
             print_ttft(results["ttft"])
+            print("\nentry size (Redis, median):")
+            results["chunk_sweep"] = chunk_sweep(args.tokens, args.repeats, redis, [64, 128, 256, 512, 1024])
             results["bandwidth"] = tier_bandwidth(args.tokens, args.repeats, redis, workdir)
             print_bandwidth(results["bandwidth"])
             if not args.skip_preemption:
