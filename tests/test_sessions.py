@@ -2,8 +2,11 @@
 engine and served from the prefix cache with identical outputs; damaged or foreign files refused."""
 
 import pytest
+from fastapi.testclient import TestClient
+from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams
+from kvbank.server import AsyncEngine, build_app
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # About 140 tokens with the reply: eight whole blocks of 16 and a part block.
@@ -95,8 +98,12 @@ def test_truncated_file_is_refused_naming_the_file(session_file, loader, tmp_pat
         loader.load_session(truncated, cache_salt="tenant-a")
 
 
-def test_a_pool_too_small_for_the_session_refuses_it(session_file):
-    small = LLM(dtype="float32", num_gpu_blocks=4)
+@pytest.fixture(scope="module")
+def small():
+    return LLM(dtype="float32", num_gpu_blocks=4)
+
+
+def test_a_pool_too_small_for_the_session_refuses_it(session_file, small):
     with pytest.raises(ValueError, match=r"needs \d+ free KV blocks but the pool has 4 of 4 free"):
         small.load_session(session_file, cache_salt="tenant-a")
     assert small.engine.manager.num_free_blocks == 4
@@ -105,3 +112,73 @@ def test_a_pool_too_small_for_the_session_refuses_it(session_file):
 def test_a_prompt_shorter_than_a_block_has_nothing_to_save(saver, tmp_path):
     with pytest.raises(ValueError, match="fills no block"):
         saver.save_session([1, 2, 3], tmp_path / "short.kv")
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+KEY = "sk-sessions-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _serve(kvbank_env, session_dir, log_path):
+    process, url = start_server(
+        ["--dtype", "float32", "--api-key", KEY, "--session-dir", str(session_dir), "--log-level", "warning"],
+        kvbank_env,
+        log_path,
+    )
+    wait_healthy(process, url, log_path)
+    return process, url
+
+
+def _post(url: str, body: dict, headers: dict | None = AUTH) -> tuple[int, dict]:
+    status, response, _ = request(url, body, headers)
+    return status, response
+
+
+def test_session_saved_on_one_server_is_a_cache_hit_after_a_restart(kvbank_env, tmp_path):
+    sessions = tmp_path / "sessions"
+    process, url = _serve(kvbank_env, sessions, tmp_path / "first.log")
+    try:
+        assert _post(f"{url}/v1/sessions/save", {"session": "doc", "prompt": DOCUMENT}, headers=None)[0] == 401
+        status, saved = _post(f"{url}/v1/sessions/save", {"session": "doc", "prompt": DOCUMENT, "cache_salt": "t"})
+    finally:
+        stop_server(process)
+    assert status == 200, saved
+    assert saved["session"] == "doc" and saved["tokens"] > 100
+    assert saved["bytes"] == (sessions / "doc.kv").stat().st_size
+    (sessions / "bad.kv").write_bytes((sessions / "doc.kv").read_bytes()[:-1])
+
+    process, url = _serve(kvbank_env, sessions, tmp_path / "second.log")
+    try:
+        restore = f"{url}/v1/sessions/restore"
+        missing = _post(restore, {"session": "nope"})
+        truncated = _post(restore, {"session": "bad", "cache_salt": "t"})
+        wrong_salt = _post(restore, {"session": "doc", "cache_salt": "u"})
+        bad_name = _post(restore, {"session": ".hidden"})
+        no_prompt = _post(f"{url}/v1/sessions/save", {"session": "x"})
+        restored = _post(restore, {"session": "doc", "cache_salt": "t"})
+        completion = _post(
+            f"{url}/v1/completions", {"prompt": DOCUMENT, "max_tokens": 1, "temperature": 0, "cache_salt": "t"}
+        )
+    finally:
+        stop_server(process)
+    assert missing[0] == 404 and "'nope' does not exist" in missing[1]["error"]["message"]
+    assert truncated[0] == 422 and "session 'bad' cannot be loaded: truncated" in truncated[1]["error"]["message"]
+    assert wrong_salt[0] == 422 and "another cache_salt" in wrong_salt[1]["error"]["message"]
+    assert bad_name[0] == 400 and bad_name[1]["error"]["param"] == "session"
+    assert no_prompt[0] == 400 and "exactly one of prompt" in no_prompt[1]["error"]["message"]
+    assert restored == (200, {"session": "doc", "tokens": saved["tokens"]})
+    assert completion[0] == 200, completion
+    assert completion[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == (saved["tokens"] - 1) // 16 * 16
+
+
+def test_without_a_session_dir_the_routes_say_so(small):
+    async_engine = AsyncEngine(small.engine)
+    try:
+        with TestClient(build_app(async_engine, "m")) as client:
+            for route, body in (("save", {"session": "doc", "prompt": "Hi"}), ("restore", {"session": "doc"})):
+                response = client.post(f"/v1/sessions/{route}", json=body)
+                assert response.status_code == 400
+                assert "sessions need --session-dir" in response.json()["error"]["message"]
+    finally:
+        async_engine.shutdown()

@@ -100,26 +100,26 @@ def write_session(path: str | Path, blob: torch.Tensor) -> int:
     return blob.numel()
 
 
-def read_session(path: str | Path, fmt: EntryFormat, root: bytes) -> Session:
+def read_session(path: str | Path, fmt: EntryFormat, root: bytes, name: str | None = None) -> Session:
     """Read and verify a session file for the chain starting at `root` (this model, format and salt).
 
-    Raises FileNotFoundError for a missing file and ValueError naming the file and the reason for
-    a truncated, corrupted, foreign or wrongly salted one.
+    Raises FileNotFoundError for a missing file and ValueError naming the file (as `name`, by
+    default "session file PATH") and the reason for a truncated, corrupted, foreign or wrongly
+    salted one.
     """
     blob = bytearray(Path(path).read_bytes())
+    name = name or f"session file {path}"
     try:
         info, views = unpack(fmt, blob)
     except BadEntry as error:
-        raise ValueError(f"session file {path} cannot be loaded: {error}") from None
+        raise ValueError(f"{name} cannot be loaded: {error}") from None
     if info.kind != SESSION_KIND:
-        raise ValueError(f"session file {path} holds a {info.kind!r} entry, not a session")
+        raise ValueError(f"{name} holds a {info.kind!r} entry, not a session")
     keys = chain_keys(root, info.token_ids, fmt.block_size)
     if info.parent != root:
-        raise ValueError(
-            f"session file {path} was saved under another cache_salt: give the cache_salt it was saved with"
-        )
+        raise ValueError(f"{name} was saved under another cache_salt: give the cache_salt it was saved with")
     if (info.position, info.num_blocks, info.key) != (0, len(keys), keys[-1] if keys else None):
-        raise ValueError(f"session file {path} is inconsistent: its chain keys do not match its token ids")
+        raise ValueError(f"{name} is inconsistent: its chain keys do not match its token ids")
     return Session(list(info.token_ids), root, keys, views)
 
 

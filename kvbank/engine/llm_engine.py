@@ -224,14 +224,14 @@ class LLMEngine:
         """Write `prompt`'s cached blocks (see `pack_session`) to one file at `path`; returns its bytes."""
         return write_session(path, self.pack_session(prompt))
 
-    def read_session(self, path: str | os.PathLike, cache_salt: str | None = None) -> Session:
+    def read_session(self, path: str | os.PathLike, cache_salt: str | None = None, name: str | None = None) -> Session:
         """Read and verify a session file (safe off the engine thread: it does not touch the pool).
 
         A missing file is FileNotFoundError; a corrupted, truncated, foreign or wrongly salted
-        one a ValueError naming the file and the reason.
+        one a ValueError naming the file (as `name`, by default its path) and the reason.
         """
         self._require_sessions()
-        return read_session(path, self.entry_format, root_hash(self.cache_namespace, cache_salt))
+        return read_session(path, self.entry_format, root_hash(self.cache_namespace, cache_salt), name)
 
     def _require_sessions(self) -> None:
         if not self.config.enable_prefix_caching:
@@ -424,8 +424,15 @@ class LLMEngine:
     # --- introspection ------------------------------------------------------------------------
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
-        """Each tier's bytes, hits, misses, load/store bytes and seconds, errors (empty without tiers)."""
-        return self.offload.stats() if self.offload is not None else {}
+        """Each tier's bytes used and capacity (None where the store keeps its own), hits, misses,
+        load/store bytes and seconds, errors, and the controller's counters under "offload"
+        (empty without tiers)."""
+        if self.offload is None:
+            return {}
+        stats = self.offload.stats()
+        for tier in self.offload.tiers:
+            stats[tier.name]["capacity_bytes"] = tier.capacity_bytes
+        return stats
 
     def block_states(self) -> bytes:
         """One byte per KV block: 0 free (empty), 1 in use, 2 cached and evictable, 3 pinned."""
