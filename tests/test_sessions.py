@@ -1,11 +1,15 @@
 """Session files (llama.cpp's slot save): a conversation's KV saved to one file, loaded into a fresh
 engine and served from the prefix cache with identical outputs; damaged or foreign files refused."""
 
+import dataclasses
+
 import pytest
 from fastapi.testclient import TestClient
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams
+from kvbank.cache.prefix import root_hash
+from kvbank.cache.session import read_session
 from kvbank.server import AsyncEngine, build_app
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -96,6 +100,15 @@ def test_truncated_file_is_refused_naming_the_file(session_file, loader, tmp_pat
     truncated.write_bytes(session_file.read_bytes()[:-100])
     with pytest.raises(ValueError, match=f"{truncated}.*truncated"):
         loader.load_session(truncated, cache_salt="tenant-a")
+
+
+def test_a_file_of_another_model_or_kv_format_is_refused(session_file, loader):
+    engine = loader.engine
+    root = root_hash(engine.cache_namespace, "tenant-a")
+    for field, value, reason in (("model", "0" * 32, "model"), ("kv_format", "int8", "format")):
+        foreign = dataclasses.replace(engine.entry_format, **{field: value})
+        with pytest.raises(ValueError, match=f"{session_file} cannot be loaded: {reason}"):
+            read_session(session_file, foreign, root)
 
 
 @pytest.fixture(scope="module")

@@ -211,18 +211,24 @@ class LLMEngine:
             "cache_salt": cache_salt if cache_salt is not None else parsed.salt,
         }
 
-    def pack_session(self, prompt: dict) -> torch.Tensor:
-        """The session file's bytes for `prompt` (a `session_prompt`), read from the pool.
+    def pack_session(
+        self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None = None
+    ) -> torch.Tensor:
+        """The session file's bytes for what `session_prompt` makes of the arguments, read from the pool.
 
         Raises PrefixNotCached (a ValueError) unless every whole block of it is cached: run the
         prompt first (one token is enough) and pack again.
         """
+        prompt = self.session_prompt(tokens_or_request, cache_salt)
         root = root_hash(self.cache_namespace, prompt["cache_salt"])
         return pack_session(self.entry_format, self.manager.pool, self.storage, prompt["prompt_token_ids"], root)
 
-    def save_session(self, prompt: dict, path: str | os.PathLike) -> int:
-        """Write `prompt`'s cached blocks (see `pack_session`) to one file at `path`; returns its bytes."""
-        return write_session(path, self.pack_session(prompt))
+    def save_session(
+        self, tokens_or_request: PromptType | RequestOutput, path: str | os.PathLike, cache_salt: str | None = None
+    ) -> int:
+        """Write the session's cached blocks (see `pack_session`) to one file at `path`, atomically;
+        returns the bytes written."""
+        return write_session(path, self.pack_session(tokens_or_request, cache_salt))
 
     def read_session(self, path: str | os.PathLike, cache_salt: str | None = None, name: str | None = None) -> Session:
         """Read and verify a session file (safe off the engine thread: it does not touch the pool).

@@ -624,7 +624,7 @@ class _Sessions:
         """The session entry, computing what the pool lacks first (as a one-token request among the others)."""
         for _ in range(self.ATTEMPTS):
             try:
-                return await self.async_engine.call(lambda engine: engine.pack_session(engine.session_prompt(prompt)))
+                return await self.async_engine.call(lambda engine: engine.pack_session(prompt))
             except PrefixNotCached:
                 pass
             except ValueError as error:
