@@ -1,8 +1,10 @@
 """Session files (llama.cpp's slot save): a conversation's KV saved to one file, loaded into a fresh
 engine and served from the prefix cache with identical outputs; damaged or foreign files refused."""
 
+import asyncio
 import dataclasses
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from serving import request, start_server, stop_server, wait_healthy
@@ -195,3 +197,27 @@ def test_without_a_session_dir_the_routes_say_so(small):
                 assert "sessions need --session-dir" in response.json()["error"]["message"]
     finally:
         async_engine.shutdown()
+
+
+def test_a_save_while_another_request_runs_leaves_that_request_exact(saver, loader, tmp_path):
+    """The save runs on the engine thread between steps, computing its prefix as one more request."""
+    busy = {"prompt": "Count slowly: one, two, three,", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    alone = saver.generate(busy["prompt"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    async_engine = AsyncEngine(loader.engine)
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        app = build_app(async_engine, "m", session_dir=tmp_path)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            running = asyncio.create_task(client.post("/v1/completions", json=busy))
+            await asyncio.sleep(0.5)
+            saved = await client.post("/v1/sessions/save", json={"session": "s", "prompt": DOCUMENT + " Again."})
+            return await running, saved
+
+    try:
+        completion, saved = asyncio.run(both())
+    finally:
+        async_engine.shutdown()
+    assert saved.status_code == 200, saved.text
+    assert saved.json()["bytes"] == (tmp_path / "s.kv").stat().st_size
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == alone.outputs[0].text
