@@ -211,12 +211,16 @@ def test_a_save_while_another_request_runs_leaves_that_request_exact(saver, load
             running = asyncio.create_task(client.post("/v1/completions", json=busy))
             await asyncio.sleep(0.5)
             saved = await client.post("/v1/sessions/save", json={"session": "s", "prompt": DOCUMENT + " Again."})
-            return await running, saved
+            chat = await client.post("/v1/sessions/save", json={"session": "chat", "messages": messages})
+            return await running, saved, chat
 
+    messages = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "When does the ferry leave?"}]
     try:
-        completion, saved = asyncio.run(both())
+        completion, saved, chat = asyncio.run(both())
     finally:
         async_engine.shutdown()
+    # The conversation so far, without the assistant's opening: the next turn's prompt starts with it.
+    assert chat.json()["tokens"] == len(loader.render_chat(messages, add_generation_prompt=False)), chat.text
     assert saved.status_code == 200, saved.text
     assert saved.json()["bytes"] == (tmp_path / "s.kv").stat().st_size
     assert completion.status_code == 200, completion.text
