@@ -141,7 +141,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
     name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
     async_engine = AsyncEngine(llm.engine)
-    app = build_app(async_engine, name, limits)
+    if args.session_dir is not None:
+        Path(args.session_dir).mkdir(parents=True, exist_ok=True)
+    app = build_app(async_engine, name, limits, session_dir=args.session_dir)
     url = f"http://{args.host}:{args.port}"
     print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
     print(
@@ -378,6 +380,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--session-dir",
+        metavar="DIR",
+        help="folder for POST /v1/sessions/save and /v1/sessions/restore (created if missing; default: no sessions)",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -13,6 +13,7 @@ from html.parser import HTMLParser
 
 import pytest
 import uvicorn
+from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM
 from kvbank.server import AsyncEngine, build_app
@@ -85,6 +86,7 @@ def _settled_state(base_url: str) -> dict:
 
 def test_state_json_of_an_idle_pool(base_url):
     state = _get_json(f"{base_url}/dashboard/state")
+    assert state["tiers"] == {}
     assert len(state["blocks"]) == NUM_BLOCKS
     assert set(state["blocks"]) == {"0"}
     assert state["counts"] == {"free": NUM_BLOCKS, "used": 0, "cached": 0, "pinned": 0}
@@ -217,3 +219,44 @@ def test_page_in_headless_chromium(base_url):
     assert page.cells.count("cached") == after["counts"]["cached"]
     _assert_page_matches(page, after)
     assert _number(page.text["stat-finished"]) == 1
+
+
+def _tier_metrics(url: str) -> dict[str, float]:
+    status, page, _ = request(f"{url}/metrics")
+    assert status == 200, page
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith(("kvbank:kv_tier_", "kvbank:kv_offload_"))
+    }
+
+
+def test_tiers_show_on_metrics_and_the_dashboard(kvbank_env, tmp_path):
+    log_path = tmp_path / "server.log"
+    process, url = start_server(
+        ["--dtype", "float32", "--kv-host-gb", "0.5", "--kv-disk-dir", str(tmp_path / "kv"), "--log-level", "warning"],
+        kvbank_env,
+        log_path,
+    )
+    try:
+        wait_healthy(process, url, log_path)
+        for _ in range(2):
+            status, body, _ = request(f"{url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+            assert status == 200, body
+        deadline = time.monotonic() + 15  # stores are written by a background thread
+        while (metrics := _tier_metrics(url))['kvbank:kv_tier_store_bytes_total{tier="disk"}'] == 0:
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.5)
+        state = request(f"{url}/dashboard/state")[1]
+        page = _rendered_page(_browser(), f"{url}/dashboard")
+    finally:
+        stop_server(process)
+    assert metrics['kvbank:kv_tier_store_bytes_total{tier="host"}'] > 0
+    assert metrics['kvbank:kv_tier_capacity_bytes{tier="host"}'] == 0.5 * 2**30
+    assert metrics['kvbank:kv_tier_entries{tier="host"}'] >= 1
+    assert metrics["kvbank:kv_offload_stores_total"] >= 1
+    assert metrics["kvbank:kv_offload_bad_entries_total"] == 0
+    assert set(state["tiers"]) == {"host", "disk", "offload"}
+    assert state["tiers"]["host"]["store_bytes"] > 0 and state["tiers"]["host"]["capacity_bytes"] == 2**29
+    assert page.hidden["tiers"] is False
+    assert page.text["tier-rows"].startswith("host") and "disk" in page.text["tier-rows"]

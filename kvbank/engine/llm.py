@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvbank.cache.session import PrefixNotCached
 from kvbank.config import EngineConfig
 from kvbank.engine.llm_engine import LLMEngine, PromptType
 from kvbank.engine.outputs import RequestOutput
@@ -101,6 +103,33 @@ class LLM:
     def unpin_prefix(self, prompt: PromptType) -> int:
         """Return a pinned prefix to normal LRU eviction; returns the tokens unpinned."""
         return self.engine.unpin_prefix(prompt)
+
+    def save_session(
+        self, tokens_or_request: PromptType | RequestOutput, path: str | os.PathLike, cache_salt: str | None = None
+    ) -> int:
+        """Save a conversation's KV to one file (llama.cpp's slot save); returns the tokens saved.
+
+        `tokens_or_request` is a prompt (text, token ids or a prompt dict) or a RequestOutput (its
+        prompt and first completion). What the pool lacks is computed first. The file holds every
+        token and the K/V of the whole blocks; `cache_salt` is not written, but the file can only
+        be loaded with the same salt.
+        """
+        prompt = self.engine.session_prompt(tokens_or_request, cache_salt)
+        try:
+            self.engine.save_session(prompt, path)
+        except PrefixNotCached:
+            self.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+            self.engine.save_session(prompt, path)
+        return len(prompt["prompt_token_ids"])
+
+    def load_session(self, path: str | os.PathLike, cache_salt: str | None = None) -> list[int]:
+        """Load a `save_session` file into the prefix cache; returns the session's token ids.
+
+        A prompt that starts with them reuses every whole block without computing it. A corrupted,
+        truncated or foreign file, or another `cache_salt` than it was saved with, is a ValueError
+        naming the file and the reason; so is a pool with too few free blocks.
+        """
+        return self.engine.load_session(path, cache_salt)
 
     def stats(self) -> dict[str, float]:
         """Engine counters: prefix-cache queries/hits/hit rate, pool usage, preemptions, queue depths."""

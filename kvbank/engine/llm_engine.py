@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Callable
 
@@ -13,8 +14,9 @@ from kvbank import memory
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
 from kvbank.cache.prefix import root_hash
+from kvbank.cache.session import Session, install_session, pack_session, read_session, write_session
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
-from kvbank.cache.tiers import build_offload
+from kvbank.cache.tiers import build_offload, entry_format_for
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
 from kvbank.engine.outputs import RequestOutput
@@ -70,6 +72,7 @@ class LLMEngine:
             self.model_config.fingerprint + f"|{dtype_name(self.dtype)}".encode() + self.kv_format.namespace
         )
         self.storage = storage
+        self.entry_format = entry_format_for(storage, self.model_config.fingerprint, self.cache_namespace)
         self.offload: KVOffload | None = build_offload(
             config, self.manager, storage, self.model_config.fingerprint, self.cache_namespace
         )
@@ -187,6 +190,70 @@ class LLMEngine:
                 f"a prefix of {len(parsed.token_ids)} tokens fills no block of {self.block_size}; nothing to pin"
             )
         return parsed.token_ids, root_hash(self.cache_namespace, parsed.salt)
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    def session_prompt(self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None = None) -> dict:
+        """What a session covers, as a prompt dict of token ids and cache salt.
+
+        `tokens_or_request` is a prompt as `add_request` takes it, or a RequestOutput (its prompt
+        and its first completion's tokens). `cache_salt`, when given, must agree with the prompt's.
+        """
+        self._require_sessions()
+        if isinstance(tokens_or_request, RequestOutput):
+            output = tokens_or_request
+            tokens_or_request = [*output.prompt_token_ids, *(output.outputs[0].token_ids if output.outputs else ())]
+        parsed = self._parse(tokens_or_request)
+        if None not in (cache_salt, parsed.salt) and cache_salt != parsed.salt:
+            raise ValueError("cache_salt differs from the prompt's own cache_salt; give one of them")
+        return {
+            "prompt_token_ids": parsed.token_ids,
+            "cache_salt": cache_salt if cache_salt is not None else parsed.salt,
+        }
+
+    def pack_session(
+        self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None = None
+    ) -> torch.Tensor:
+        """The session file's bytes for what `session_prompt` makes of the arguments, read from the pool.
+
+        Raises PrefixNotCached (a ValueError) unless every whole block of it is cached: run the
+        prompt first (one token is enough) and pack again.
+        """
+        prompt = self.session_prompt(tokens_or_request, cache_salt)
+        root = root_hash(self.cache_namespace, prompt["cache_salt"])
+        return pack_session(self.entry_format, self.manager.pool, self.storage, prompt["prompt_token_ids"], root)
+
+    def save_session(
+        self, tokens_or_request: PromptType | RequestOutput, path: str | os.PathLike, cache_salt: str | None = None
+    ) -> int:
+        """Write the session's cached blocks (see `pack_session`) to one file at `path`, atomically;
+        returns the bytes written."""
+        return write_session(path, self.pack_session(tokens_or_request, cache_salt))
+
+    def read_session(self, path: str | os.PathLike, cache_salt: str | None = None, name: str | None = None) -> Session:
+        """Read and verify a session file (safe off the engine thread: it does not touch the pool).
+
+        A missing file is FileNotFoundError; a corrupted, truncated, foreign or wrongly salted
+        one a ValueError naming the file (as `name`, by default its path) and the reason.
+        """
+        self._require_sessions()
+        return read_session(path, self.entry_format, root_hash(self.cache_namespace, cache_salt), name)
+
+    def _require_sessions(self) -> None:
+        if not self.config.enable_prefix_caching:
+            raise ValueError(
+                "sessions need enable_prefix_caching=True: a loaded session is found through the prefix cache"
+            )
+
+    def install_session(self, session: Session) -> list[int]:
+        """Put a read session's blocks in the pool as cached prefix blocks; returns its token ids."""
+        install_session(self.manager.pool, self.storage, session)
+        return list(session.token_ids)
+
+    def load_session(self, path: str | os.PathLike, cache_salt: str | None = None) -> list[int]:
+        """`read_session` then `install_session`: a later prompt starting with the returned token
+        ids finds all their whole blocks cached (until the pool evicts them)."""
+        return self.install_session(self.read_session(path, cache_salt))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -367,8 +434,15 @@ class LLMEngine:
     # --- introspection ------------------------------------------------------------------------
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
-        """Each tier's bytes, hits, misses, load/store bytes and seconds, errors (empty without tiers)."""
-        return self.offload.stats() if self.offload is not None else {}
+        """Each tier's bytes used and capacity (None where the store keeps its own), hits, misses,
+        load/store bytes and seconds, errors, and the controller's counters under "offload"
+        (empty without tiers)."""
+        if self.offload is None:
+            return {}
+        stats = self.offload.stats()
+        for tier in self.offload.tiers:
+            stats[tier.name]["capacity_bytes"] = tier.capacity_bytes
+        return stats
 
     def block_states(self) -> bytes:
         """One byte per KV block: 0 free (empty), 1 in use, 2 cached and evictable, 3 pinned."""

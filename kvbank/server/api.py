@@ -18,10 +18,13 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import jinja2
@@ -32,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from kvbank import memory
+from kvbank.cache.session import PrefixNotCached, write_session
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import AsyncEngine, RequestStream
@@ -48,6 +52,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 HARMLESS_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 LOGIT_BIAS_LIMIT = 100.0
+SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 class APIError(Exception):
@@ -256,14 +261,42 @@ class ChatCompletionRequest(_SamplingBody):
         return None
 
 
+class SessionSaveRequest(BaseModel):
+    """`POST /v1/sessions/save`: one of prompt (text or token ids), prompt_token_ids or messages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session: str
+    prompt: str | list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None
+
+
+class SessionRestoreRequest(BaseModel):
+    """`POST /v1/sessions/restore`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session: str
+    cache_salt: str | None = None
+
+
 # --- the app -------------------------------------------------------------------------------------
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits | None = None) -> FastAPI:
-    """A FastAPI app serving `async_engine` under OpenAI's routes as model `served_model_name`."""
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    limits: ServerLimits | None = None,
+    session_dir: str | os.PathLike | None = None,
+) -> FastAPI:
+    """A FastAPI app serving `async_engine` under OpenAI's routes as model `served_model_name`;
+    with `session_dir`, sessions are saved to and restored from files in that folder."""
     limits = limits or ServerLimits()
     app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
     server = _Server(async_engine, served_model_name, limits)
+    sessions = _Sessions(async_engine, Path(session_dir) if session_dir is not None else None)
     timer = RequestTimer()
     async_engine.observers.append(timer.observe)
     _install_error_handlers(app)
@@ -282,7 +315,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerL
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        page = render_metrics(async_engine.stats(), timer, memory=memory.current(async_engine.engine))
+        page = render_metrics(
+            async_engine.stats(), timer, memory=memory.current(async_engine.engine), tiers=async_engine.tier_stats()
+        )
         return PlainTextResponse(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -292,6 +327,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, limits: ServerL
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat_completions(body, request)
+
+    @app.post("/v1/sessions/save")
+    async def save_session(body: SessionSaveRequest) -> dict:
+        return await sessions.save(body)
+
+    @app.post("/v1/sessions/restore")
+    async def restore_session(body: SessionRestoreRequest) -> dict:
+        return await sessions.restore(body)
 
     install_dashboard(app, async_engine, limits.api_key)
     return app
@@ -510,6 +553,88 @@ class _Server:
                 for stream in streams:
                     stream.close()
         return streams
+
+
+class _Sessions:
+    """Session files in one folder: a prompt's KV saved under a name, and restored into the prefix cache.
+
+    The pool is read and written on the engine thread (`AsyncEngine.call`), between two steps;
+    files are written, read and verified on a worker thread, so the engine never waits on the disk.
+    """
+
+    #: a prompt whose blocks are evicted between computing and saving them is computed this often
+    ATTEMPTS = 3
+
+    def __init__(self, async_engine: AsyncEngine, directory: Path | None) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.directory = directory
+
+    async def save(self, body: SessionSaveRequest) -> dict:
+        path = self._path(body.session)
+        prompt = {"prompt_token_ids": await self._token_ids(body), "cache_salt": body.cache_salt}
+        blob = await self._packed(prompt)
+        size = await asyncio.to_thread(write_session, path, blob)
+        return {"session": body.session, "tokens": len(prompt["prompt_token_ids"]), "bytes": size}
+
+    async def restore(self, body: SessionRestoreRequest) -> dict:
+        path = self._path(body.session)
+        try:
+            session = await asyncio.to_thread(
+                self.engine.read_session, path, body.cache_salt, f"session {body.session!r}"
+            )
+        except FileNotFoundError:
+            raise APIError(f"session {body.session!r} does not exist", status=404, param="session") from None
+        except ValueError as error:
+            raise APIError(str(error), status=422, param="session") from error
+        try:
+            tokens = await self.async_engine.call(lambda engine: engine.install_session(session))
+        except ValueError as error:
+            raise APIError(str(error), status=507) from error
+        return {"session": body.session, "tokens": len(tokens)}
+
+    def _path(self, name: str) -> Path:
+        if self.directory is None:
+            raise APIError("sessions need --session-dir: this server was started without one")
+        if not SESSION_NAME.fullmatch(name) or name.startswith("."):
+            raise APIError(
+                f"session name {name!r} must be 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'",
+                param="session",
+            )
+        return self.directory / f"{name}.kv"
+
+    async def _token_ids(self, body: SessionSaveRequest) -> list[int]:
+        given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(body, name) is not None]
+        if len(given) != 1:
+            raise APIError(f"give exactly one of prompt, prompt_token_ids or messages (got {len(given)})")
+        tokenizer = self.engine.tokenizer
+        if body.prompt_token_ids is not None or isinstance(body.prompt, list):
+            return list(body.prompt_token_ids if body.prompt_token_ids is not None else body.prompt)
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer: send prompt_token_ids", param=given[0])
+        if body.messages is not None:
+            # The conversation so far, without the assistant's opening: the next turn's prompt starts with it.
+            messages = _template_messages(body.messages)
+            return await self.async_engine.run_tokenizer(
+                lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+            )
+        return await self.async_engine.run_tokenizer(tokenizer.encode, body.prompt)
+
+    async def _packed(self, prompt: dict) -> Any:
+        """The session entry, computing what the pool lacks first (as a one-token request among the others)."""
+        for _ in range(self.ATTEMPTS):
+            try:
+                return await self.async_engine.call(lambda engine: engine.pack_session(prompt))
+            except PrefixNotCached:
+                pass
+            except ValueError as error:
+                raise APIError(str(error)) from error
+            try:
+                async for _ in self.async_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=1)):
+                    pass
+            except ValueError as error:
+                raise APIError(str(error)) from error
+        raise APIError("the pool evicted the session's blocks before they could be saved; retry later", status=503)
 
 
 def _check_extra_fields(body: _SamplingBody) -> None:

@@ -26,6 +26,9 @@ from kvbank.engine.params import SamplingParams
 
 T = TypeVar("T")
 TOKENIZER_THREADS = 2
+#: how often tier gauges that cost a round trip (Redis memory and key count) are refreshed, and
+#: the stats snapshot republished while the engine is idle
+TIER_REFRESH_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -44,6 +47,16 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    work: Callable[[LLMEngine], Any]
+    mailbox: _Mailbox
+
+
+class _Wake:
+    """Sent only so that the engine thread publishes fresh stats while it is idle."""
 
 
 class _Stop:
@@ -150,7 +163,7 @@ class RequestStream:
 class AsyncEngine:
     """Runs an `LLMEngine` on a background thread, which becomes its only user.
 
-    The thread drains an inbox of adds and aborts, steps the engine while any request is
+    The thread drains an inbox of adds, aborts and calls, steps the engine while any request is
     unfinished, and sleeps on the inbox otherwise. Every coroutine method must be awaited on a
     running event loop; outputs are delivered with `loop.call_soon_threadsafe`.
     """
@@ -158,9 +171,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvbank-tokenizer")
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | _Wake | _Stop] = queue.SimpleQueue()
         self._mailboxes: dict[str, _Mailbox] = {}
         self._stats = engine.stats()
+        self._tiers = engine.tier_stats()
         self._blocks = engine.block_states()
         self._blocks_time = 0.0
         self._error: BaseException | None = None
@@ -169,6 +183,11 @@ class AsyncEngine:
         self._pending_adds = 0
         self._thread = threading.Thread(target=self._run, name="kvbank-engine", daemon=True)
         self._thread.start()
+        self._stopping = threading.Event()
+        self._tier_thread: threading.Thread | None = None
+        if engine.offload is not None:
+            self._tier_thread = threading.Thread(target=self._refresh_tiers, name="kvbank-tier-stats", daemon=True)
+            self._tier_thread.start()
 
     # --- the caller's side ----------------------------------------------------------------------
 
@@ -245,9 +264,27 @@ class AsyncEngine:
         """Ask the engine thread to stop a request and free its blocks (unknown ids are ignored)."""
         self._inbox.put(_Abort(request_id))
 
+    async def call(self, work: Callable[[LLMEngine], T]) -> T:
+        """Run `work(engine)` on the engine thread between two steps; returns its result or raises its exception.
+
+        For short work on the pool (saving or installing a session): every running request waits for it.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine thread is not running") from self._error
+        mailbox = _Mailbox(asyncio.get_running_loop())
+        self._inbox.put(_Call(work, mailbox))
+        reply = await mailbox.get()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
     def stats(self) -> dict[str, float]:
         """The engine's counters as of its latest step (a snapshot; safe from any thread)."""
         return dict(self._stats)
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """`LLMEngine.tier_stats()` as of the latest step, or of the last few seconds while idle (a snapshot)."""
+        return self._tiers
 
     def block_states(self) -> bytes:
         """`LLMEngine.block_states()` as of the latest step (refreshed at most every 0.25 s while busy)."""
@@ -255,8 +292,11 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread; requests still running end with EngineDeadError."""
+        self._stopping.set()
         self._inbox.put(_Stop())
         self._thread.join(timeout)
+        if self._tier_thread is not None:
+            self._tier_thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False)
         if not self._thread.is_alive():
             self.engine.close()
@@ -266,7 +306,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while self._drain_inbox(block=not self.engine.has_unfinished_requests()):
-                self._stats = self.engine.stats()  # queue depths count the requests just added
+                self._publish_stats()  # queue depths count the requests just added
                 if self.engine.has_unfinished_requests():
                     self._step()
                 now = time.monotonic()
@@ -290,7 +330,9 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
-            else:
+            elif isinstance(command, _Call):
+                self._call(command)
+            elif isinstance(command, _Abort):
                 self._abort(command.request_id)
             try:
                 command = self._inbox.get_nowait()
@@ -310,6 +352,27 @@ class AsyncEngine:
         if not command.mailbox.post(_ACCEPTED):
             self._abort(command.request_id)
 
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.work(self.engine)
+        except Exception as error:
+            result = error
+        command.mailbox.post(result)
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+        self._tiers = self.engine.tier_stats()
+
+    def _refresh_tiers(self) -> None:
+        """Refresh gauges that cost a round trip, off the engine thread, and have the snapshot republished."""
+        tiers = self.engine.offload.tiers if self.engine.offload is not None else []
+        while not self._stopping.wait(TIER_REFRESH_S):
+            for tier in tiers:
+                refresh = getattr(tier, "refresh_stats", None)
+                if refresh is not None:
+                    refresh()
+            self._inbox.put(_Wake())
+
     def _abort(self, request_id: str) -> None:
         self._mailboxes.pop(request_id, None)
         output = self.engine.abort_request(request_id)
@@ -327,7 +390,7 @@ class AsyncEngine:
             self._fail_all(error)
             return
         # Before anyone hears of these outputs, so a caller never sees stats older than its output.
-        self._stats = self.engine.stats()
+        self._publish_stats()
         for observer in self.observers:
             observer(outputs)
         for output in outputs:
@@ -351,5 +414,5 @@ class AsyncEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Call)):
                 command.mailbox.post(EngineDeadError("the engine thread has stopped"))

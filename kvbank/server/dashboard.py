@@ -9,6 +9,9 @@ JavaScript, nothing fetched from elsewhere). On load, and then once a second, it
   that counts the blocks in each state;
 * headline numbers: prefix-cache hit rate, generation throughput, running and waiting requests,
   KV usage, preemptions and token counters;
+* with KV tiers below the pool (host RAM, disk, Redis), a table of each tier's bytes used and
+  capacity, entries, hits and misses, bytes and seconds loaded and stored, dropped stores, errors
+  and corrupt entries, and the offload counters (loads, tokens loaded, timeouts, bad entries);
 * line charts over the last five minutes of the hit rate, throughput (tokens/s, from successive
   `generation_tokens` counter values), running and waiting requests, and KV usage.
 
@@ -111,7 +114,8 @@ def install_dashboard(app: FastAPI, async_engine: AsyncEngine, api_key: str | No
 
 
 def dashboard_snapshot(async_engine: AsyncEngine, sampler: StatsSampler, since: float | None = None) -> dict:
-    """The body of `/dashboard/state`: block states, their counts, the stats and the history after `since`."""
+    """The body of `/dashboard/state`: block states, their counts, the stats, the tiers' stats and the
+    history after `since`."""
     states = async_engine.block_states()
     return {
         "time": time.time(),
@@ -119,6 +123,7 @@ def dashboard_snapshot(async_engine: AsyncEngine, sampler: StatsSampler, since: 
         "blocks": encode_block_states(states),
         "counts": count_block_states(states),
         "stats": async_engine.stats(),
+        "tiers": async_engine.tier_stats(),
         "history": sampler.history(since),
     }
 

@@ -123,13 +123,41 @@ _GAUGES = (
 )
 
 
+#: (TierStats field, metric, type, help) of every tier's series, labelled with `tier`
+_TIER_SERIES = (
+    ("bytes_used", "kvbank:kv_tier_bytes_used", "gauge", "Bytes of KV entries the tier holds."),
+    ("capacity_bytes", "kvbank:kv_tier_capacity_bytes", "gauge", "The tier's byte budget (absent for Redis)."),
+    ("entries", "kvbank:kv_tier_entries", "gauge", "KV entries the tier holds."),
+    ("hits", "kvbank:kv_tier_hits_total", "counter", "Entries asked of the tier that it had."),
+    ("misses", "kvbank:kv_tier_misses_total", "counter", "Entries asked of the tier that it lacked."),
+    ("load_bytes", "kvbank:kv_tier_load_bytes_total", "counter", "Bytes read from the tier."),
+    ("load_seconds", "kvbank:kv_tier_load_seconds_total", "counter", "Seconds spent reading from the tier."),
+    ("store_bytes", "kvbank:kv_tier_store_bytes_total", "counter", "Bytes written to the tier."),
+    ("store_seconds", "kvbank:kv_tier_store_seconds_total", "counter", "Seconds spent writing to the tier."),
+    ("stores_dropped", "kvbank:kv_tier_stores_dropped_total", "counter", "Entries the tier did not store."),
+    ("errors", "kvbank:kv_tier_errors_total", "counter", "Failed tier operations (outages, I/O errors)."),
+    ("corrupt", "kvbank:kv_tier_corrupt_entries_total", "counter", "Entries refused as corrupt and deleted."),
+)
+#: (offload counter, metric, help): what moving KV between the pool and the tiers did
+_OFFLOAD_COUNTERS = (
+    ("loads", "kvbank:kv_offload_loads_total", "Prompt prefixes loaded from the tiers into the pool."),
+    ("load_tokens", "kvbank:kv_offload_load_tokens_total", "Prompt tokens loaded from the tiers instead of computed."),
+    ("load_timeouts", "kvbank:kv_offload_load_timeouts_total", "Loads abandoned as slower than recomputing."),
+    ("stores", "kvbank:kv_offload_stores_total", "Entries sent to the tiers."),
+    ("store_queue_full", "kvbank:kv_offload_store_queue_full_total", "Entries dropped: the writer was behind."),
+    ("bad_entries", "kvbank:kv_offload_bad_entries_total", "Entries that failed verification on load."),
+)
+
+
 def render_metrics(
     stats: dict[str, float],
     timer: RequestTimer,
     extra_gauges: dict[str, float] | None = None,
     memory: MemoryReport | None = None,
+    tiers: dict[str, dict[str, float]] | None = None,
 ) -> str:
-    """The whole /metrics page; `memory` adds the engine's memory by part (kvbank.memory)."""
+    """The whole /metrics page; `memory` adds the engine's memory by part (kvbank.memory), `tiers`
+    the KV tiers' series (`LLMEngine.tier_stats()`)."""
     lines: list[str] = []
     for key, name, help_text in _COUNTERS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {stats.get(key, 0)}"]
@@ -140,6 +168,8 @@ def render_metrics(
     lines += timer.render()
     if memory is not None:
         lines += render_memory(memory)
+    if tiers:
+        lines += render_tiers(tiers)
     rss = resident_memory_bytes()
     if rss is not None:
         lines += [
@@ -162,6 +192,21 @@ def render_memory(report: MemoryReport) -> list[str]:
             "# TYPE kvbank:load_peak_bytes gauge",
             f"kvbank:load_peak_bytes {report.load_peak}",
         ]
+    return lines
+
+
+def render_tiers(tiers: dict[str, dict[str, float]]) -> list[str]:
+    """Each tier's series with a `tier` label, and the offload controller's counters."""
+    named = {name: values for name, values in tiers.items() if name != "offload"}
+    lines: list[str] = []
+    for key, name, kind, help_text in _TIER_SERIES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [
+            f'{name}{{tier="{tier}"}} {values[key]}' for tier, values in named.items() if values.get(key) is not None
+        ]
+    offload = tiers.get("offload", {})
+    for key, name, help_text in _OFFLOAD_COUNTERS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {offload.get(key, 0)}"]
     return lines
 
 

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from kvbank.cache.manager import KVCacheManager
     from kvbank.cache.offload import KVOffload
     from kvbank.cache.storage import KVStorage
+    from kvbank.cache.tiers.entry import EntryFormat
     from kvbank.config import EngineConfig
 
 GIB = 2**30
@@ -41,34 +42,39 @@ def build_tiers(config: EngineConfig, namespace: bytes) -> list[Tier]:
     return tiers
 
 
-def build_offload(
-    config: EngineConfig, manager: KVCacheManager, storage: KVStorage, fingerprint: bytes, namespace: bytes
-) -> KVOffload | None:
-    """The controller that keeps the pool's prefixes in the configured tiers (None without tiers)."""
-    from kvbank.cache.offload import KVOffload, chunk_blocks_for
+def entry_format_for(storage: KVStorage, fingerprint: bytes, namespace: bytes) -> EntryFormat:
+    """What this pool's entries (tier chunks and session files) must say to be loaded into it."""
     from kvbank.cache.tiers.entry import EntryFormat, dtype_name
 
-    tiers = build_tiers(config, namespace)
-    if not tiers:
-        return None
-    if not config.enable_prefix_caching:
-        raise ValueError("KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url) need enable_prefix_caching=True")
-    entry_format = EntryFormat(
+    return EntryFormat(
         model=fingerprint.hex(),
         dtype=dtype_name(storage.dtype),
         kv_format=namespace[len(fingerprint) :].decode(),
         block_size=storage.block_size,
         layout=storage.layout(),
     )
+
+
+def build_offload(
+    config: EngineConfig, manager: KVCacheManager, storage: KVStorage, fingerprint: bytes, namespace: bytes
+) -> KVOffload | None:
+    """The controller that keeps the pool's prefixes in the configured tiers (None without tiers)."""
+    from kvbank.cache.offload import KVOffload, chunk_blocks_for
+
+    tiers = build_tiers(config, namespace)
+    if not tiers:
+        return None
+    if not config.enable_prefix_caching:
+        raise ValueError("KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url) need enable_prefix_caching=True")
     return KVOffload(
         tiers,
         manager,
         storage,
-        entry_format,
+        entry_format_for(storage, fingerprint, namespace),
         chunk_blocks_for(config.kv_tier_chunk_tokens, config.block_size),
         config.kv_tier_write_policy,
         config.kv_offload_min_hits,
     )
 
 
-__all__ = ["Buffer", "Tier", "TierStats", "build_offload", "build_tiers"]
+__all__ = ["Buffer", "Tier", "TierStats", "build_offload", "build_tiers", "entry_format_for"]

@@ -78,6 +78,44 @@ function renderNumbers(stats) {
   setText("stat-generation-tokens", integer(stats.generation_tokens || 0));
 }
 
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+}
+function seconds(x) { return (x || 0).toFixed(3) + " s"; }
+// Columns of the tiers table: each a field of the tier's stats and how to show it.
+const TIER_COLUMNS = [
+  ["bytes_used", bytes], ["capacity_bytes", bytes], ["entries", integer], ["hits", integer],
+  ["misses", integer], ["load_bytes", bytes], ["load_seconds", seconds], ["store_bytes", bytes],
+  ["store_seconds", seconds], ["stores_dropped", integer], ["errors", integer], ["corrupt", integer],
+];
+const OFFLOAD_COUNTERS = [
+  ["loads", "loads"], ["load_tokens", "tokens loaded"], ["load_timeouts", "load timeouts"],
+  ["stores", "stores"], ["store_queue_full", "stores dropped (queue full)"], ["bad_entries", "bad entries"],
+];
+
+function renderTiers(tiers) {
+  const names = Object.keys(tiers || {}).filter(name => name !== "offload");
+  document.getElementById("tiers").hidden = names.length === 0;
+  const rows = names.map(name => {
+    const row = document.createElement("tr");
+    row.dataset.tier = name;
+    const cells = [name, ...TIER_COLUMNS.map(([key, format]) => format(tiers[name][key]))];
+    for (const text of cells) {
+      const cell = document.createElement("td");
+      cell.textContent = text;
+      row.append(cell);
+    }
+    return row;
+  });
+  document.getElementById("tier-rows").replaceChildren(...rows);
+  const offload = tiers && tiers.offload ? tiers.offload : {};
+  setText("offload-counters", OFFLOAD_COUNTERS.map(([key, label]) => label + " " + integer(offload[key] || 0)).join(" · "));
+}
+
 function niceMax(value) {
   if (value <= 0) return 1;
   const step = Math.pow(10, Math.floor(Math.log10(value)));
@@ -144,6 +182,7 @@ function render(state) {
   renderGrid(state.blocks);
   renderCounts(state.counts, state.blocks.length, state.block_size);
   renderNumbers(state.stats);
+  renderTiers(state.tiers);
   for (const spec of CHARTS) renderChart(spec, state.time);
   setStatus(true, "live · " + new Date(state.time * 1000).toLocaleTimeString());
 }

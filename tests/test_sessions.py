@@ -1,0 +1,227 @@
+"""Session files (llama.cpp's slot save): a conversation's KV saved to one file, loaded into a fresh
+engine and served from the prefix cache with identical outputs; damaged or foreign files refused."""
+
+import asyncio
+import dataclasses
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from serving import request, start_server, stop_server, wait_healthy
+
+from kvbank import LLM, SamplingParams
+from kvbank.cache.prefix import root_hash
+from kvbank.cache.session import read_session
+from kvbank.server import AsyncEngine, build_app
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# About 140 tokens with the reply: eight whole blocks of 16 and a part block.
+DOCUMENT = " ".join(
+    [
+        "The harbour office opens at six, the ferry leaves at seven and returns at noon,",
+        "and the lighthouse keeper logs every ship that passes the northern rocks.",
+    ]
+    * 4
+)
+
+
+@pytest.fixture(scope="module")
+def saver():
+    return LLM(dtype="float32", num_gpu_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def conversation(saver):
+    return saver.generate(DOCUMENT, GREEDY)[0]
+
+
+@pytest.fixture(scope="module")
+def session_file(saver, conversation, tmp_path_factory):
+    path = tmp_path_factory.mktemp("sessions") / "harbour.kv"
+    saved = saver.save_session(conversation, path, cache_salt="tenant-a")
+    assert saved == len(conversation.prompt_token_ids) + len(conversation.outputs[0].token_ids)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loader():
+    """A second engine: nothing of the saver's pool is in it."""
+    return LLM(dtype="float32", num_gpu_blocks=64)
+
+
+def _tokens(output) -> list[int]:
+    return [*output.prompt_token_ids, *output.outputs[0].token_ids]
+
+
+def test_loaded_session_is_served_from_the_cache_with_identical_output(saver, conversation, session_file, loader):
+    tokens = loader.load_session(session_file, cache_salt="tenant-a")
+    assert tokens == _tokens(conversation)
+    follow_up = {"prompt_token_ids": [*tokens, *saver.get_tokenizer().encode(" What time is it?")]}
+    saver.engine.manager.enable_prefix_caching = False
+    try:
+        cold = saver.generate(follow_up, GREEDY)[0]
+    finally:
+        saver.engine.manager.enable_prefix_caching = True
+    warm = loader.generate({**follow_up, "cache_salt": "tenant-a"}, GREEDY)[0]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.num_cached_tokens == len(tokens) // 16 * 16
+
+
+def test_loading_twice_copies_nothing_new(session_file, loader):
+    loader.load_session(session_file, cache_salt="tenant-a")
+    free = loader.engine.manager.num_free_blocks
+    states = loader.engine.block_states()
+    loader.load_session(session_file, cache_salt="tenant-a")
+    assert loader.engine.block_states() == states and loader.engine.manager.num_free_blocks == free
+
+
+def test_saving_computes_a_prefix_the_pool_lacks(saver, tmp_path):
+    text = "A prompt nobody has sent before, long enough to fill a couple of blocks of sixteen tokens each."
+    tokens = saver.get_tokenizer().encode(text)
+    assert saver.save_session(text, tmp_path / "fresh.kv") == len(tokens)
+    assert saver.load_session(tmp_path / "fresh.kv") == tokens
+
+
+def test_wrong_salt_is_refused(session_file, loader):
+    for salt in (None, "tenant-b"):
+        with pytest.raises(ValueError, match="another cache_salt"):
+            loader.load_session(session_file, cache_salt=salt)
+
+
+def test_flipped_byte_is_refused_naming_the_file(session_file, loader, tmp_path):
+    blob = bytearray(session_file.read_bytes())
+    blob[len(blob) // 2] ^= 0x40
+    damaged = tmp_path / "flipped.kv"
+    damaged.write_bytes(blob)
+    with pytest.raises(ValueError, match=f"{damaged}.*checksum"):
+        loader.load_session(damaged, cache_salt="tenant-a")
+
+
+def test_truncated_file_is_refused_naming_the_file(session_file, loader, tmp_path):
+    truncated = tmp_path / "truncated.kv"
+    truncated.write_bytes(session_file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"{truncated}.*truncated"):
+        loader.load_session(truncated, cache_salt="tenant-a")
+
+
+def test_a_file_of_another_model_or_kv_format_is_refused(session_file, loader):
+    engine = loader.engine
+    root = root_hash(engine.cache_namespace, "tenant-a")
+    for field, value, reason in (("model", "0" * 32, "model"), ("kv_format", "int8", "format")):
+        foreign = dataclasses.replace(engine.entry_format, **{field: value})
+        with pytest.raises(ValueError, match=f"{session_file} cannot be loaded: {reason}"):
+            read_session(session_file, foreign, root)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return LLM(dtype="float32", num_gpu_blocks=4)
+
+
+def test_a_pool_too_small_for_the_session_refuses_it(session_file, small):
+    with pytest.raises(ValueError, match=r"needs \d+ free KV blocks but the pool has 4 of 4 free"):
+        small.load_session(session_file, cache_salt="tenant-a")
+    assert small.engine.manager.num_free_blocks == 4
+
+
+def test_a_prompt_shorter_than_a_block_has_nothing_to_save(saver, tmp_path):
+    with pytest.raises(ValueError, match="fills no block"):
+        saver.save_session([1, 2, 3], tmp_path / "short.kv")
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+KEY = "sk-sessions-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _serve(kvbank_env, session_dir, log_path):
+    process, url = start_server(
+        ["--dtype", "float32", "--api-key", KEY, "--session-dir", str(session_dir), "--log-level", "warning"],
+        kvbank_env,
+        log_path,
+    )
+    wait_healthy(process, url, log_path)
+    return process, url
+
+
+def _post(url: str, body: dict, headers: dict | None = AUTH) -> tuple[int, dict]:
+    status, response, _ = request(url, body, headers)
+    return status, response
+
+
+def test_session_saved_on_one_server_is_a_cache_hit_after_a_restart(kvbank_env, tmp_path):
+    sessions = tmp_path / "sessions"
+    process, url = _serve(kvbank_env, sessions, tmp_path / "first.log")
+    try:
+        assert _post(f"{url}/v1/sessions/save", {"session": "doc", "prompt": DOCUMENT}, headers=None)[0] == 401
+        status, saved = _post(f"{url}/v1/sessions/save", {"session": "doc", "prompt": DOCUMENT, "cache_salt": "t"})
+    finally:
+        stop_server(process)
+    assert status == 200, saved
+    assert saved["session"] == "doc" and saved["tokens"] > 100
+    assert saved["bytes"] == (sessions / "doc.kv").stat().st_size
+    (sessions / "bad.kv").write_bytes((sessions / "doc.kv").read_bytes()[:-1])
+
+    process, url = _serve(kvbank_env, sessions, tmp_path / "second.log")
+    try:
+        restore = f"{url}/v1/sessions/restore"
+        missing = _post(restore, {"session": "nope"})
+        truncated = _post(restore, {"session": "bad", "cache_salt": "t"})
+        wrong_salt = _post(restore, {"session": "doc", "cache_salt": "u"})
+        bad_name = _post(restore, {"session": ".hidden"})
+        no_prompt = _post(f"{url}/v1/sessions/save", {"session": "x"})
+        restored = _post(restore, {"session": "doc", "cache_salt": "t"})
+        completion = _post(
+            f"{url}/v1/completions", {"prompt": DOCUMENT, "max_tokens": 1, "temperature": 0, "cache_salt": "t"}
+        )
+    finally:
+        stop_server(process)
+    assert missing[0] == 404 and "'nope' does not exist" in missing[1]["error"]["message"]
+    assert truncated[0] == 422 and "session 'bad' cannot be loaded: truncated" in truncated[1]["error"]["message"]
+    assert wrong_salt[0] == 422 and "another cache_salt" in wrong_salt[1]["error"]["message"]
+    assert bad_name[0] == 400 and bad_name[1]["error"]["param"] == "session"
+    assert no_prompt[0] == 400 and "exactly one of prompt" in no_prompt[1]["error"]["message"]
+    assert restored == (200, {"session": "doc", "tokens": saved["tokens"]})
+    assert completion[0] == 200, completion
+    assert completion[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == (saved["tokens"] - 1) // 16 * 16
+
+
+def test_without_a_session_dir_the_routes_say_so(small):
+    async_engine = AsyncEngine(small.engine)
+    try:
+        with TestClient(build_app(async_engine, "m")) as client:
+            for route, body in (("save", {"session": "doc", "prompt": "Hi"}), ("restore", {"session": "doc"})):
+                response = client.post(f"/v1/sessions/{route}", json=body)
+                assert response.status_code == 400
+                assert "sessions need --session-dir" in response.json()["error"]["message"]
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_save_while_another_request_runs_leaves_that_request_exact(saver, loader, tmp_path):
+    """The save runs on the engine thread between steps, computing its prefix as one more request."""
+    busy = {"prompt": "Count slowly: one, two, three,", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    alone = saver.generate(busy["prompt"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    async_engine = AsyncEngine(loader.engine)
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        app = build_app(async_engine, "m", session_dir=tmp_path)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            running = asyncio.create_task(client.post("/v1/completions", json=busy))
+            await asyncio.sleep(0.5)
+            saved = await client.post("/v1/sessions/save", json={"session": "s", "prompt": DOCUMENT + " Again."})
+            chat = await client.post("/v1/sessions/save", json={"session": "chat", "messages": messages})
+            return await running, saved, chat
+
+    messages = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "When does the ferry leave?"}]
+    try:
+        completion, saved, chat = asyncio.run(both())
+    finally:
+        async_engine.shutdown()
+    # The conversation so far, without the assistant's opening: the next turn's prompt starts with it.
+    assert chat.json()["tokens"] == len(loader.render_chat(messages, add_generation_prompt=False)), chat.text
+    assert saved.status_code == 200, saved.text
+    assert saved.json()["bytes"] == (tmp_path / "s.kv").stat().st_size
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == alone.outputs[0].text
