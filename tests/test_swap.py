@@ -101,3 +101,13 @@ def test_auto_swaps_only_from_the_crossover_length(llm):
 def test_an_unknown_preemption_mode_is_refused():
     with pytest.raises(ValueError, match="preemption_mode='sometimes'"):
         LLM(preemption_mode="sometimes")
+
+
+def test_forked_siblings_swapped_apart_keep_their_tokens(llm, prompts, unpreempted):
+    engine = llm.engine
+    engine.swapper.mode, engine.swapper.space_bytes = "swap", 2**30
+    before = llm.stats()["num_swaps_out"]
+    forks = llm.generate([prompts[0]], SamplingParams(n=3, temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert [c.token_ids for c in forks.outputs] == [unpreempted[0]] * 3
+    assert llm.stats()["num_swaps_out"] > before
+    _assert_all_free(llm)
