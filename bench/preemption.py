@@ -99,7 +99,8 @@ def _report(result: dict) -> None:
     for n, row in result["lengths"].items():
         label = REPORTED.get(n, str(n))
         ratio = row["recompute_ms"] / row["swap_ms"]
-        print(f"  {label:>5} tokens: swap {row['swap_ms']:9.2f} ms   recompute {row['recompute_ms']:9.2f} ms   ({ratio:.0f}x)")
+        swap, recompute = row["swap_ms"], row["recompute_ms"]
+        print(f"  {label:>5} tokens: swap {swap:9.2f} ms   recompute {recompute:9.2f} ms   ({ratio:.0f}x)")
     print(f"  crossover: swap is cheaper from {result['crossover_tokens']} tokens on")
 
 

@@ -20,8 +20,8 @@ from kvbank.cache.storage import KVStorage
 
 #: Computed tokens from which `auto` swaps a victim instead of recomputing it. bench/preemption.py
 #: measured swap-out + swap-in against recomputing N tokens (N = 16..2048) with the bundled
-#: SmolLM2-135M on a shared 2-core CPU: swapping won at every length, in bfloat16 and float32
-#: alike, by two orders of magnitude or more (about 0.5 ms against 0.2-0.8 s at 16 tokens).
+#: SmolLM2-135M on a CPU (one thread): swapping won at every length, in bfloat16 (0.6 ms against
+#: 33 ms at 16 tokens, 10 ms against 4.6 s at 2k) and float32 (0.7 against 78 ms at 16 tokens).
 #: Nothing shorter than one block is swapped anyway: only full blocks are.
 SWAP_CROSSOVER_TOKENS = 16
 
