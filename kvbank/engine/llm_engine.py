@@ -16,6 +16,7 @@ from kvbank.cache.offload import KVOffload
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.session import Session, install_session, pack_session, read_session, write_session
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
+from kvbank.cache.swap import Swapper
 from kvbank.cache.tiers import build_offload, entry_format_for
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
@@ -76,7 +77,8 @@ class LLMEngine:
         self.offload: KVOffload | None = build_offload(
             config, self.manager, storage, self.model_config.fingerprint, self.cache_namespace
         )
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.swapper = Swapper(storage, self.manager, config.preemption_mode, int(config.swap_space_gb * 2**30))
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens, self.swapper)
         self.runner = ModelRunner(built.model, storage, self.device)
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
         token_text = self.tokenizer.token_text if self.tokenizer else str
@@ -460,5 +462,8 @@ class LLMEngine:
             "num_requests_running": len({s.request.request_id for s in self.scheduler.running}),
             "num_requests_waiting": len({s.request.request_id for s in self.scheduler.waiting}),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swaps_out": self.swapper.num_swaps_out,
+            "num_swaps_in": self.swapper.num_swaps_in,
+            "swap_bytes_used": self.swapper.bytes_used,
             "num_pinned_blocks": len(self.manager.pinned_blocks),
         }

@@ -5,7 +5,8 @@ waiting ones are admitted FCFS while the token budget, `max_num_seqs` and the po
 whose prefix is still loading from a tier is passed over until it lands). A
 request with `n > 1` runs as one sequence until its prompt is done and then forks, so it is
 admitted only with room for all n. When a running sequence cannot grow, the newest running
-sequence is preempted by recompute.
+sequence is preempted: its full computed blocks are swapped to host RAM when a `Swapper` is given and
+wants it (they are written back on re-admission), else it is recomputed from its prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvbank.cache.manager import KVCacheManager
 from kvbank.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the scheduler stays free of tensors; only the engine builds a Swapper
+    from kvbank.cache.swap import Swapper
 
 
 @dataclass(slots=True)
@@ -27,8 +32,15 @@ class ScheduledSeq:
 class Scheduler:
     """FCFS scheduler with chunked prefill under a per-step token budget."""
 
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        swapper: Swapper | None = None,
+    ) -> None:
         self.manager = manager
+        self.swapper = swapper
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -78,6 +90,8 @@ class Scheduler:
             slots += _slots(seq)
             self.waiting.remove(seq)
             self.manager.allocate(seq)
+            if self.swapper is not None and self.swapper.is_swapped(seq):
+                self.swapper.swap_in(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -95,9 +109,14 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.manager.free(seq)
+        if self.swapper is not None:
+            self.swapper.discard(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        swapper = self.swapper
+        if swapper is not None and swapper.wants_swap(seq) and swapper.can_swap_out(seq):
+            swapper.swap_out(seq)
         self.manager.free(seq)
         seq.num_computed_tokens = 0
         seq.chain_serials = []

@@ -107,7 +107,9 @@ class RequestTimer:
 _COUNTERS = (
     ("prefix_cache_queries", "kvbank:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "kvbank:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
-    ("num_preemptions", "kvbank:num_preemptions_total", "Sequences preempted (to be recomputed)."),
+    ("num_preemptions", "kvbank:num_preemptions_total", "Sequences preempted (swapped out or to be recomputed)."),
+    ("num_swaps_out", "kvbank:num_swaps_out_total", "Preempted sequences whose KV blocks went to host RAM."),
+    ("num_swaps_in", "kvbank:num_swaps_in_total", "Swapped sequences whose KV blocks came back into the pool."),
     ("prompt_tokens", "kvbank:prompt_tokens_total", "Prompt tokens admitted."),
     ("generation_tokens", "kvbank:generation_tokens_total", "Tokens generated."),
     ("finished_requests", "kvbank:request_success_total", "Requests finished (any reason but abort)."),
@@ -119,6 +121,7 @@ _GAUGES = (
     ("num_blocks", "kvbank:num_blocks", "KV blocks in the pool."),
     ("num_free_blocks", "kvbank:num_free_blocks", "KV blocks free (empty or cached and evictable)."),
     ("num_pinned_blocks", "kvbank:num_pinned_blocks", "KV blocks held by pinned prefixes."),
+    ("swap_bytes_used", "kvbank:swap_bytes_used", "Host RAM held by swapped-out sequences, in bytes."),
     ("prefix_cache_hit_rate", "kvbank:prefix_cache_hit_rate", "Prefix-cache hits / queries since start."),
 )
 

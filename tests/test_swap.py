@@ -1,0 +1,113 @@
+"""Preemption by swap on the bundled model (bfloat16, batch-invariant): exact tokens, fallback, freeing.
+
+One small-pool engine serves every test (loading the model dominates); each run sets the swapper's
+mode and space and looks at how the counters moved.
+"""
+
+import pytest
+
+from kvbank import LLM, SamplingParams
+from kvbank.cache.swap import Swapper
+
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+TEXT = "Once upon a time, in a small village by the sea, there lived an old fisherman who told stories."
+#: One ~40-token sequence fits in 6 blocks of 8; four together want ~20, so they preempt each other.
+BLOCK_SIZE, SMALL_POOL = 8, 8
+COUNTERS = ("num_preemptions", "num_swaps_out", "num_swaps_in")
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(block_size=BLOCK_SIZE, num_gpu_blocks=SMALL_POOL)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm) -> list[list[int]]:
+    tokens = llm.get_tokenizer().encode(TEXT)
+    return [tokens[i * 3 :] + tokens[: i * 3] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def unpreempted(llm, prompts) -> list[list[int]]:
+    """Each prompt alone: it fits, so nothing is preempted."""
+    before = llm.stats()["num_preemptions"]
+    tokens = [llm.generate([p], PARAMS)[0].outputs[0].token_ids for p in prompts]
+    assert llm.stats()["num_preemptions"] == before
+    return tokens
+
+
+def _run(llm: LLM, prompts, mode: str, space_bytes: int = 2**30) -> tuple[list[list[int]], dict[str, int]]:
+    swapper = llm.engine.swapper
+    swapper.mode, swapper.space_bytes = mode, space_bytes
+    before = llm.stats()
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    after = llm.stats()
+    return tokens, {name: after[name] - before[name] for name in COUNTERS}
+
+
+def _assert_all_free(llm: LLM) -> None:
+    assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.swapper.bytes_used == 0 and not llm.engine.swapper.swapped
+    assert llm.stats()["swap_bytes_used"] == 0
+
+
+def test_swap_preemption_gives_the_same_tokens_as_recompute_and_as_no_preemption(llm, prompts, unpreempted):
+    recomputed, counts = _run(llm, prompts, "recompute")
+    assert recomputed == unpreempted
+    assert counts["num_preemptions"] > 0 and counts["num_swaps_out"] == 0
+
+    swapped, counts = _run(llm, prompts, "swap")
+    assert swapped == unpreempted
+    assert counts["num_swaps_out"] > 0 and counts["num_swaps_in"] == counts["num_swaps_out"]
+    assert counts["num_preemptions"] >= counts["num_swaps_out"]
+    _assert_all_free(llm)
+
+
+def test_full_swap_space_falls_back_to_recompute(llm, prompts, unpreempted):
+    tokens, counts = _run(llm, prompts, "swap", space_bytes=llm.engine.swapper.bytes_per_block - 1)
+    assert tokens == unpreempted
+    assert counts["num_preemptions"] > 0 and counts["num_swaps_out"] == 0
+    _assert_all_free(llm)
+
+
+def test_aborting_a_swapped_sequence_frees_its_host_memory(llm, prompts):
+    engine = llm.engine
+    engine.swapper.mode, engine.swapper.space_bytes = "swap", 2**30
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, PARAMS, request_id=f"abort-{i}")
+    while not engine.swapper.swapped:
+        engine.step()
+    victim = next(iter(engine.swapper.swapped))
+    held = engine.swapper.bytes_used
+    engine.abort_request(victim.request.request_id)
+    assert victim not in engine.swapper.swapped and engine.swapper.bytes_used < held
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_all_free(llm)
+
+
+def test_auto_swaps_only_from_the_crossover_length(llm):
+    engine = llm.engine
+    swapper = Swapper(engine.storage, engine.manager, "auto", space_bytes=0, crossover_tokens=64)
+
+    class Victim:
+        num_computed_tokens = 63
+
+    assert not swapper.wants_swap(Victim())
+    Victim.num_computed_tokens = 64
+    assert swapper.wants_swap(Victim())
+
+
+def test_an_unknown_preemption_mode_is_refused():
+    with pytest.raises(ValueError, match="preemption_mode='sometimes'"):
+        LLM(preemption_mode="sometimes")
+
+
+def test_forked_siblings_swapped_apart_keep_their_tokens(llm, prompts, unpreempted):
+    engine = llm.engine
+    engine.swapper.mode, engine.swapper.space_bytes = "swap", 2**30
+    before = llm.stats()["num_swaps_out"]
+    forks = llm.generate([prompts[0]], SamplingParams(n=3, temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert [c.token_ids for c in forks.outputs] == [unpreempted[0]] * 3
+    assert llm.stats()["num_swaps_out"] > before
+    _assert_all_free(llm)
