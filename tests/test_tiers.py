@@ -169,23 +169,16 @@ def test_min_hits_delays_offload_until_a_prefix_is_reused(cold):
         assert llm.tier_stats()["offload"]["stores"] == 10
 
 
-def test_engines_share_a_prefix_through_redis(cold, redis_server):
+@pytest.mark.parametrize("store", ["redis_server", "redis_cluster"])
+def test_engines_share_a_prefix_through_redis(cold, store, request):
     ids, expected = cold
-    with LLM(**SMALL, kv_redis_url=redis_server.url) as first:
+    url = request.getfixturevalue(store).url
+    with LLM(**SMALL, kv_redis_url=url) as first:
         assert _run(first, ids) == (expected, 0)
         _flush(first)
-    with LLM(**SMALL, kv_redis_url=redis_server.url) as second:
+    with LLM(**SMALL, kv_redis_url=url) as second:
         assert _run(second, ids) == (expected, 592)
         assert second.tier_stats()["redis"]["hits"] == 10
-
-
-def test_redis_cluster_tier_round_trips(cold, redis_cluster):
-    ids, expected = cold
-    with LLM(**SMALL, kv_redis_url=redis_cluster.url) as first:
-        assert _run(first, ids) == (expected, 0)
-        _flush(first)
-    with LLM(**SMALL, kv_redis_url=redis_cluster.url) as second:
-        assert _run(second, ids) == (expected, 592)
 
 
 def test_redis_outage_costs_only_recompute_and_hits_resume(cold, redis_server):
