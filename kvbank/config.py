@@ -15,6 +15,7 @@ import torch
 
 from kvbank.cache.format import KVFormat
 from kvbank.cache.offload import WRITE_POLICIES, chunk_blocks_for
+from kvbank.cache.policies import parse_policy
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES
 from kvbank.models.packed import packed_matmul_available
 
@@ -129,6 +130,14 @@ class EngineConfig:
         plan=False,
     )
     swap_space_gb: float = option(4.0, "host RAM for swapped-out sequences, in GiB", plan=False)
+    kv_policy: str = option(
+        "full",
+        "what a sequence's KV cache keeps on a long context (a request may choose its own): full, "
+        "sink_window(sinks=4,window=1024), h2o(heavy=256,recent=256), snapkv(budget=1024,window=64,kernel=5) "
+        "or context_shift(keep=256)",
+        metavar="POLICY",
+        plan=False,
+    )
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -167,6 +176,7 @@ class EngineConfig:
         if not isinstance(self.kv_offload_min_hits, int) or self.kv_offload_min_hits < 0:
             raise ValueError(f"kv_offload_min_hits={self.kv_offload_min_hits!r} must be an integer >= 0")
         chunk_blocks_for(self.kv_tier_chunk_tokens, self.block_size)  # raises if bad
+        parse_policy(self.kv_policy)  # raises if bad
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
 

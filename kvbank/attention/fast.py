@@ -50,6 +50,38 @@ def native_decode_kernel(
 
 
 @dataclass
+class ScoreJob:
+    """Attention of batch rows `rows` (at cache slots `row_slots`) over their sequence's slots
+    `key_slots` (flat pool slot ids, slot order), summed over queries and the heads of each KV
+    head, is added to `buffer[layer, kv_head, :len(key_slots)]`."""
+
+    rows: torch.Tensor
+    row_slots: torch.Tensor
+    key_slots: torch.Tensor
+    buffer: torch.Tensor
+
+
+#: Query rows scored at once: bounds the [rows, heads, keys] probabilities in memory.
+SCORE_ROWS = 256
+
+
+def accumulate_scores(q: torch.Tensor, k_cache: torch.Tensor, job: ScoreJob, layer: int, scale: float) -> None:
+    """Add one layer's attention probabilities for `job` (computed in float32, causal by slot)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, job.key_slots).float()
+    positions = torch.arange(keys.shape[0], device=keys.device)
+    total = torch.zeros(num_kv_heads, keys.shape[0], device=keys.device)
+    for i in range(0, job.rows.numel(), SCORE_ROWS):
+        rows = job.rows[i : i + SCORE_ROWS]
+        queries = q.index_select(0, rows).float().view(rows.numel(), num_kv_heads, -1, head_dim)
+        scores = torch.einsum("rkgd,nkd->rkgn", queries, keys).mul_(scale)
+        hidden = positions.unsqueeze(0) > job.row_slots[i : i + SCORE_ROWS].unsqueeze(1)
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        total += scores.softmax(dim=-1).sum(dim=(0, 2))
+    job.buffer[layer, :, : keys.shape[0]] += total.to(job.buffer.device)
+
+
+@dataclass
 class DenseStep:
     """What dense attention needs this step beyond AttentionMetadata (built by cache/layers/dense.py).
 
@@ -59,7 +91,7 @@ class DenseStep:
     and columns (chunk_visibility) being ignored. When decodes share leading blocks,
     `shared_prefixes` lists the groups, and `suffix_block_tables` / `suffix_mask` describe every
     decode's blocks after its group's shared ones (attention/cascade.py). `row_block_tables` /
-    `row_context_lens`, when set, give every new token its sequence's blocks and its position + 1:
+    `row_context_lens`, when set, give every new token its sequence's blocks and its slot + 1:
     every token, prefill or decode, is then attended by the decode kernel, so its result depends on
     its own sequence alone (batch-invariant mode).
     """
@@ -71,6 +103,8 @@ class DenseStep:
     suffix_mask: torch.Tensor | None = None
     row_block_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
+    #: attention scores that long-context policies accumulate this step
+    score_jobs: list[ScoreJob] = field(default_factory=list)
 
 
 def padded_length(n: int, multiple: int) -> int:

@@ -27,6 +27,18 @@ class Sequence(Protocol):
     chain_serials: list[int | None]
     #: blocks kept for the sequence before it is admitted (loaded from a tier), released on allocate
     held_blocks: list[int]
+    #: tokens a long-context policy dropped from the cache, and the blocks it keeps aside
+    num_evicted: int
+    pristine_blocks: list[int]
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def max_slots(self) -> int | None: ...
+
+    @property
+    def prefix_limit(self) -> int: ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -41,6 +53,14 @@ class Sequence(Protocol):
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
+
+
+def _admitted_tokens(seq: Sequence, num_hits: int, block_size: int) -> int:
+    # A sequence whose policy bounds its cache gets blocks for its hits and that bound (its first
+    # chunk fits in it); later chunks append after the policy has evicted.
+    if seq.max_slots is None:
+        return seq.num_tokens
+    return min(seq.num_tokens, num_hits * block_size + seq.max_slots)
 
 
 class KVCacheManager:
@@ -89,7 +109,7 @@ class KVCacheManager:
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._prefix_hits(seq)
         revived = sum(1 for block in hits if block.ref_count == 0)
-        needed = blocks_for(seq.num_tokens, self.block_size) - len(hits)
+        needed = blocks_for(_admitted_tokens(seq, len(hits), self.block_size), self.block_size) - len(hits)
         return self.pool.num_free - revived >= needed
 
     def allocate(self, seq: Sequence) -> None:
@@ -102,7 +122,7 @@ class KVCacheManager:
         self._release_held(seq)
         seq.block_table = [block.block_id for block in hits]
         seq.chain_serials = [block.serial for block in hits]
-        for _ in range(len(hits), blocks_for(seq.num_tokens, self.block_size)):
+        for _ in range(len(hits), blocks_for(_admitted_tokens(seq, len(hits), self.block_size), self.block_size)):
             seq.block_table.append(self.pool.take().block_id)
         seq.num_computed_tokens = len(hits) * self.block_size
 
@@ -112,21 +132,23 @@ class KVCacheManager:
     def append_slots(self, seq: Sequence, num_new: int) -> None:
         """Make room to write K/V for positions [computed, computed + num_new)."""
         if self._needs_copy(seq):
-            self._copy_on_write(seq, seq.num_computed_tokens // self.block_size)
+            self._copy_on_write(seq, seq.num_slots // self.block_size)
         for _ in range(self._blocks_to_add(seq, num_new)):
             seq.block_table.append(self.pool.take().block_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent`; the first write to a shared block copies it."""
-        for block_id in parent.block_table:
+        for block_id in parent.block_table + parent.pristine_blocks:
             self.pool.share(self.pool.blocks[block_id])
         child.block_table = list(parent.block_table)
+        child.pristine_blocks = list(parent.pristine_blocks)
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first, so the LRU evicts tails before shared heads."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table + seq.pristine_blocks):
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
+        seq.pristine_blocks = []
         self._release_held(seq)
 
     def hold(self, seq: Sequence, blocks: list[Block]) -> None:
@@ -142,8 +164,8 @@ class KVCacheManager:
 
     def commit(self, seq: Sequence) -> None:
         """Index every block of `seq` that is now full and computed."""
-        if not self.enable_prefix_caching or seq.no_prefix_cache:
-            return
+        if not self.enable_prefix_caching or seq.no_prefix_cache or seq.num_evicted:
+            return  # after an eviction, blocks no longer hold the full computation of their tokens
         bs = self.block_size
         full = seq.num_computed_tokens // bs
         self._hash_blocks(seq, full)
@@ -208,7 +230,7 @@ class KVCacheManager:
         # The last token is always recomputed: its logits are needed to sample.
         if not self.enable_prefix_caching or seq.no_prefix_cache:
             return []
-        num_full = (seq.num_tokens - 1) // self.block_size
+        num_full = min(seq.num_tokens - 1, seq.prefix_limit) // self.block_size
         self._hash_blocks(seq, num_full)
         return self._walk(seq.token_ids[: num_full * self.block_size], seq.root_hash, seq.block_hashes)
 
@@ -241,10 +263,10 @@ class KVCacheManager:
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _blocks_to_add(self, seq: Sequence, num_new: int) -> int:
-        return max(0, blocks_for(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table))
+        return max(0, blocks_for(seq.num_slots + num_new, self.block_size) - len(seq.block_table))
 
     def _needs_copy(self, seq: Sequence) -> bool:
-        index = seq.num_computed_tokens // self.block_size
+        index = seq.num_slots // self.block_size
         return index < len(seq.block_table) and self.pool.blocks[seq.block_table[index]].ref_count > 1
 
     def _copy_on_write(self, seq: Sequence, index: int) -> None:

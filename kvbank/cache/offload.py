@@ -212,7 +212,7 @@ class KVOffload:
         bs = self.manager.block_size
         # The last token is always computed (as on a pool hit), but an entry may run up to the
         # prompt's last whole block: it is loaded and only the blocks before that one installed.
-        usable = (len(seq.token_ids) - 1) // bs
+        usable = min(len(seq.token_ids) - 1, seq.prefix_limit) // bs
         whole = len(seq.token_ids) // bs
         if not self.manager.enable_prefix_caching or seq.no_prefix_cache or usable == 0:
             return False

@@ -176,6 +176,21 @@ class KVStorage:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    @property
+    def all_dense(self) -> bool:
+        """Every layer is stored in the model dtype (what long-context policies edit)."""
+        return [kind.name for kind in self.kinds] == ["dense"]
+
+    def rotate_keys(self, src: list[int], dst: list[int], rotation: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keys of blocks `dst` = keys of blocks `src` rotated by (cos, sin) rows of one position delta."""
+        assert self.all_dense
+        self.kinds[0].rotate_keys(src, dst, *rotation)
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per layer l and KV head h, K/V of pool slots `src[l, h]` -> slots `dst[l, h]` (flat slot ids)."""
+        assert self.all_dense
+        self.kinds[0].move_slots(src, dst)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V, anything a kind keeps beside them) from source to destination."""
         src = torch.tensor([s for s, _ in copies], device=self.device)

@@ -66,7 +66,13 @@ class Swapper:
         return self.mode == "swap"
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        """`seq` has full computed blocks and they fit in the free swap space."""
+        """`seq` has full computed blocks and they fit in the free swap space.
+
+        A sequence a long-context policy has edited (or that carries score buffers) is recomputed
+        instead: its blocks no longer map to its token positions.
+        """
+        if seq.num_evicted or seq.kv_state is not None:
+            return False
         num_blocks = self._full_blocks(seq)
         return num_blocks > 0 and self.bytes_used + num_blocks * self.bytes_per_block <= self.space_bytes
 

@@ -11,8 +11,10 @@ from collections.abc import Callable
 import torch
 
 from kvbank import memory
+from kvbank.cache.editor import KVEditor, ScoreState
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
+from kvbank.cache.policies import POLICIES, Full, KVPolicy, Limits, parse_policy
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.session import Session, install_session, pack_session, read_session, write_session
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
@@ -80,6 +82,16 @@ class LLMEngine:
         self.swapper = Swapper(storage, self.manager, config.preemption_mode, int(config.swap_space_gb * 2**30))
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens, self.swapper)
         self.runner = ModelRunner(built.model, storage, self.device)
+        self.limits = Limits(
+            self.block_size, self.num_blocks, self.max_model_len, config.max_num_batched_tokens, storage.all_dense
+        )
+        self.kv_policy = parse_policy(config.kv_policy)
+        self.kv_policy.check(self.limits)
+        self.editor = KVEditor(
+            self.manager, storage, self.limits, built.model.rope_inv_freq, built.model.rope_cos.shape[0]
+        )
+        #: tokens each policy has evicted, by policy name
+        self.evicted_tokens: dict[str, int] = {name: 0 for name in POLICIES if name != "full"}
         self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
         token_text = self.tokenizer.token_text if self.tokenizer else str
         self.sampler = Sampler(self.eos_token_ids, token_text, torch.Generator(self.device).manual_seed(config.seed))
@@ -134,7 +146,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         parsed = self._parse(prompt)
         root = root_hash(self.cache_namespace, parsed.salt)
-        params = self._resolve_max_tokens(params, parsed.token_ids, root)
+        policy = params.kv_policy or self.kv_policy
+        if policy is not self.kv_policy:
+            policy.check(self.limits)
+        params = self._resolve_max_tokens(params, parsed.token_ids, root, policy)
         params.check_token_ids(self.model_config.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
@@ -142,8 +157,17 @@ class LLMEngine:
             raise ValueError(
                 f"n={params.n} is more sequences than max_num_seqs={self.config.max_num_seqs} runs at once"
             )
-        request = Request(request_id, parsed.text, parsed.token_ids, params, root, arrival_time or time.time())
+        peak = policy.peak_slots(len(parsed.token_ids), params.max_tokens, self.limits)
+        peak = None if isinstance(policy, Full) else peak
+        request = Request(
+            request_id, parsed.text, parsed.token_ids, params, root, arrival_time or time.time(), policy, peak
+        )
+        if policy.scored:
+            shape = (self.model_config.num_layers, self.model_config.num_kv_heads)
+            capacity = len(parsed.token_ids) + params.max_tokens
+            request.new_score_state = lambda: ScoreState.empty(*shape, capacity, self.device)
         first = Sequence(request, 0, parsed.token_ids, self._generator(params, 0))
+        first.kv_state = request.new_score_state()
         self._attach_detokenizer(first)
         request.seqs.append(first)
         self.requests[request_id] = request
@@ -263,22 +287,33 @@ class LLMEngine:
     def _parse(self, prompt: PromptType) -> ParsedPrompt:
         return parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
-    def _resolve_max_tokens(self, params: SamplingParams, token_ids: list[int], root: bytes) -> SamplingParams:
+    def _resolve_max_tokens(
+        self, params: SamplingParams, token_ids: list[int], root: bytes, policy: KVPolicy
+    ) -> SamplingParams:
         prompt_len = len(token_ids)
         limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len={limit} leaves no room to generate")
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=limit - prompt_len)
-        if prompt_len + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt has {prompt_len} tokens and max_tokens={params.max_tokens}: "
-                f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}"
-            )
-        needed = blocks_for(prompt_len + params.max_tokens, self.block_size)
+        if policy.unbounded:
+            # Positions are assigned in the cache, so neither the prompt nor the output is capped by
+            # the context; an unset max_tokens means one context's worth of output.
+            if params.max_tokens is None:
+                params = dataclasses.replace(params, max_tokens=limit)
+        else:
+            if prompt_len >= limit:
+                raise ValueError(f"prompt has {prompt_len} tokens; max_model_len={limit} leaves no room to generate")
+            if params.max_tokens is None:
+                params = dataclasses.replace(params, max_tokens=limit - prompt_len)
+            if prompt_len + params.max_tokens > limit:
+                raise ValueError(
+                    f"prompt has {prompt_len} tokens and max_tokens={params.max_tokens}: "
+                    f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}"
+                    + ("" if not isinstance(policy, Full) else "; a kv_policy such as sink_window runs past it")
+                )
+        peak = policy.peak_slots(prompt_len, params.max_tokens, self.limits)
+        needed = blocks_for(peak, self.block_size) + policy.pristine_blocks(self.block_size)
         if needed > self.num_blocks:
+            held = "" if isinstance(policy, Full) else f" (kv_policy={policy} holds up to {peak} tokens)"
             raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks "
+                f"prompt ({prompt_len} tokens) + max_tokens={params.max_tokens} needs {needed} KV blocks{held} "
                 f"but the pool has only {self.num_blocks}"
             )
         usable = self.manager.usable_blocks(token_ids, root)
@@ -371,6 +406,9 @@ class LLMEngine:
         self.manager.commit(seq)
         if self.offload is not None:
             self.offload.on_commit(seq)
+        evicted = self.editor.after_step(seq.kv_policy, seq)
+        if evicted:
+            self.evicted_tokens[seq.kv_policy.name] += evicted
 
     def _sample(self, batch: list[ScheduledSeq], result: StepLogits, now: float) -> None:
         seqs: list[Sequence] = []
@@ -412,11 +450,12 @@ class LLMEngine:
             seq.cumulative_logprob += sample.logprob
         new_text = seq.detokenizer.push([token]) if seq.detokenizer is not None else ""
         seq.text += new_text
-        reason = seq.check_stop(token, len(new_text), self.eos_token_ids, self.max_model_len)
+        context = None if seq.kv_policy.unbounded else self.max_model_len
+        reason = seq.check_stop(token, len(new_text), self.eos_token_ids, context)
         if reason is not None and not isinstance(reason[1], str) and seq.detokenizer is not None:
             # Bytes held back for an unfinished character end the text as U+FFFD (a whole decode's ending).
             seq.text += (tail := seq.detokenizer.flush())
-            reason = seq.check_stop(token, len(tail), self.eos_token_ids, self.max_model_len)
+            reason = seq.check_stop(token, len(tail), self.eos_token_ids, context)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             if self.offload is not None:
@@ -466,4 +505,5 @@ class LLMEngine:
             "num_swaps_in": self.swapper.num_swaps_in,
             "swap_bytes_used": self.swapper.bytes_used,
             "num_pinned_blocks": len(self.manager.pinned_blocks),
+            **{f"evicted_tokens_{name}": count for name, count in self.evicted_tokens.items()},
         }

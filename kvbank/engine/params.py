@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbank.cache.policies import KVPolicy, parse_policy
+
 _GREEDY_EPS = 1e-5
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -17,6 +19,8 @@ class SamplingParams:
     log-probabilities of every generated token (plus the chosen one); `prompt_logprobs=k` does the
     same for every prompt token after the first. `logit_bias` maps token ids to a bias in
     [-100, 100] added to their logits before any other rule (as OpenAI's field does).
+    `kv_policy` is what the request's KV cache keeps on a long context (kvbank.cache.policies: a
+    spelling such as "sink_window(sinks=4,window=1024)" or a policy object; None: the engine's).
     """
 
     n: int = 1
@@ -38,6 +42,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    kv_policy: str | KVPolicy | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +50,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.kv_policy is not None:
+            self.kv_policy = parse_policy(self.kv_policy)
         self._validate()
 
     @property

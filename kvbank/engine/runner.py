@@ -57,20 +57,23 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         steps: list[StepSeq] = []
         for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            # Slots are places in the cache; they trail token positions once a policy has evicted.
+            first = start - seq.num_evicted
+            end = first + n
             table = seq.block_table
             offset = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            steps.append(StepSeq(start, end, table))
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(first + seq.rope_offset, end + seq.rope_offset))
+            slots.extend(table[c // bs] * bs + c % bs for c in range(first, end))
+            steps.append(self._step_seq(seq, first, end))
             num_blocks = -(-end // bs)
-            if item.num_tokens == 1:
+            if n == 1:
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(end)
             else:
-                prefills.append(PrefillChunk(offset, offset + item.num_tokens, start, self._tensor(table[:num_blocks])))
+                prefills.append(PrefillChunk(offset, offset + n, first, self._tensor(table[:num_blocks])))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_tables),
@@ -86,6 +89,17 @@ class ModelRunner:
             meta.decode_context_lens = self._tensor(decode_lens)
         self.storage.prepare(steps, meta)
         return self._tensor(input_ids), self._tensor(positions), meta
+
+    @staticmethod
+    def _step_seq(seq, first: int, end: int) -> StepSeq:
+        wanted = seq.kv_policy.score_range(seq) if seq.kv_state is not None else None
+        if wanted is None:
+            return StepSeq(first, end, seq.block_table)
+        lo = max(first, wanted[0] - seq.num_evicted)
+        hi = min(end, wanted[1] - seq.num_evicted)
+        if lo >= hi:
+            return StepSeq(first, end, seq.block_table)
+        return StepSeq(first, end, seq.block_table, seq.kv_state.scores, (lo, hi))
 
     def _logit_rows(self, batch: list[ScheduledSeq]):
         rows: list[int] = []

@@ -118,8 +118,7 @@ class Scheduler:
         if swapper is not None and swapper.wants_swap(seq) and swapper.can_swap_out(seq):
             swapper.swap_out(seq)
         self.manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.chain_serials = []
+        seq.reset_cache()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

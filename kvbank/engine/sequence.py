@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable
 
 import torch
 
+from kvbank.cache.editor import ScoreState
+from kvbank.cache.policies import Full, KVPolicy
 from kvbank.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, TokenLogprobs
 from kvbank.engine.params import SamplingParams
 
@@ -33,6 +36,12 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.chain_serials: list[int | None] = []
         self.held_blocks: list[int] = []
+        # Long-context policies (kvbank/cache/policies.py): tokens gone from the cache, the RoPE
+        # position of slot 0, unrotated copies of the kept leading blocks, and score buffers.
+        self.num_evicted = 0
+        self.rope_offset = 0
+        self.pristine_blocks: list[int] = []
+        self.kv_state: ScoreState | None = None
         #: a tier load is under way; the scheduler admits the sequence once it lands or times out
         self.loading = False
         self.status = SequenceStatus.WAITING
@@ -60,8 +69,41 @@ class Sequence:
         return self.request.no_prefix_cache
 
     @property
+    def kv_policy(self) -> KVPolicy:
+        return self.request.kv_policy
+
+    @property
+    def max_slots(self) -> int | None:
+        """Most cache slots the sequence holds at once (None: one per token)."""
+        return self.request.peak_slots
+
+    @property
+    def prefix_limit(self) -> int:
+        """Leading tokens that may come from the prefix cache instead of being computed."""
+        return self.request.kv_policy.prefix_limit(self.num_prompt_tokens)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_slots(self) -> int:
+        """Cache slots holding this sequence's computed tokens (fewer than them after evictions)."""
+        return self.num_computed_tokens - self.num_evicted
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet computed."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def reset_cache(self) -> None:
+        """Forget every computed token (after the blocks are freed): the sequence is recomputed."""
+        self.num_computed_tokens = 0
+        self.chain_serials = []
+        self.num_evicted = 0
+        self.rope_offset = 0
+        if self.kv_state is not None:
+            self.kv_state = self.request.new_score_state()
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -85,11 +127,13 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.chain_serials = list(self.chain_serials)
+        child.num_evicted, child.rope_offset = self.num_evicted, self.rope_offset
+        child.kv_state = self.kv_state.clone() if self.kv_state is not None else None
         child.status = self.status
         return child
 
     def check_stop(
-        self, token: int, new_len: int, eos_token_ids: frozenset[int], max_model_len: int
+        self, token: int, new_len: int, eos_token_ids: frozenset[int], max_model_len: int | None
     ) -> tuple[str, int | str | None] | None:
         """(finish reason, stop reason) once `token`, just appended with `new_len` new characters, ends
         the sequence; None while it goes on. A matched stop string is cut from the text here."""
@@ -104,7 +148,9 @@ class Sequence:
                 if index >= 0:
                     self.text = self.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
                     return "stop", stop
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_output_tokens >= params.max_tokens:
+            return "length", None
+        if max_model_len is not None and self.num_tokens >= max_model_len:
             return "length", None
         return None
 
@@ -159,8 +205,15 @@ class Request:
         params: SamplingParams,
         root_hash: bytes,
         arrival_time: float,
+        kv_policy: KVPolicy | None = None,
+        peak_slots: int | None = None,
     ) -> None:
         self.request_id = request_id
+        #: what the request's sequences keep in the cache, and the most slots one holds at once
+        self.kv_policy: KVPolicy = kv_policy or Full()
+        self.peak_slots = peak_slots
+        #: builds an empty score buffer for policies that rank tokens (set by the engine)
+        self.new_score_state: Callable[[], ScoreState | None] = lambda: None
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbank.attention import AttentionMetadata
+from kvbank.attention.rope import apply_rope
 from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Int4Blocks, PackedLinear
 
@@ -83,15 +84,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of the head dimension: x is [T, heads, dim], cos/sin are [T, 1, dim].
-
-    `sin` carries the sign of the rotation in its first half, which saves negating x.
-    """
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -276,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_rope(self, rope_freqs: torch.Tensor | None, dtype: torch.dtype) -> None:
         inv_freq = rope_inv_freq(self.config, rope_freqs)
+        #: what re-rotating cached keys by a position delta needs (cache/editor.py)
+        self.rope_inv_freq = inv_freq
         t = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -22,11 +22,18 @@ from kvbank.cache.quant import CodecPair
 
 @dataclass(frozen=True, slots=True)
 class StepSeq:
-    """One sequence's part in a step: it computes positions [start, end) and holds `block_table`."""
+    """One sequence's part in a step: it writes cache slots [start, end) and holds `block_table`.
+
+    Slots are positions in the cache (they equal token positions until a long-context policy
+    evicts). With `scores` set, the attention of the new tokens at slots `score_slots` over the
+    sequence's cache is added to that [layers, kv_heads, slots] buffer.
+    """
 
     start: int
     end: int
     block_table: list[int]
+    scores: torch.Tensor | None = None
+    score_slots: tuple[int, int] = (0, 0)
 
     @property
     def num_tokens(self) -> int:

@@ -10,8 +10,17 @@ from __future__ import annotations
 import torch
 
 from kvbank.attention.cascade import share_prefixes
-from kvbank.attention.fast import DenseStep, cascade_available, chunk_visibility, native_decode_kernel, paged_attention
+from kvbank.attention.fast import (
+    DenseStep,
+    ScoreJob,
+    accumulate_scores,
+    cascade_available,
+    chunk_visibility,
+    native_decode_kernel,
+    paged_attention,
+)
 from kvbank.attention.metadata import AttentionMetadata, additive_mask, write_kv
+from kvbank.attention.rope import apply_rope
 from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
 from kvbank.cache.quant import CodecPair
 
@@ -19,9 +28,11 @@ from kvbank.cache.quant import CodecPair
 class DenseLayer:
     """One layer's K and V in the model dtype."""
 
-    def __init__(self, spec: PoolSpec, kind: str) -> None:
+    def __init__(self, spec: PoolSpec, kind: str, index: int) -> None:
         #: the name of the kind that owns the layer: its step state is meta.kinds[kind]
         self.kind = kind
+        #: the layer's place among the kind's layers (its row in score buffers)
+        self.index = index
         self.k = torch.zeros(spec.num_blocks, *spec.block_shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)
         self.tensors = [self.k, self.v]
@@ -33,7 +44,11 @@ class DenseLayer:
     def attend(
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        return paged_attention(q, *written, self.k, self.v, meta, meta.kinds[self.kind], scale)
+        step = meta.kinds[self.kind]
+        out = paged_attention(q, *written, self.k, self.v, meta, step, scale)
+        for job in step.score_jobs:
+            accumulate_scores(q, self.k, job, self.index, scale)
+        return out
 
 
 class DenseKind(KVKind):
@@ -43,7 +58,7 @@ class DenseKind(KVKind):
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
-        self.layers = [DenseLayer(spec, self.name) for _ in codecs]
+        self.layers = [DenseLayer(spec, self.name, i) for i in range(len(codecs))]
         self.decode_kernel = native_decode_kernel(
             spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size
         )
@@ -52,8 +67,11 @@ class DenseKind(KVKind):
         self.attend_rows = spec.batch_invariant and self.decode_kernel is not None
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> DenseStep:
-        if self.attend_rows:
-            return self._row_step(steps)
+        step = self._row_step(steps) if self.attend_rows else self._batched_step(steps)
+        step.score_jobs = self._score_jobs(steps)
+        return step
+
+    def _batched_step(self, steps: list[StepSeq]) -> DenseStep:
         bs, dtype, device = self.spec.block_size, self.spec.dtype, self.spec.device
         chunk_masks = [
             additive_mask(chunk_visibility(s.start, s.end, bs).to(device), dtype) if s.start else None
@@ -66,6 +84,40 @@ class DenseKind(KVKind):
             tables = [s.block_table[: -(-s.end // bs)] for s in decodes]
             share_prefixes(step, tables, [s.end for s in decodes], bs, dtype, device)
         return step
+
+    def _score_jobs(self, steps: list[StepSeq]) -> list[ScoreJob]:
+        jobs, offset, bs, device = [], 0, self.spec.block_size, self.spec.device
+        for s in steps:
+            if s.scores is not None:
+                first, last = s.score_slots
+                table = torch.tensor(s.block_table, dtype=torch.long)
+                keys = torch.arange(last)
+                jobs.append(
+                    ScoreJob(
+                        rows=torch.arange(offset + first - s.start, offset + last - s.start, device=device),
+                        row_slots=torch.arange(first, last, device=device),
+                        key_slots=(table[keys // bs] * bs + keys % bs).to(device),
+                        buffer=s.scores,
+                    )
+                )
+            offset += s.num_tokens
+        return jobs
+
+    def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        device = self.spec.device
+        src_ids, dst_ids = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        cos, sin = cos.to(device), sin.to(device)
+        for layer in self.layers:
+            keys = layer.k.index_select(0, src_ids).float()
+            layer.k.index_copy_(0, dst_ids, apply_rope(keys, cos, sin).to(layer.k.dtype))
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        device = self.spec.device
+        heads = torch.arange(self.spec.num_kv_heads, device=device).unsqueeze(1)
+        for layer, s, d in zip(self.layers, src.to(device), dst.to(device)):
+            for cache in (layer.k, layer.v):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[d, heads] = flat[s, heads]
 
     def _row_step(self, steps: list[StepSeq]) -> DenseStep:
         """Each new token's block table and context length (its position + 1), in batch order."""
