@@ -181,7 +181,9 @@ class KVEditor:
             kept_scores = state.scores[..., :slots].gather(-1, keep)
             state.scores.zero_()
             state.scores[..., :count] = kept_scores
+        # Kept keys keep their own rotation: new tokens go on at their own positions too.
         seq.num_evicted += slots - count
+        seq.rope_offset += slots - count
         return slots - count
 
     def _held_tokens(self, seq: PolicySeq, state: ScoreState, slots: int) -> torch.Tensor:

@@ -298,15 +298,17 @@ class LLMEngine:
             if params.max_tokens is None:
                 params = dataclasses.replace(params, max_tokens=limit)
         else:
+            hint = "; a kv_policy such as sink_window runs past it" if isinstance(policy, Full) else ""
             if prompt_len >= limit:
-                raise ValueError(f"prompt has {prompt_len} tokens; max_model_len={limit} leaves no room to generate")
+                raise ValueError(
+                    f"prompt has {prompt_len} tokens; max_model_len={limit} leaves no room to generate{hint}"
+                )
             if params.max_tokens is None:
                 params = dataclasses.replace(params, max_tokens=limit - prompt_len)
             if prompt_len + params.max_tokens > limit:
                 raise ValueError(
                     f"prompt has {prompt_len} tokens and max_tokens={params.max_tokens}: "
-                    f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}"
-                    + ("" if not isinstance(policy, Full) else "; a kv_policy such as sink_window runs past it")
+                    f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}{hint}"
                 )
         peak = policy.peak_slots(prompt_len, params.max_tokens, self.limits)
         needed = blocks_for(peak, self.block_size) + policy.pristine_blocks(self.block_size)

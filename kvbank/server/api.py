@@ -144,6 +144,7 @@ class _SamplingBody(BaseModel):
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
+    kv_policy: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -171,6 +172,7 @@ class _SamplingBody(BaseModel):
                 "stop_token_ids",
                 "include_stop_str_in_output",
                 "skip_special_tokens",
+                "kv_policy",
             )
         }
         if self.logit_bias:
@@ -547,7 +549,7 @@ class _Server:
                 streams.append(await self.async_engine.add_request(prompt, params, f"{job_id}-{i}"))
         except ValueError as error:
             which = f"prompt {len(streams)}: " if len(prompts) > 1 else ""
-            raise APIError(f"{which}{error}") from error
+            raise APIError(f"{which}{error}", param=_named_field(str(error))) from error
         finally:
             if len(streams) < len(prompts):
                 for stream in streams:

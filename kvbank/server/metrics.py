@@ -168,6 +168,7 @@ def render_metrics(
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {stats.get(key, 0)}"]
     for name, value in (extra_gauges or {}).items():
         lines += [f"# TYPE {name} gauge", f"{name} {value}"]
+    lines += render_evictions(stats)
     lines += timer.render()
     if memory is not None:
         lines += render_memory(memory)
@@ -181,6 +182,20 @@ def render_metrics(
             f"process_resident_memory_bytes {rss}",
         ]
     return "\n".join(lines) + "\n"
+
+
+#: the engine's per-policy eviction counters are its stats keys with this prefix
+EVICTED_PREFIX = "evicted_tokens_"
+
+
+def render_evictions(stats: dict[str, float]) -> list[str]:
+    """Tokens each long-context policy has evicted, one series per policy."""
+    name = "kvbank:kv_policy_evicted_tokens_total"
+    lines = [f"# HELP {name} Tokens long-context KV policies dropped from the cache.", f"# TYPE {name} counter"]
+    for key, value in stats.items():
+        if key.startswith(EVICTED_PREFIX):
+            lines.append(f'{name}{{policy="{key[len(EVICTED_PREFIX) :]}"}} {value}')
+    return lines
 
 
 def render_memory(report: MemoryReport) -> list[str]:

@@ -1,0 +1,117 @@
+"""A reference path for long-context policies: one token's forward in plain PyTorch over chosen K/V.
+
+`Recorder` captures, from a real engine run, every computed token's pre-rotation keys and values
+in every layer and the logits of every step. `reference_logits` then recomputes one token's
+logits from scratch: each layer attends over exactly the kept tokens' recorded K/V, rotated at
+the positions a policy is documented to assign, with no paging, no pool and no policy code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbank.attention.rope import apply_rope
+
+
+class Recorder:
+    """Hooks on an engine's model: pre-rotation K/V per layer in computation order, logits per step."""
+
+    def __init__(self, engine) -> None:
+        model = engine.runner.model
+        self.model = model
+        self.config = engine.model_config
+        self.keys: list[list[torch.Tensor]] = [[] for _ in model.layers]
+        self.values: list[list[torch.Tensor]] = [[] for _ in model.layers]
+        self.logits: list[torch.Tensor] = []
+        self._rows = 0
+        #: off while the reference path runs the model's modules itself
+        self.recording = True
+        self._handles = [model.register_forward_pre_hook(self._count)]
+        for i, layer in enumerate(model.layers):
+            self._handles.append(layer.self_attn.qkv_proj.register_forward_hook(self._capture(i)))
+        original = self.compute_logits = model.compute_logits
+
+        def compute_logits(hidden):
+            out = original(hidden)
+            self.logits.append(out.detach().clone())
+            return out
+
+        model.compute_logits = compute_logits
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        del self.model.compute_logits
+
+    def _count(self, module, args) -> None:
+        self._rows = args[0].shape[0]
+
+    def _capture(self, index: int):
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        def hook(module, args, output) -> None:
+            if not self.recording:
+                return
+            rows = output[: self._rows].detach().float().clone()
+            k = rows[:, q_size : q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
+            v = rows[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+            self.keys[index].append(k)
+            self.values[index].append(v)
+
+        return hook
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, kv_heads, dim] pre-rotation keys and values of every token computed so far."""
+        return torch.cat(self.keys[layer]), torch.cat(self.values[layer])
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    angles = positions.double().unsqueeze(-1) * inv_freq.double()
+    emb = torch.cat((angles, angles), dim=-1)
+    sin = emb.sin()
+    sin[..., : sin.shape[-1] // 2].neg_()
+    return apply_rope(x, emb.cos().float(), sin.float())
+
+
+@torch.inference_mode()
+def reference_logits(
+    recorder: Recorder, token: int, kept: torch.Tensor, kept_positions: torch.Tensor, position: int
+) -> torch.Tensor:
+    """Logits of `token` at RoPE `position`, attending in layer l, KV head h over the recorded
+    tokens `kept[l, h]` placed at `kept_positions[l, h]`, then over itself."""
+    recorder.recording = False
+    try:
+        return _reference_logits(recorder, token, kept, kept_positions, position)
+    finally:
+        recorder.recording = True
+
+
+def _reference_logits(
+    recorder: Recorder, token: int, kept: torch.Tensor, kept_positions: torch.Tensor, position: int
+) -> torch.Tensor:
+    model, c = recorder.model, recorder.config
+    inv_freq = model.rope_inv_freq
+    group = c.num_heads // c.num_kv_heads
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    x = model.embed_tokens(torch.tensor([token])).float()
+    here = torch.tensor([position])
+    for index, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        qkv = attn.qkv_proj(layer.input_layernorm(x)).float()
+        q = _rotate(qkv[:, :q_size].view(c.num_heads, c.head_dim), here, inv_freq)
+        k = _rotate(qkv[:, q_size : q_size + kv_size].view(c.num_kv_heads, c.head_dim), here, inv_freq)
+        v = qkv[:, q_size + kv_size :].view(c.num_kv_heads, c.head_dim)
+        past_k, past_v = recorder.kv(index)
+        out = torch.empty(c.num_heads, c.head_dim)
+        for h in range(c.num_kv_heads):
+            rows = kept[index, h]
+            keys = torch.cat((_rotate(past_k[rows, h], kept_positions[index, h], inv_freq), k[h : h + 1]))
+            values = torch.cat((past_v[rows, h], v[h : h + 1]))
+            heads = slice(h * group, (h + 1) * group)
+            weights = (q[heads] @ keys.T * attn.scale).softmax(dim=-1)
+            out[heads] = weights @ values
+        x = x + attn.o_proj(out.view(1, -1).to(x.dtype)).float()
+        x = x + layer.mlp(layer.post_attention_layernorm(x)).float()
+    return recorder.compute_logits(x)[0]

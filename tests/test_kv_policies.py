@@ -1,0 +1,201 @@
+"""Long-context KV policies: spelling, limits, exactness against a reference, bounded memory."""
+
+import pytest
+import torch
+from policy_reference import Recorder, reference_logits
+
+from kvbank import LLM, SamplingParams
+from kvbank.cache.policies import H2O, ContextShift, SinkWindow, SnapKV, parse_policy
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A small context so that context_shift shifts and every policy evicts within a few hundred tokens.
+    return LLM(dtype="float32", max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def text_ids(llm):
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
+    return llm.get_tokenizer().encode(text)
+
+
+def _assert_all_free(llm):
+    manager = llm.engine.manager
+    assert manager.num_free_blocks == llm.engine.num_blocks
+    assert all(block.ref_count == 0 for block in manager.pool.blocks)
+
+
+# --- spelling and errors -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("full", "full"),
+        ("sink_window(sinks=4,window=1024)", "sink_window(sinks=4,window=1024)"),
+        (" sink_window( window = 512 ) ", "sink_window(sinks=4,window=512)"),
+        ("h2o(heavy=256,recent=256)", "h2o(heavy=256,recent=256)"),
+        ("snapkv(budget=1024,window=64,kernel=5)", "snapkv(budget=1024,window=64,kernel=5)"),
+        ("snapkv(compression_ratio=0.75)", "snapkv(window=64,kernel=5,compression_ratio=0.75)"),
+        ("context_shift(keep=256)", "context_shift(keep=256)"),
+    ],
+)
+def test_policy_spelling_round_trips(spec, expected):
+    policy = parse_policy(spec)
+    assert str(policy) == expected
+    assert parse_policy(str(policy)) == policy
+    assert SamplingParams(kv_policy=spec).kv_policy == policy
+
+
+def test_policy_objects_are_accepted_as_they_are():
+    policy = SinkWindow(sinks=8, window=256)
+    assert SamplingParams(kv_policy=policy).kv_policy is policy
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("lru", "is not one of full, sink_window, h2o, snapkv, context_shift"),
+        ("sink_window(window=-5)", "window=-5 must be an integer >= 1"),
+        ("sink_window(sinks=-1)", "sinks=-1 must be an integer >= 0"),
+        ("sink_window(size=5)", "'size=5' is not a parameter of sink_window"),
+        ("h2o(heavy=1.5)", "heavy=1.5 must be an integer >= 0"),
+        ("snapkv(budget=32,window=64)", "budget=32 must be an integer >= 65"),
+        ("snapkv(compression_ratio=1.5)", "compression_ratio=1.5 must be in [0, 1)"),
+        ("snapkv(kernel=4)", "kernel=4 must be odd"),
+        ("snapkv(budget=100,compression_ratio=0.5)", "gives both budget and compression_ratio"),
+        ("context_shift(keep=x)", "keep='x' must be a number"),
+    ],
+)
+def test_bad_policies_are_refused_with_the_value(spec, message):
+    with pytest.raises(ValueError, match="kv_policy") as error:
+        SamplingParams(kv_policy=spec)
+    assert message in str(error.value)
+
+
+def test_engine_refuses_policies_it_cannot_hold(llm, text_ids):
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"holds up to 2080 tokens per sequence \(130 KV blocks\).*only 96 blocks"):
+        engine.add_request([1, 2, 3], SamplingParams(kv_policy="h2o(heavy=2000,recent=64)"))
+    with pytest.raises(ValueError, match="past the model's context of 256"):
+        engine.add_request([1, 2, 3], SamplingParams(kv_policy="sink_window(sinks=4,window=200)"))
+    with pytest.raises(ValueError, match="leaves no room to generate; a kv_policy such as sink_window runs past it"):
+        engine.add_request(text_ids[:300], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="exceeds max_model_len=256; a kv_policy such as sink_window runs past it"):
+        engine.add_request(text_ids[:200], SamplingParams(max_tokens=100))
+    # Compressing policies keep the tokens' own positions, so they stay within the context.
+    with pytest.raises(ValueError, match="exceeds max_model_len=256$"):
+        engine.add_request(text_ids[:200], SamplingParams(max_tokens=100, kv_policy="snapkv(budget=96,window=16)"))
+    assert not engine.requests
+    _assert_all_free(llm)
+
+
+def test_quantized_kv_refuses_policies_other_than_full():
+    with pytest.raises(ValueError, match="quantized KV runs only with kv_policy='full'"):
+        LLM(dtype="float32", kv_cache_dtype="int8", kv_policy="sink_window(window=64)", num_gpu_blocks=64)
+
+
+# --- exactness ---------------------------------------------------------------------------------
+
+
+def _budget_covers_everything(llm, ids, policy):
+    params = dict(temperature=0, max_tokens=24, logprobs=2)
+    full = llm.generate([{"prompt_token_ids": ids}], SamplingParams(**params))[0].outputs[0]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(**params, kv_policy=policy))[0].outputs[0]
+    return full, out
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "sink_window(sinks=4,window=160)",
+        "context_shift(keep=32)",
+        "h2o(heavy=100,recent=100)",
+        "snapkv(budget=200,window=16)",
+        "snapkv(compression_ratio=0.0,window=16)",
+    ],
+)
+def test_policies_whose_budget_covers_the_sequence_equal_full(llm, text_ids, policy):
+    full, out = _budget_covers_everything(llm, text_ids[:150], policy)
+    assert out.token_ids == full.token_ids
+    chosen = lambda completion: [e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)]
+    assert chosen(out) == pytest.approx(chosen(full), abs=1e-5)
+    assert llm.engine.stats()[f"evicted_tokens_{parse_policy(policy).name}"] == 0
+    _assert_all_free(llm)
+
+
+def _kept_and_positions(engine, seq):
+    """What the documented semantics say the next step attends over: tokens and their positions."""
+    c = engine.model_config
+    kept = engine.editor.held_tokens(seq, c.num_layers, c.num_kv_heads)
+    if seq.kv_policy.unbounded:
+        # Shifting policies: positions are places in the cache; the new token sits at the next one.
+        positions = torch.arange(kept.shape[-1]).expand_as(kept)
+        return kept, positions, kept.shape[-1]
+    return kept, kept, seq.num_computed_tokens
+
+
+@pytest.mark.parametrize(
+    "policy, prompt_len",
+    [
+        (SinkWindow(sinks=BS, window=64), 180),
+        (SinkWindow(sinks=0, window=64), 180),
+        (ContextShift(keep=20), 250),
+        (H2O(heavy=40, recent=40), 150),
+        (SnapKV(budget=96, window=16, kernel=5), 150),
+    ],
+    ids=str,
+)
+def test_logits_after_eviction_equal_a_fresh_computation_on_the_kept_tokens(llm, text_ids, policy, prompt_len):
+    engine = llm.engine
+    engine.reset_prefix_cache()  # the recorder must see every token computed
+    recorder = Recorder(engine)
+    try:
+        request = engine.add_request(
+            text_ids[:prompt_len], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, kv_policy=policy)
+        )
+        seq = request.seqs[0]
+        checked = 0
+        while engine.requests:
+            # A decode step on a cache the policy has already evicted from.
+            check = seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_pending == 1 and seq.num_evicted
+            if check:
+                kept, positions, position = _kept_and_positions(engine, seq)
+                token = seq.token_ids[seq.num_computed_tokens]
+            engine.step()
+            if check:
+                expected = reference_logits(recorder, token, kept, positions, position)
+                torch.testing.assert_close(recorder.logits[-1][0], expected, atol=2e-4, rtol=1e-4)
+                checked += 1
+        assert checked >= 40, "the policy evicted too late for the check to mean anything"
+    finally:
+        recorder.remove()
+    assert engine.stats()[f"evicted_tokens_{policy.name}"] > 0
+    _assert_all_free(llm)
+
+
+def test_sink_window_keeps_the_sinks_and_a_block_granular_window(llm, text_ids):
+    engine = llm.engine
+    request = engine.add_request(
+        text_ids[:100],
+        SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, kv_policy="sink_window(sinks=4,window=64)"),
+    )
+    seq = request.seqs[0]
+    seen = set()
+    while engine.requests:
+        engine.step()
+        if seq.num_evicted and not seq.is_finished:
+            recent = seq.num_slots - BS  # 4 sinks take one whole block
+            assert 64 <= recent < 64 + BS
+            held = engine.editor.held_tokens(seq, 1, 1)[0, 0].tolist()
+            assert held[:BS] == list(range(BS))
+            assert held[BS:] == list(range(seq.num_computed_tokens - recent, seq.num_computed_tokens))
+            seen.add(len(seq.block_table) + len(seq.pristine_blocks))
+    # 400 tokens through a cache of about 100, past the context of 256.
+    assert request.seqs[0].num_tokens == 400 and seen and max(seen) <= 1 + 5 + 1 + 1
+    _assert_all_free(llm)
