@@ -71,6 +71,30 @@ def test_chat_second_turn_reuses_the_first_turns_cache(kvbank_env):
     assert cached_2 >= prompt_1 + max_tokens - BLOCK_SIZE
 
 
+def test_chat_keeps_going_past_the_context_with_sink_window(kvbank_env):
+    turns = [f"Tell me about the number {n} and why it matters in {n} ways." for n in range(1, 7)]
+    result = _kvbank(
+        kvbank_env,
+        "chat",
+        "--max-model-len",
+        "256",
+        "--max-num-batched-tokens",
+        "64",
+        "--kv-policy",
+        "sink_window(sinks=4,window=96)",
+        "--max-tokens",
+        "40",
+        "--temperature",
+        "0",
+        stdin="\n".join(turns) + "\n",
+    )
+    assert result.returncode == 0, result.stderr
+    statuses = [tuple(map(int, match)) for match in STATUS.findall(result.stdout)]
+    assert len(statuses) == len(turns), result.stdout
+    # The conversation outgrows the 256-token context and every turn still gets its reply.
+    assert statuses[-1][1] > 256 + 40, statuses
+
+
 def test_kv_cache_flags_reach_the_engine(kvbank_env):
     result = _kvbank(
         kvbank_env,

@@ -1,11 +1,13 @@
 """Long-context KV policies: spelling, limits, exactness against a reference, bounded memory."""
 
+import math
+
 import pytest
 import torch
 from policy_reference import Recorder, reference_logits
 
 from kvbank import LLM, SamplingParams
-from kvbank.cache.policies import H2O, ContextShift, SinkWindow, SnapKV, parse_policy
+from kvbank.cache.policies import H2O, ContextShift, Limits, SinkWindow, SnapKV, parse_policy
 
 BS = 16
 
@@ -95,9 +97,12 @@ def test_engine_refuses_policies_it_cannot_hold(llm, text_ids):
     _assert_all_free(llm)
 
 
-def test_quantized_kv_refuses_policies_other_than_full():
+@pytest.mark.parametrize("spec", ["sink_window(window=64)", "h2o", "snapkv", "context_shift"])
+def test_quantized_kv_refuses_policies_other_than_full(spec):
+    quantized = Limits(block_size=BS, num_blocks=4096, max_model_len=8192, chunk_tokens=256, dense_pool=False)
     with pytest.raises(ValueError, match="quantized KV runs only with kv_policy='full'"):
-        LLM(dtype="float32", kv_cache_dtype="int8", kv_policy="sink_window(window=64)", num_gpu_blocks=64)
+        parse_policy(spec).check(quantized)
+    parse_policy("full").check(quantized)
 
 
 # --- exactness ---------------------------------------------------------------------------------
@@ -183,7 +188,7 @@ def test_sink_window_keeps_the_sinks_and_a_block_granular_window(llm, text_ids):
     engine = llm.engine
     request = engine.add_request(
         text_ids[:100],
-        SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, kv_policy="sink_window(sinks=4,window=64)"),
+        SamplingParams(temperature=0, max_tokens=220, ignore_eos=True, kv_policy="sink_window(sinks=4,window=64)"),
     )
     seq = request.seqs[0]
     seen = set()
@@ -196,6 +201,94 @@ def test_sink_window_keeps_the_sinks_and_a_block_granular_window(llm, text_ids):
             assert held[:BS] == list(range(BS))
             assert held[BS:] == list(range(seq.num_computed_tokens - recent, seq.num_computed_tokens))
             seen.add(len(seq.block_table) + len(seq.pristine_blocks))
-    # 400 tokens through a cache of about 100, past the context of 256.
-    assert request.seqs[0].num_tokens == 400 and seen and max(seen) <= 1 + 5 + 1 + 1
+    # 320 tokens through a cache of about 100, past the context of 256.
+    assert request.seqs[0].num_tokens == 320 and seen and max(seen) <= 1 + 5 + 1 + 1
+    _assert_all_free(llm)
+
+
+# --- constant memory far past the context --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A random Llama small enough to run 30,000 tokens in seconds; memory bookkeeping is what is
+    tested here (accuracy is tested on the bundled model above)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
+
+
+def _blocks_in_use(engine) -> int:
+    return engine.num_blocks - engine.manager.num_free_blocks
+
+
+def _run_counting_blocks(engine, prompt, params) -> tuple[list[int], object]:
+    request = engine.add_request(prompt, params)
+    used = []
+    while engine.requests:
+        engine.step()
+        used.append(_blocks_in_use(engine))
+    return used, request
+
+
+@pytest.mark.slow
+def test_sink_window_scores_20k_tokens_and_generates_10k_in_constant_blocks(tiny_folder):
+    # The default configuration otherwise: bfloat16, batch-invariant native attention.
+    llm = LLM(tiny_folder, num_gpu_blocks=64, max_num_batched_tokens=256)
+    engine, policy = llm.engine, "sink_window(sinks=4,window=256)"
+    bound = 1 + 16 + 1 + 16 + 1  # sinks (and their pristine copy), window, one block more, a chunk
+    tokens = torch.randint(0, 320, (20_000,), generator=torch.Generator().manual_seed(1)).tolist()
+    used, request = _run_counting_blocks(
+        engine, tokens, SamplingParams(max_tokens=1, prompt_logprobs=0, kv_policy=policy)
+    )
+    assert len(request.prompt_logprobs) == 20_000
+    assert all(math.isfinite(entry[t].logprob) for entry, t in zip(request.prompt_logprobs[1:], tokens[1:]))
+    assert max(used) <= bound and max(used[len(used) // 2 :]) == max(used[: len(used) // 2])
+    assert _blocks_in_use(engine) == 0
+
+    used, request = _run_counting_blocks(
+        engine, tokens[:50], SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0, kv_policy=policy)
+    )
+    assert request.seqs[0].num_output_tokens == 10_000
+    steady = used[len(used) // 10 :]
+    assert max(steady) <= 1 + 16 + 1 + 1 + 1 and max(steady) - min(steady) <= 1, (min(steady), max(steady))
+    assert _blocks_in_use(engine) == 0
+    assert engine.stats()["evicted_tokens_sink_window"] >= 20_000 + 10_000 - 2 * 300
+
+
+@pytest.mark.parametrize("policy", ["sink_window(sinks=4,window=64)", "snapkv(budget=96,window=16)"])
+def test_n_completions_fork_a_policys_cache_and_each_equals_one_alone(llm, text_ids, policy):
+    params = dict(temperature=0, max_tokens=30, ignore_eos=True, kv_policy=policy)
+    prompt = {"prompt_token_ids": text_ids[:200]}
+    alone = llm.generate([prompt], SamplingParams(**params))[0].outputs[0].token_ids
+    both = llm.generate([prompt], SamplingParams(n=2, **params))[0].outputs
+    assert [o.token_ids for o in both] == [alone, alone]
+    _assert_all_free(llm)
+
+
+def test_a_preempted_sequence_that_evicted_is_recomputed_not_swapped(llm, text_ids):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, kv_policy="sink_window(sinks=4,window=64)")
+    request = engine.add_request(text_ids[:200], params)
+    seq = request.seqs[0]
+    while not (seq.num_evicted and seq.num_output_tokens > 5):
+        engine.step()
+    swaps = engine.swapper.num_swaps_out
+    engine.scheduler._preempt(seq)
+    assert (seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.pristine_blocks) == (0, 0, 0, [])
+    while engine.requests:
+        engine.step()
+    assert seq.num_output_tokens == 30 and engine.swapper.num_swaps_out == swaps
     _assert_all_free(llm)

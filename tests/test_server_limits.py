@@ -146,6 +146,35 @@ def test_metrics_use_the_documented_names_and_move(server):
     )
 
 
+def test_kv_policy_is_a_request_field_with_400s_naming_it(server):
+    client = _client(server)
+    for policy, message in (
+        ("lru", "is not one of full, sink_window"),
+        ("sink_window(window=-1)", "window=-1 must be an integer >= 1"),
+        ("h2o(heavy=5000,recent=64)", "but the pool has only 256 blocks"),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"kv_policy": policy})
+        assert raised.value.param == "kv_policy" and message in raised.value.message, raised.value.message
+    before = _metrics(server)
+    prompt = " ".join(f"word{i}" for i in range(300))  # over 600 tokens through a 256-token window
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"kv_policy": "sink_window(sinks=4,window=256)", "ignore_eos": True},
+    )
+    assert reply.usage.completion_tokens == 8 and reply.usage.prompt_tokens > 600
+    after = _metrics(server)
+    evicted = 'kvbank:kv_policy_evicted_tokens_total{policy="sink_window"}'
+    assert after[evicted] - before[evicted] >= reply.usage.prompt_tokens - 256 - 2 * 16
+    assert (
+        after['kvbank:kv_policy_evicted_tokens_total{policy="h2o"}']
+        == before['kvbank:kv_policy_evicted_tokens_total{policy="h2o"}']
+    )
+
+
 async def _stream_text(client: openai.AsyncOpenAI, prompt: str) -> str:
     stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True)
     return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])

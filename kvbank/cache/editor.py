@@ -130,6 +130,8 @@ class KVEditor:
                 seq.pristine_blocks.append(seq.block_table[i])
                 seq.block_table[i] = fresh.block_id
             self.storage.copy_blocks(copies)
+        else:
+            self._make_private(seq, range(keep))  # a forked sibling may share them
         self.storage.rotate_keys(seq.pristine_blocks, seq.block_table[:keep], self._rotation(seq.rope_offset))
 
     def _rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:

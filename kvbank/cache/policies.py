@@ -277,8 +277,10 @@ class H2O(ScoredPolicy):
 
     def after_step(self, seq: PolicySeq, editor: KVEditor) -> int:
         budget, bs = self.heavy + self.recent, editor.limits.block_size
+        if seq.num_computed_tokens < seq.num_prompt_tokens or seq.num_slots <= budget:
+            return 0  # the prompt is scored whole first
         at_prompt_end = seq.num_computed_tokens == seq.num_prompt_tokens
-        if seq.num_slots <= budget or (not at_prompt_end and seq.num_slots < budget + bs):
+        if not at_prompt_end and seq.num_slots < budget + bs:
             return 0
         scores = seq.kv_state.scores[..., : seq.num_slots - self.recent]
         return editor.compact(seq, keep_top(scores, self.heavy, self.recent))
