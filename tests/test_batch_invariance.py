@@ -46,6 +46,27 @@ def test_greedy_answer_is_the_same_alone_batched_mixed_and_after_a_busy_period(l
     assert _answers(llm, [request])[0] == alone  # its prompt's K/V now come from the batched steps
 
 
+@pytest.mark.parametrize(
+    "policy", ["sink_window(sinks=4,window=128)", "h2o(heavy=64,recent=64)", "snapkv(budget=128,window=32)"]
+)
+def test_greedy_answer_under_a_kv_policy_is_the_same_alone_and_batched(llm, policy):
+    # Evictions are per sequence and attention per row, so the default configuration stays invariant.
+    request = _chat(llm, "Write about the history of the number zero. " * 12)
+    others = [_chat(llm, f"List {i} reasons to learn {'the violin ' * (3 * i)}.") for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True, kv_policy=policy)
+
+    def answers(prompts):
+        return [
+            (o.outputs[0].token_ids, [s[t] for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in llm.generate(prompts, params)
+        ]
+
+    alone = answers([request])[0]
+    mixed = answers(others[:1] + [request] + others[1:] + [request])
+    assert mixed[1] == alone and mixed[-1] == alone
+    assert llm.engine.stats()[f"evicted_tokens_{policy.split('(')[0]}"] > 0
+
+
 def _pool_with(lengths: list[int], heads: int, dim: int, block: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     blocks = sum(-(-n // block) for n in lengths)

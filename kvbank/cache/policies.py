@@ -81,7 +81,7 @@ class KVPolicy(ABC):
         """Blocks kept aside per sequence (unrotated copies of the kept leading blocks)."""
         return 0
 
-    def prefix_limit(self, prompt_len: int) -> int:
+    def prefix_limit(self, prompt_len: int, limits: Limits) -> int:
         """Prompt tokens that may come from the prefix cache instead of being computed."""
         return prompt_len
 
@@ -185,6 +185,10 @@ class SinkWindow(ShiftingPolicy):
     def peak_slots(self, prompt_len: int, max_tokens: int, limits: Limits) -> int:
         return min(prompt_len + max_tokens, self._peak(limits))
 
+    def prefix_limit(self, prompt_len: int, limits: Limits) -> int:
+        # Hits arrive before any eviction: with the next chunk they must fit the positions checked.
+        return min(prompt_len, self._peak(limits) - limits.chunk_tokens)
+
     def blocks_to_drop(self, seq: PolicySeq, limits: Limits) -> int:
         recent = seq.num_slots - self.keep_blocks(limits.block_size) * limits.block_size
         return max(0, (recent - self.window) // limits.block_size)
@@ -210,15 +214,22 @@ class ContextShift(ShiftingPolicy):
         super().check(limits)
         bs = limits.block_size
         kept = self.keep_blocks(bs) * bs
-        if kept + 2 * bs + limits.chunk_tokens > limits.max_model_len:
+        # After a shift, half of what follows the kept tokens (and a block) stays; a chunk must fit beside it.
+        room = (limits.max_model_len - kept) // 2 - bs
+        if limits.chunk_tokens > room:
             raise ValueError(
-                f"kv_policy={self} keeps {kept} tokens, which leaves no room to shift in a context of "
-                f"{limits.max_model_len} with prefill chunks of {limits.chunk_tokens}"
+                f"kv_policy={self} keeps {kept} tokens, which leaves room for prefill chunks of {max(room, 0)} tokens "
+                f"after a shift in a context of {limits.max_model_len}, not {limits.chunk_tokens}; "
+                "lower keep or max_num_batched_tokens"
             )
         _fits_pool(self, limits.max_model_len, limits)
 
     def peak_slots(self, prompt_len: int, max_tokens: int, limits: Limits) -> int:
         return min(prompt_len + max_tokens, limits.max_model_len)
+
+    def prefix_limit(self, prompt_len: int, limits: Limits) -> int:
+        # Hits arrive before any shift: with the next chunk they must fit in the context.
+        return min(prompt_len, limits.max_model_len - limits.chunk_tokens)
 
     def blocks_to_drop(self, seq: PolicySeq, limits: Limits) -> int:
         pending = max(1, min(seq.num_pending, limits.chunk_tokens))
@@ -236,7 +247,7 @@ class ScoredPolicy(KVPolicy):
 
     scored = True
 
-    def prefix_limit(self, prompt_len: int) -> int:
+    def prefix_limit(self, prompt_len: int, limits: Limits) -> int:
         return 0  # scores need every prompt token's attention
 
     def check(self, limits: Limits) -> None:
@@ -324,7 +335,7 @@ class SnapKV(ScoredPolicy):
     def peak_slots(self, prompt_len: int, max_tokens: int, limits: Limits) -> int:
         return max(prompt_len, min(prompt_len, self.budget_tokens(prompt_len)) + max_tokens)
 
-    def prefix_limit(self, prompt_len: int) -> int:
+    def prefix_limit(self, prompt_len: int, limits: Limits) -> int:
         return max(0, prompt_len - self.window)  # the window's queries must be computed
 
     def score_range(self, seq: PolicySeq) -> tuple[int, int] | None:

@@ -162,6 +162,7 @@ class LLMEngine:
         request = Request(
             request_id, parsed.text, parsed.token_ids, params, root, arrival_time or time.time(), policy, peak
         )
+        request.prefix_limit = policy.prefix_limit(len(parsed.token_ids), self.limits)
         if policy.scored:
             shape = (self.model_config.num_layers, self.model_config.num_kv_heads)
             capacity = len(parsed.token_ids) + params.max_tokens

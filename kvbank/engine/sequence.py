@@ -80,7 +80,7 @@ class Sequence:
     @property
     def prefix_limit(self) -> int:
         """Leading tokens that may come from the prefix cache instead of being computed."""
-        return self.request.kv_policy.prefix_limit(self.num_prompt_tokens)
+        return self.request.prefix_limit
 
     @property
     def num_tokens(self) -> int:
@@ -212,6 +212,8 @@ class Request:
         #: what the request's sequences keep in the cache, and the most slots one holds at once
         self.kv_policy: KVPolicy = kv_policy or Full()
         self.peak_slots = peak_slots
+        #: leading prompt tokens that may come from the prefix cache (the policy's limit)
+        self.prefix_limit = len(prompt_token_ids)
         #: builds an empty score buffer for policies that rank tokens (set by the engine)
         self.new_score_state: Callable[[], ScoreState | None] = lambda: None
         self.prompt = prompt
