@@ -41,7 +41,7 @@ class ScoreState:
     def empty(cls, num_layers: int, num_kv_heads: int, capacity: int, device: torch.device) -> ScoreState:
         return cls(
             torch.zeros(num_layers, num_kv_heads, capacity, device=device),
-            torch.zeros(num_layers, num_kv_heads, 0, dtype=torch.long, device=device),
+            torch.zeros(num_layers, num_kv_heads, 0, dtype=torch.long),  # bookkeeping stays on the CPU
         )
 
     def clone(self) -> ScoreState:
@@ -160,6 +160,7 @@ class KVEditor:
         """Keep, in every layer l and KV head h, the slots `keep[l, h]` (ascending, the same count
         everywhere), moved to the first slots; blocks past them are freed. Returns tokens evicted."""
         bs, pool = self.limits.block_size, self.manager.pool
+        keep = keep.cpu()
         count, slots = keep.shape[-1], seq.num_slots
         old_table = list(seq.block_table)
         old = torch.tensor(old_table, dtype=torch.long)
@@ -180,7 +181,7 @@ class KVEditor:
         if state is not None:
             held = self._held_tokens(seq, state, slots)
             state.kept = held.gather(-1, keep)
-            kept_scores = state.scores[..., :slots].gather(-1, keep)
+            kept_scores = state.scores[..., :slots].gather(-1, keep.to(state.scores.device))
             state.scores.zero_()
             state.scores[..., :count] = kept_scores
         # Kept keys keep their own rotation: new tokens go on at their own positions too.
