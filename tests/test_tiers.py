@@ -19,7 +19,7 @@ from kvbank.cache.tiers.entry import PREFIX_BYTES, EntryFormat, pack, unpack
 
 pytest_plugins = ["redis_servers"]
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen_all.txt"
+DATA = Path(__file__).parent / "data" / "austen_excerpt.txt"  # a fresh clone has no ../shared
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 # Small pool and chunks: a 600-token prompt is ten chunks, and two fillers evict everything.
 SMALL = dict(dtype="float32", num_gpu_blocks=96, kv_tier_chunk_tokens=64)
