@@ -144,8 +144,9 @@ class KVCacheManager:
         child.pristine_blocks = list(parent.pristine_blocks)
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks, tail first, so the LRU evicts tails before shared heads."""
-        for block_id in reversed(seq.block_table + seq.pristine_blocks):
+        """Release `seq`'s blocks, tail first, so the LRU evicts tails before shared heads (pristine
+        blocks are the heads as first computed, so they go last)."""
+        for block_id in [*reversed(seq.block_table), *reversed(seq.pristine_blocks)]:
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
         seq.pristine_blocks = []
