@@ -28,7 +28,8 @@ from kvbank.models.build import assemble
 from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import bundled_model_path, describe_model, gguf_tensor_plan
-from kvbank.models.packed import GROUP_SIZE, Int4Blocks, PackedLinear
+from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks, PackedLinear
+from kvbank.models.qweights import QuantLinear
 
 #: memory parts in the order they are shown, with what each one is
 PARTS = {
@@ -109,6 +110,8 @@ def _classified_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Te
         if isinstance(module, PackedLinear):
             yield "packed_weights", module.packed
             yield "packed_weights", module.scales_zeros
+        if isinstance(module, QuantLinear):
+            yield "packed_weights", module.records
     for _, tensor in _named_tensors(model):
         yield "dense_weights", tensor
 
@@ -164,12 +167,13 @@ def predict(config: EngineConfig) -> MemoryReport:
             f"max_model_len={max_model_len} exceeds the model's context length {model_config.max_position_embeddings}"
         )
     model_config.max_position_embeddings = max_model_len
-    shapes, int4_names = _tensor_shapes(path)
+    shapes, int4_names, int8_names = _tensor_shapes(path)
     state_dict = {name: _meta(shape) for name, shape in shapes.items()}
     if "rope_freqs" in state_dict:  # read by value to build the rotary tables; tiny
         state_dict["rope_freqs"] = torch.ones(shapes["rope_freqs"])
     int4 = {name: _meta_blocks(shapes[name]) for name in int4_names}
-    model, _ = assemble(model_config, state_dict, int4, config)
+    int8 = {name: _meta_int8(shapes[name]) for name in int8_names}
+    model, _ = assemble(model_config, state_dict, int4, config, int8)
     kv_pool, residual = _predict_kv(model_config, config)
     weights = weight_parts(model)
     return MemoryReport(
@@ -177,12 +181,12 @@ def predict(config: EngineConfig) -> MemoryReport:
         kv_pool=kv_pool,
         residual_slots=residual,
         tied_embeddings=tied(model),
-        load_peak=_predict_load_peak(shapes, int4_names, weights, info.file_bytes),
+        load_peak=_predict_load_peak(shapes, int4_names, int8_names, weights, info.file_bytes),
     )
 
 
-def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """Hugging Face name -> shape of every tensor the loader keeps, and the names it also keeps 4-bit."""
+def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], set[str]]:
+    """Hugging Face name -> shape of every tensor the loader keeps, and the names it also keeps 4-bit and 8-bit."""
     if path.endswith(".gguf"):
         return gguf_tensor_plan(path)
     from safetensors import safe_open
@@ -191,7 +195,7 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})  # noqa: SIM118 -- not a dict
-    return shapes, set()
+    return shapes, set(), set()
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -201,6 +205,11 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.T
 def _meta_blocks(shape: tuple[int, ...]) -> Int4Blocks:
     rows, cols = shape
     return Int4Blocks(_meta(shape, torch.uint8), _meta((rows, cols // GROUP_SIZE)), _meta((rows, cols // GROUP_SIZE)))
+
+
+def _meta_int8(shape: tuple[int, ...]) -> Int8Blocks:
+    rows, cols = shape
+    return Int8Blocks(_meta(shape, torch.int8), _meta((rows, cols // GROUP_SIZE)))
 
 
 def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, int]:
@@ -218,14 +227,20 @@ def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, i
 
 
 def _predict_load_peak(
-    shapes: dict[str, tuple[int, ...]], int4_names: set[str], weights: dict[str, int], file_bytes: int
+    shapes: dict[str, tuple[int, ...]],
+    int4_names: set[str],
+    int8_names: set[str],
+    weights: dict[str, int],
+    file_bytes: int,
 ) -> int:
     # What the loader holds at once: the file it reads, every tensor dequantized to float32, the
-    # unpacked 4-bit blocks (a byte per weight and two float32 per group), the float32 fused
+    # unpacked 4-bit blocks (a byte per weight and two float32 per group), the 8-bit blocks (a
+    # byte per weight and a float32 per group), the float32 fused
     # q/k/v and gate/up matrices, and the finished model.
     numel = {name: _numel(shape) for name, shape in shapes.items()}
     float32 = 4 * sum(numel.values())
     blocks = sum(numel[name] + 8 * numel[name] // GROUP_SIZE for name in int4_names)
+    blocks += sum(numel[name] + 4 * numel[name] // GROUP_SIZE for name in int8_names)
     fused = 4 * sum(n for name, n in numel.items() if _fused(name))
     return file_bytes + float32 + blocks + fused + sum(weights.values())
 

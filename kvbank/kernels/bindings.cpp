@@ -4,6 +4,7 @@
 
 #include "layers.cpp"
 #include "paged_decode.cpp"
+#include "qmatmul.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -12,5 +13,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         "RMSNorm of x, or of residual += x when a residual is given (updated in place); returns the normed rows");
   m.def("rope_", &rope_, "Rotary embedding in place on the first `heads` heads of x [rows, heads * dim]; cos/sin [rows, dim]");
+  m.def("qmatmul_isa", &qmatmul_isa, "The instruction set the integer GGUF matmuls use here: avx512, avx2 or scalar");
+  m.def("qlinear", &qlinear, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
+        py::arg("isa") = "auto",
+        "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 8: Q8 records), x quantized to 8 bits per 32; "
+        "float32 out when float_out, else x's dtype");
+  m.def("qlayer_attn_in", &qlayer_attn_in, py::arg("x"), py::arg("residual"), py::arg("norm_w"), py::arg("eps"),
+        py::arg("qkv_w"), py::arg("kind"), py::arg("cos"), py::arg("sin"), py::arg("rope_heads"),
+        py::arg("isa") = "auto",
+        "A decoder layer up to attention: residual += x (in place; none: x is the residual), RMSNorm, the q/k/v "
+        "projection and rotary embedding of the first rope_heads heads");
+  m.def("qlayer_mlp", &qlayer_mlp, py::arg("attn"), py::arg("residual"), py::arg("o_w"), py::arg("o_kind"),
+        py::arg("norm_w"), py::arg("eps"), py::arg("gate_up_w"), py::arg("gate_up_kind"), py::arg("down_w"),
+        py::arg("down_kind"), py::arg("isa") = "auto",
+        "A decoder layer after attention: the output projection added to the residual (in place), RMSNorm, gate/up, "
+        "silu(gate) * up and the down projection, returned");
+  m.def("qhead", &qhead, py::arg("hidden"), py::arg("norm_w"), py::arg("eps"), py::arg("head_w"), py::arg("kind"),
+        py::arg("isa") = "auto", "Float32 logits: the final RMSNorm of hidden and the packed LM head");
+  py::class_<QuantStack>(m, "QuantStack")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, double, int64_t, int64_t,
+                    int64_t>(),
+           py::arg("weights"), py::arg("kinds"), py::arg("norms"), py::arg("eps"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"),
+           "Per layer: packed q/k/v, o, gate/up and down weights with their kinds, and the two norm weights")
+      .def_property_readonly("num_layers", &QuantStack::num_layers)
+      .def("forward", &QuantStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
+           py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
+           py::arg("scale"), py::arg("partition"),
+           "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual");
   m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether this CPU runs the AVX-512 bfloat16 path");
 }

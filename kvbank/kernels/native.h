@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVBANK_X86 1
@@ -49,3 +51,33 @@ bool has_bf16_fast_path();
 // layers.cpp
 torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+
+// qmatmul.cpp
+std::string qmatmul_isa();
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float_out, std::string isa);
+torch::Tensor qlayer_attn_in(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_w, double eps,
+                             torch::Tensor qkv_w, int64_t kind, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
+                             std::string isa);
+torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, torch::Tensor o_w, int64_t o_kind,
+                         torch::Tensor norm_w, double eps, torch::Tensor gate_up_w, int64_t gate_up_kind,
+                         torch::Tensor down_w, int64_t down_kind, std::string isa);
+torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torch::Tensor head_w, int64_t kind,
+                    std::string isa);
+
+// A decoder stack on packed GGUF weights, run for a whole step in one call (qmatmul.cpp).
+class QuantStack {
+ public:
+  QuantStack(std::vector<torch::Tensor> weights, std::vector<int64_t> kinds, std::vector<torch::Tensor> norms, double eps,
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+  int64_t num_layers() const;
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                        std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                        torch::Tensor context_lens, double scale, int64_t partition);
+
+ private:
+  std::vector<torch::Tensor> weights_;
+  std::vector<int64_t> kinds_;
+  std::vector<torch::Tensor> norms_;
+  double eps_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+};

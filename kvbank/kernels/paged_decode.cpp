@@ -231,72 +231,128 @@ FastRange fast_range(int64_t group) {
   return nullptr;
 }
 
+// One decode attention over raw pointers, as work items (token, KV head, partition) whose partial
+// results merge per (token, KV head): the tensor entry point and the fused decoder stack
+// (qmatmul.cpp) run the same items and merges, so both give the same bits.
+template <typename T, int D>
+struct DecodeJob {
+  const T *q_p, *k_p, *v_p;
+  const int64_t *t_p, *lens_p;
+  T* o_p;
+  int64_t n, heads, group, dim, block_size, width, partition, parts;
+  float s;
+  FastRange fast;
+  std::unique_ptr<float[]> acc, maxes, sums;
+
+  DecodeJob(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, T* out, int64_t n_,
+            int64_t heads_, int64_t group_, int64_t dim_, int64_t block_size_, int64_t width_, double scale,
+            int64_t partition_)
+      : q_p(q), k_p(k), v_p(v), t_p(tables), lens_p(lens), o_p(out), n(n_), heads(heads_), group(group_), dim(dim_),
+        block_size(block_size_), width(width_), partition(partition_), s(static_cast<float>(scale)) {
+    int64_t longest = 0;
+    for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lens_p[i]);
+    parts = std::max<int64_t>(1, (longest + partition - 1) / partition);
+    // Partial results: [n, heads, parts, group, dim] and [n, heads, parts, group] (max, sum).
+    // Left uninitialized: every item writes its max and sum, and the merge reads only the partial
+    // sums of non-empty items. A prefill's rows bring many items, so zeroing would cost a pass.
+    const int64_t rows = n * heads * parts * group;
+    acc.reset(new float[rows * dim]);
+    maxes.reset(new float[rows]);
+    sums.reset(new float[rows]);
+    fast = std::is_same_v<T, c10::BFloat16> ? fast_range<D>(group) : nullptr;
+  }
+
+  int64_t items() const { return n * heads * parts; }
+  int64_t pairs() const { return n * heads; }
+
+  void item(int64_t item) { this->item(item, k_p, v_p); }
+
+  // An item over other caches of the same shape (another layer's).
+  void item(int64_t item, const T* k_p, const T* v_p) {
+    const int64_t i = item / (heads * parts), h = item / parts % heads, part = item % parts;
+    const int64_t begin = part * partition, end = std::min(lens_p[i], begin + partition);
+    const int64_t row = item * group;
+    if (begin >= end) {
+      for (int64_t g = 0; g < group; ++g) {
+        maxes[row + g] = -std::numeric_limits<float>::infinity();
+        sums[row + g] = 0.0f;
+      }
+      return;
+    }
+    const T* q_i = q_p + (i * heads + h) * group * dim;
+    if (fast != nullptr) {
+      fast(reinterpret_cast<const uint16_t*>(q_i), reinterpret_cast<const uint16_t*>(k_p),
+           reinterpret_cast<const uint16_t*>(v_p), t_p + i * width, begin, end, block_size, heads, h, s,
+           acc.get() + row * dim, maxes.get() + row, sums.get() + row);
+    } else {
+      attend_range<T, D>(q_i, k_p, v_p, t_p + i * width, begin, end, block_size, heads, h, group, dim, s,
+                         acc.get() + row * dim, maxes.get() + row, sums.get() + row);
+    }
+  }
+
+  void merge(int64_t pair) {
+    for (int64_t g = 0; g < group; ++g) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < parts; ++part) best = std::max(best, maxes[(pair * parts + part) * group + g]);
+      float total = 0.0f;
+      float merged[kMaxDim] = {};
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t row = (pair * parts + part) * group + g;
+        if (sums[row] == 0.0f) continue;
+        const float w = exp_neg(maxes[row] - best);
+        total += w * sums[row];
+        const float* a = acc.get() + row * dim;
+        for (int64_t d = 0; d < dim; ++d) merged[d] += w * a[d];
+      }
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      T* o = o_p + (pair * group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(merged[d] * inv);
+    }
+  }
+};
+
+// A bfloat16 decode job for any head dim: the kernel's fast paths for 64 and 128.
+struct Bf16DecodeJob {
+  std::unique_ptr<DecodeJob<c10::BFloat16, 64>> d64;
+  std::unique_ptr<DecodeJob<c10::BFloat16, 128>> d128;
+  std::unique_ptr<DecodeJob<c10::BFloat16, 0>> any;
+
+  template <typename... Args>
+  Bf16DecodeJob(int64_t dim, Args... args) {
+    if (dim == 64) {
+      d64.reset(new DecodeJob<c10::BFloat16, 64>(args...));
+    } else if (dim == 128) {
+      d128.reset(new DecodeJob<c10::BFloat16, 128>(args...));
+    } else {
+      any.reset(new DecodeJob<c10::BFloat16, 0>(args...));
+    }
+  }
+  int64_t items() const { return d64 ? d64->items() : d128 ? d128->items() : any->items(); }
+  int64_t pairs() const { return d64 ? d64->pairs() : d128 ? d128->pairs() : any->pairs(); }
+  void item(int64_t i, const c10::BFloat16* k, const c10::BFloat16* v) {
+    if (d64) return d64->item(i, k, v);
+    if (d128) return d128->item(i, k, v);
+    any->item(i, k, v);
+  }
+  void merge(int64_t pair) {
+    if (d64) return d64->merge(pair);
+    if (d128) return d128->merge(pair);
+    any->merge(pair);
+  }
+};
+
 template <typename T, int D>
 void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& tables, const torch::Tensor& lens, double scale, int64_t partition,
             torch::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
-  const int64_t block_size = k_cache.size(1);
-  const int64_t width = tables.size(1);
-  const int64_t* lens_p = lens.data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lens_p[i]);
-  const int64_t parts = std::max<int64_t>(1, (longest + partition - 1) / partition);
-  // Partial results: [n, heads, parts, group, dim] and [n, heads, parts, group] (max, sum).
-  // Left uninitialized: every item writes its max and sum, and the merge reads only the partial
-  // sums of non-empty items. A prefill's rows bring many items, so zeroing would cost a pass.
-  const int64_t items = n * heads * parts * group;
-  std::unique_ptr<float[]> acc(new float[items * dim]), maxes(new float[items]), sums(new float[items]);
-  const T* q_p = q.data_ptr<T>();
-  const T* k_p = k_cache.data_ptr<T>();
-  const T* v_p = v_cache.data_ptr<T>();
-  const int64_t* t_p = tables.data_ptr<int64_t>();
-  T* o_p = out.data_ptr<T>();
-  const float s = static_cast<float>(scale);
-  const FastRange fast = std::is_same_v<T, c10::BFloat16> ? fast_range<D>(group) : nullptr;
-  at::parallel_for(0, n * heads * parts, 1, [&](int64_t from, int64_t to) {
-    for (int64_t item = from; item < to; ++item) {
-      const int64_t i = item / (heads * parts), h = item / parts % heads, part = item % parts;
-      const int64_t begin = part * partition, end = std::min(lens_p[i], begin + partition);
-      const int64_t row = item * group;
-      if (begin >= end) {
-        for (int64_t g = 0; g < group; ++g) {
-          maxes[row + g] = -std::numeric_limits<float>::infinity();
-          sums[row + g] = 0.0f;
-        }
-        continue;
-      }
-      const T* q_i = q_p + (i * heads + h) * group * dim;
-      if (fast != nullptr) {
-        fast(reinterpret_cast<const uint16_t*>(q_i), reinterpret_cast<const uint16_t*>(k_p),
-             reinterpret_cast<const uint16_t*>(v_p), t_p + i * width, begin, end, block_size, heads, h, s,
-             acc.get() + row * dim, maxes.get() + row, sums.get() + row);
-      } else {
-        attend_range<T, D>(q_i, k_p, v_p, t_p + i * width, begin, end, block_size, heads, h, group, dim, s,
-                           acc.get() + row * dim, maxes.get() + row, sums.get() + row);
-      }
-    }
+  DecodeJob<T, D> job(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>(),
+                      lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), q.size(1), q.size(2), q.size(3),
+                      k_cache.size(1), tables.size(1), scale, partition);
+  at::parallel_for(0, job.items(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t item = from; item < to; ++item) job.item(item);
   });
-  at::parallel_for(0, n * heads, 1, [&](int64_t from, int64_t to) {
-    for (int64_t pair = from; pair < to; ++pair) {
-      for (int64_t g = 0; g < group; ++g) {
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t part = 0; part < parts; ++part) best = std::max(best, maxes[(pair * parts + part) * group + g]);
-        float total = 0.0f;
-        float merged[kMaxDim] = {};
-        for (int64_t part = 0; part < parts; ++part) {
-          const int64_t row = (pair * parts + part) * group + g;
-          if (sums[row] == 0.0f) continue;
-          const float w = exp_neg(maxes[row] - best);
-          total += w * sums[row];
-          const float* a = acc.get() + row * dim;
-          for (int64_t d = 0; d < dim; ++d) merged[d] += w * a[d];
-        }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        T* o = o_p + (pair * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(merged[d] * inv);
-      }
-    }
+  at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });
 }
 

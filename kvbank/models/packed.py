@@ -19,15 +19,25 @@ from torch import nn
 
 GROUP_SIZE = 32
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+Q8_BLOCK_BYTES = 34
 
 
 @dataclass
 class Int4Blocks:
-    """Weights w = (q - 8) * scale + zero, in groups of 32 along the input dimension."""
+    """Weights w = scale * q + minimum, in groups of 32 along the input dimension (q in 0..15).
+
+    Q4_1 stores the scale and minimum as fp16; Q4_0 has minimum = -8 * scale. Both are kept
+    as float32 here, exactly.
+    """
 
     q: torch.Tensor  # uint8 [out, in], values 0..15
     scale: torch.Tensor  # float32 [out, in / 32]
-    zero: torch.Tensor  # float32 [out, in / 32]
+    minimum: torch.Tensor  # float32 [out, in / 32]
+
+    @property
+    def zero(self) -> torch.Tensor:
+        """The offset of torch's int4 matmul, w = (q - 8) * scale + zero."""
+        return self.minimum + 8 * self.scale
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str, rows: int) -> Int4Blocks:
@@ -37,21 +47,33 @@ class Int4Blocks:
         if type_name == "Q4_1":
             m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
             nibbles = blocks[..., 4:]
-            zero = m + 8 * d
         else:
             nibbles = blocks[..., 2:]
-            zero = np.zeros_like(d)
+            m = -8 * d
         q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
-        return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
+        return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
     def map_rows(self, fn) -> Int4Blocks:
-        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.zero))
+        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.minimum))
 
     @staticmethod
     def cat(parts: list[Int4Blocks]) -> Int4Blocks:
-        return Int4Blocks(
-            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])
-        )
+        return Int4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "minimum")))
+
+
+@dataclass
+class Int8Blocks:
+    """GGUF Q8_0 weights w = scale * q, q in -127..127, in groups of 32 along the input dimension."""
+
+    q: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # float32 [out, in / 32], fp16 values
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, rows: int) -> Int8Blocks:
+        blocks = np.asarray(raw).reshape(rows, -1, Q8_BLOCK_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        return cls(torch.from_numpy(q), torch.from_numpy(d))
 
 
 def packed_matmul_available(device: torch.device) -> bool:

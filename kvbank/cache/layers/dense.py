@@ -41,6 +41,14 @@ class DenseLayer:
         write_kv(self.k, self.v, k, v, meta.slot_mapping)
         return k, v  # chunks from position 0 attend to their fresh K/V directly
 
+    def row_attention(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block tables, context lengths) of every new token when this step attends by rows and
+        keeps no attention scores: a fused model step can then write and attend in native code."""
+        step = meta.kinds[self.kind]
+        if step.row_block_tables is None or step.score_jobs:
+            return None
+        return step.row_block_tables, step.row_context_lens
+
     def attend(
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:

@@ -1,0 +1,836 @@
+// Integer matmuls on GGUF weights for CPU decode: 4-bit (Q4_0/Q4_1) and 8-bit (Q8_0) weights times
+// activations quantized on the fly to 8 bits in blocks of 32, as llama.cpp does (Q8_1 activations).
+//
+// Weights are laid out at load (kvbank/models/qweights.py) in groups of 16 output rows: for every
+// group and 32-wide block of the input dimension, one record holds the 16 rows' weights
+// interleaved four bytes at a time, so one 512-bit VNNI instruction (vpdpbusd) multiplies four
+// inputs into all 16 rows, then the rows' fp16 scales (and, for 4-bit, minimums):
+//   Q4 record (320 B): 4 x [16 rows][4 bytes] nibble pairs; byte e of row r in chunk j holds the
+//                      row's weight 4j+e in its low nibble and 16+4j+e in its high nibble;
+//                      then d[16] and m[16] as fp16 (w = d*q + m; Q4_0 has m = -8d).
+//   Q8 record (544 B): 8 x [16 rows][4 bytes] of w+128 (unsigned), then d[16] fp16 (w = d*q).
+// Per block, a row's integer dot product is exact; it is scaled and added to a float32 sum in block
+// order by the same fused multiply-adds on every path (AVX-512 VNNI, AVX2, scalar), so all paths
+// give bit-identical results, and a row's result never depends on the other rows of the batch.
+#include "native.h"
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;
+constexpr int64_t GROUP_ROWS = 16;
+constexpr int64_t Q4_RECORD = 320;
+constexpr int64_t Q8_RECORD = 544;
+constexpr int64_t ROW_TILE = 4;
+#ifndef KVBANK_PREFETCH
+#define KVBANK_PREFETCH 2048
+#endif
+// Weights stream from memory once per step: ask for them this far ahead of the records in use.
+constexpr int64_t PREFETCH_BYTES = KVBANK_PREFETCH;
+
+enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+
+#ifdef KVBANK_X86
+#define KVBANK_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
+#define KVBANK_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+Isa best_isa() {
+#ifdef KVBANK_X86
+  static const Isa isa = [] {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
+      return Isa::Avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return Isa::Avx2;
+    return Isa::Scalar;
+  }();
+  return isa;
+#else
+  return Isa::Scalar;
+#endif
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Activations in 8-bit blocks of 32: x ~= d * q, with the block sums the 4-bit minimum term needs.
+struct QuantRows {
+  int64_t rows = 0, cols = 0, blocks = 0;
+  std::vector<int8_t> q;       // [rows, cols]
+  std::vector<float> d;        // [rows, blocks]
+  std::vector<float> s;        // d * sum(q)
+  std::vector<int32_t> sum;    // sum(q)
+
+  void resize(int64_t r, int64_t c) {
+    rows = r, cols = c, blocks = c / QK;
+    q.resize(r * c);
+    d.resize(r * blocks);
+    s.resize(r * blocks);
+    sum.resize(r * blocks);
+  }
+
+  // Row `r` from float32 values: amax / 127 scales, round to nearest even.
+  void quantize_row(int64_t r, const float* x) {
+#ifdef KVBANK_X86
+    if (best_isa() == Isa::Avx512) return quantize_row_avx512(r, x);
+#endif
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + b * QK;
+      float amax = 0.0f;
+      for (int64_t k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float scale = amax / 127.0f;
+      const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+      int8_t* qb = q.data() + r * cols + b * QK;
+      int32_t total = 0;
+      for (int64_t k = 0; k < QK; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+        qb[k] = static_cast<int8_t>(v);
+        total += v;
+      }
+      d[r * blocks + b] = scale;
+      sum[r * blocks + b] = total;
+      s[r * blocks + b] = scale * static_cast<float>(total);
+    }
+  }
+
+#ifdef KVBANK_X86
+  // The same arithmetic 16 lanes at a time (cvtps rounds to nearest even, as nearbyint does).
+  KVBANK_VNNI void quantize_row_avx512(int64_t r, const float* x) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+      const float scale = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      int8_t* qb = q.data() + r * cols + b * QK;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qhi));
+      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      d[r * blocks + b] = scale;
+      sum[r * blocks + b] = total;
+      s[r * blocks + b] = scale * static_cast<float>(total);
+    }
+  }
+#endif
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t stride, int64_t rows, int64_t cols, QuantRows& out) {
+  out.resize(rows, cols);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t k = 0; k < cols; ++k) row[k] = widen(x[r * stride + k]);
+      out.quantize_row(r, row.data());
+    }
+  });
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// --- one group of 16 output rows for `tile` activation rows: out[i * 16 + lane] ------------------
+
+void q4_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  for (int64_t i = 0; i < tile; ++i) {
+    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = w + b * Q4_RECORD;
+        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 4; ++j) {
+          for (int64_t e = 0; e < 4; ++e) {
+            const uint8_t byte = rec[j * 64 + lane * 4 + e];
+            dot += static_cast<int32_t>(byte & 15) * qa[4 * j + e] + static_cast<int32_t>(byte >> 4) * qa[16 + 4 * j + e];
+          }
+        }
+        uint16_t dh, mh;
+        std::memcpy(&dh, rec + 256 + 2 * lane, 2);
+        std::memcpy(&mh, rec + 288 + 2 * lane, 2);
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        acc = std::fma(static_cast<float>(dot), half_to_float(dh) * a.d[ab], acc);
+        acc = std::fma(half_to_float(mh), a.s[ab], acc);
+      }
+      out[i * GROUP_ROWS + lane] = acc;
+    }
+  }
+}
+
+void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  for (int64_t i = 0; i < tile; ++i) {
+    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = w + b * Q8_RECORD;
+        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
+        int32_t dot = 0;
+        for (int64_t c = 0; c < 8; ++c) {
+          for (int64_t e = 0; e < 4; ++e) dot += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
+        }
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        dot -= 128 * a.sum[ab];
+        uint16_t dh;
+        std::memcpy(&dh, rec + 512 + 2 * lane, 2);
+        acc = std::fma(static_cast<float>(dot), half_to_float(dh) * a.d[ab], acc);
+      }
+      out[i * GROUP_ROWS + lane] = acc;
+    }
+  }
+}
+
+#ifdef KVBANK_X86
+template <int R>
+KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec = w + b * Q4_RECORD;
+    for (int line = 0; line < Q4_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(rec + 64 * j);
+      lo[j] = _mm512_and_si512(v, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    for (int i = 0; i < R; ++i) {
+      const int8_t* qa = rows[i] + b * QK;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      s0 = _mm512_dpbusd_epi32(s0, lo[0], _mm512_set1_epi32(load_i32(qa + 0)));
+      s1 = _mm512_dpbusd_epi32(s1, lo[1], _mm512_set1_epi32(load_i32(qa + 4)));
+      s0 = _mm512_dpbusd_epi32(s0, lo[2], _mm512_set1_epi32(load_i32(qa + 8)));
+      s1 = _mm512_dpbusd_epi32(s1, lo[3], _mm512_set1_epi32(load_i32(qa + 12)));
+      s0 = _mm512_dpbusd_epi32(s0, hi[0], _mm512_set1_epi32(load_i32(qa + 16)));
+      s1 = _mm512_dpbusd_epi32(s1, hi[1], _mm512_set1_epi32(load_i32(qa + 20)));
+      s0 = _mm512_dpbusd_epi32(s0, hi[2], _mm512_set1_epi32(load_i32(qa + 24)));
+      s1 = _mm512_dpbusd_epi32(s1, hi[3], _mm512_set1_epi32(load_i32(qa + 28)));
+      const int64_t ab = (r0 + i) * a.blocks + b;
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
+}
+
+template <int R>
+KVBANK_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec = w + b * Q8_RECORD;
+    for (int line = 0; line < Q8_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    __m512i wv[8];
+    for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(rec + 64 * c);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+    for (int i = 0; i < R; ++i) {
+      const int8_t* qa = rows[i] + b * QK;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, wv[c], _mm512_set1_epi32(load_i32(qa + 4 * c)));
+        s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], _mm512_set1_epi32(load_i32(qa + 4 * c + 4)));
+      }
+      const int64_t ab = (r0 + i) * a.blocks + b;
+      const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.sum[ab]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
+}
+
+// AVX2: each record is two halves of 8 rows (bytes 32h.. of every 64-byte chunk); maddubs + madd
+// give the same exact integer dot products (no pair can saturate: |u8 x s8 x 2| < 2^15 here).
+KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t i = 0; i < tile; ++i) {
+    const int8_t* row = a.q.data() + (r0 + i) * a.cols;
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = w + b * Q4_RECORD;
+        const int8_t* qa = row + b * QK;
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+          sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_and_si256(v, low), _mm256_set1_epi32(load_i32(qa + 4 * j))));
+          sum = _mm256_add_epi32(
+              sum, dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc);
+        acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc);
+      }
+      _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc);
+    }
+  }
+}
+
+KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < tile; ++i) {
+    const int8_t* row = a.q.data() + (r0 + i) * a.cols;
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = w + b * Q8_RECORD;
+        const int8_t* qa = row + b * QK;
+        __m256i sum = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          // Signed weights: |w| as the unsigned operand, the activation takes w's sign.
+          const __m256i ws = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
+          const __m256i av = _mm256_set1_epi32(load_i32(qa + 4 * c));
+          sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(ws), _mm256_sign_epi8(av, ws)));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc);
+      }
+      _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc);
+    }
+  }
+}
+#endif
+
+void group_kernel(bool q8, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+#ifdef KVBANK_X86
+  if (isa == Isa::Avx512) {
+    switch (tile) {
+      case 4: return q8 ? q8_group_avx512<4>(w, a, r0, out) : q4_group_avx512<4>(w, a, r0, out);
+      case 3: return q8 ? q8_group_avx512<3>(w, a, r0, out) : q4_group_avx512<3>(w, a, r0, out);
+      case 2: return q8 ? q8_group_avx512<2>(w, a, r0, out) : q4_group_avx512<2>(w, a, r0, out);
+      default: return q8 ? q8_group_avx512<1>(w, a, r0, out) : q4_group_avx512<1>(w, a, r0, out);
+    }
+  }
+  if (isa == Isa::Avx2) return q8 ? q8_group_avx2(w, a, r0, tile, out) : q4_group_avx2(w, a, r0, tile, out);
+#endif
+  return q8 ? q8_group_scalar(w, a, r0, tile, out) : q4_group_scalar(w, a, r0, tile, out);
+}
+
+// Groups [begin, end) of out[r, n] (float32, row stride `out_stride`) = the quantized rows of `a`
+// times the packed weights.
+void qmatmul_groups(bool q8, Isa isa, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, float* out,
+                    int64_t out_stride) {
+  const int64_t group_bytes = a.blocks * (q8 ? Q8_RECORD : Q4_RECORD);
+  alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
+  for (int64_t g = begin; g < end; ++g) {
+    const uint8_t* w = weights + g * group_bytes;
+    for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
+      const int64_t tile = std::min(ROW_TILE, a.rows - r0);
+      group_kernel(q8, isa, w, a, r0, tile, tile_out);
+      for (int64_t i = 0; i < tile; ++i) {
+        std::memcpy(out + (r0 + i) * out_stride + g * GROUP_ROWS, tile_out + i * GROUP_ROWS, GROUP_ROWS * sizeof(float));
+      }
+    }
+  }
+}
+
+void qmatmul_rows(bool q8, Isa isa, const uint8_t* weights, int64_t groups, const QuantRows& a, float* out,
+                  int64_t out_stride) {
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    qmatmul_groups(q8, isa, weights, begin, end, a, out, out_stride);
+  });
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "auto") return best_isa();
+  const Isa wanted = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Scalar;
+  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar", "isa must be auto, avx512, avx2 or scalar, not ",
+              name);
+  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best_isa()), "this CPU cannot run the ", name, " path");
+  return wanted;
+}
+
+struct PackedWeight {
+  const uint8_t* data;
+  int64_t groups, blocks, out_features, in_features;
+  bool q8;
+};
+
+PackedWeight check_weight(const torch::Tensor& w, int64_t kind) {
+  TORCH_CHECK(kind == 4 || kind == 8, "kind must be 4 (Q4 records) or 8 (Q8 records), not ", kind);
+  const int64_t record = kind == 8 ? Q8_RECORD : Q4_RECORD;
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == record,
+              "packed weights must be contiguous uint8 [groups, blocks, ", record, "], got ", w.sizes());
+  return {w.data_ptr<uint8_t>(), w.size(0), w.size(1), w.size(0) * GROUP_ROWS, w.size(1) * QK, kind == 8};
+}
+
+template <typename T>
+void store_rows(const float* src, T* dst, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = narrow_to(src[i], static_cast<T*>(nullptr));
+}
+
+// --- fused decode steps ---------------------------------------------------------------------------
+
+// e^x, |x| < 88: the decode kernel's polynomial, 16 lanes at a time.
+#ifdef KVBANK_X86
+KVBANK_AVX512 inline __m512 exp_v(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+KVBANK_AVX512 inline __m512 round_bf16_v(__m512 x) {
+  // Round to nearest even at bfloat16 (finite values), as narrow_to does.
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The whole 16s of silu_mul_row for bfloat16; returns how many it did.
+KVBANK_AVX512 int64_t silu_mul_bf16_avx512(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m512 g = round_bf16_v(_mm512_loadu_ps(gate + k)), u = round_bf16_v(_mm512_loadu_ps(up + k));
+    const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = round_bf16_v(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    _mm512_storeu_ps(out + k, round_bf16_v(_mm512_mul_ps(silu, u)));
+  }
+  return k;
+}
+#endif
+
+// out[k] = silu(gate[k]) * up[k] from the projections rounded to T, each op rounding to T as the
+// unfused layer's do; the same function serves every fused path, so they agree bit for bit.
+template <typename T>
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t k = 0;
+#ifdef KVBANK_X86
+  if (std::is_same_v<T, c10::BFloat16> && avx512_bf16_supported()) k = silu_mul_bf16_avx512(gate, up, out, n);
+#endif
+  for (; k < n; ++k) {
+    const float g = round_as<T>(gate[k]), u = round_as<T>(up[k]);
+    out[k] = round_as<T>(round_as<T>(g / (1.0f + std::exp(-g))) * u);
+  }
+}
+
+// residual (+)= x, rounded to T as an add of two T tensors is; returns the rows RMS-normed in float32.
+template <typename T>
+void add_norm_quantize(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, double eps, QuantRows& out) {
+  out.resize(rows, dim);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* src = x + r * dim;
+      if (residual != nullptr) {
+        T* res = residual + r * dim;
+        for (int64_t d = 0; d < dim; ++d) res[d] = narrow_to(widen(src[d]) + widen(res[d]), static_cast<T*>(nullptr));
+        src = res;
+      }
+      float squares = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) squares += widen(src[d]) * widen(src[d]);
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) normed[d] = widen(src[d]) * inv * widen(weight[d]);
+      out.quantize_row(r, normed.data());
+    }
+  });
+}
+
+template <typename T>
+torch::Tensor attn_in_impl(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_w, double eps,
+                           const PackedWeight& qkv, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads, Isa isa) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  QuantRows a;
+  add_norm_quantize(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, norm_w.data_ptr<T>(), rows, dim, eps,
+                    a);
+  std::vector<float> acc(rows * qkv.out_features);
+  qmatmul_rows(qkv.q8, isa, qkv.data, qkv.groups, a, acc.data(), qkv.out_features);
+  auto out = torch::empty({rows, qkv.out_features}, x.options());
+  store_rows(acc.data(), out.data_ptr<T>(), acc.size());
+  rope_rows(out.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), rows, rope_heads, cos.size(1), qkv.out_features);
+  return out;
+}
+
+template <typename T>
+torch::Tensor mlp_impl(torch::Tensor attn, torch::Tensor residual, const PackedWeight& o, torch::Tensor norm_w,
+                       double eps, const PackedWeight& gate_up, const PackedWeight& down, Isa isa) {
+  const int64_t rows = attn.size(0), hidden = residual.size(1), inter = gate_up.out_features / 2;
+  QuantRows a;
+  quantize_rows(attn.data_ptr<T>(), attn.stride(0), rows, attn.size(1), a);
+  std::vector<float> acc(rows * std::max(hidden, gate_up.out_features));
+  qmatmul_rows(o.q8, isa, o.data, o.groups, a, acc.data(), hidden);
+  std::vector<T> projected(rows * hidden);
+  store_rows(acc.data(), projected.data(), rows * hidden);
+  add_norm_quantize(projected.data(), residual.data_ptr<T>(), norm_w.data_ptr<T>(), rows, hidden, eps, a);
+  qmatmul_rows(gate_up.q8, isa, gate_up.data, gate_up.groups, a, acc.data(), gate_up.out_features);
+  // silu(gate) * up from the projections rounded to T, as the unfused layer computes them.
+  a.resize(rows, inter);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = acc.data() + r * gate_up.out_features;
+      silu_mul_row<T>(g, g + inter, h.data(), inter);
+      a.quantize_row(r, h.data());
+    }
+  });
+  qmatmul_rows(down.q8, isa, down.data, down.groups, a, acc.data(), hidden);
+  auto out = torch::empty({rows, hidden}, residual.options());
+  store_rows(acc.data(), out.data_ptr<T>(), rows * hidden);
+  return out;
+}
+
+void check_rows(const torch::Tensor& x, int64_t cols, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == cols, what, " must be contiguous [rows, ", cols, "], got ",
+              x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat, what,
+              " must be bfloat16 or float32, not ", x.scalar_type());
+}
+
+}  // namespace
+
+std::string qmatmul_isa() {
+  switch (best_isa()) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float_out, std::string isa_name) {
+  const PackedWeight pw = check_weight(w, kind);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == pw.in_features, "x must be [rows, ", pw.in_features,
+              "] with contiguous rows, got ", x.sizes());
+  const Isa isa = parse_isa(isa_name);
+  QuantRows a;
+  const int64_t rows = x.size(0);
+  if (x.scalar_type() == torch::kBFloat16) {
+    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), rows, pw.in_features, a);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat, "qlinear supports bfloat16 and float32 x, not ", x.scalar_type());
+    quantize_rows(x.data_ptr<float>(), x.stride(0), rows, pw.in_features, a);
+  }
+  if (float_out || x.scalar_type() == torch::kFloat) {
+    auto out = torch::empty({rows, pw.out_features}, x.options().dtype(torch::kFloat));
+    qmatmul_rows(pw.q8, isa, pw.data, pw.groups, a, out.data_ptr<float>(), pw.out_features);
+    return out;
+  }
+  std::vector<float> acc(rows * pw.out_features);
+  qmatmul_rows(pw.q8, isa, pw.data, pw.groups, a, acc.data(), pw.out_features);
+  auto out = torch::empty({rows, pw.out_features}, x.options());
+  store_rows(acc.data(), out.data_ptr<c10::BFloat16>(), acc.size());
+  return out;
+}
+
+torch::Tensor qlayer_attn_in(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_w, double eps,
+                             torch::Tensor qkv_w, int64_t kind, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
+                             std::string isa_name) {
+  const PackedWeight qkv = check_weight(qkv_w, kind);
+  check_rows(x, qkv.in_features, "x");
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(),
+                "residual must be a contiguous tensor shaped and typed like x");
+  }
+  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == x.size(1) && norm_w.scalar_type() == x.scalar_type() &&
+                  norm_w.is_contiguous(),
+              "the norm weight must be [", x.size(1), "] of x's dtype");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be contiguous [rows, dim] of x's dtype");
+  TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= 512 && rope_heads * cos.size(1) <= qkv.out_features,
+              "rotary dim ", cos.size(1), " x ", rope_heads, " heads does not fit rows of ", qkv.out_features);
+  const Isa isa = parse_isa(isa_name);
+  if (x.scalar_type() == torch::kBFloat16)
+    return attn_in_impl<c10::BFloat16>(x, residual, norm_w, eps, qkv, cos, sin, rope_heads, isa);
+  return attn_in_impl<float>(x, residual, norm_w, eps, qkv, cos, sin, rope_heads, isa);
+}
+
+torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, torch::Tensor o_w, int64_t o_kind,
+                         torch::Tensor norm_w, double eps, torch::Tensor gate_up_w, int64_t gate_up_kind,
+                         torch::Tensor down_w, int64_t down_kind, std::string isa_name) {
+  const PackedWeight o = check_weight(o_w, o_kind), gate_up = check_weight(gate_up_w, gate_up_kind),
+                     down = check_weight(down_w, down_kind);
+  check_rows(residual, o.out_features, "residual");
+  TORCH_CHECK(attn.dim() == 2 && attn.stride(1) == 1 && attn.size(1) == o.in_features && attn.size(0) == residual.size(0) &&
+                  attn.scalar_type() == residual.scalar_type(),
+              "attn must be [", residual.size(0), ", ", o.in_features, "] with contiguous rows of the residual's dtype");
+  TORCH_CHECK(gate_up.in_features == o.out_features && gate_up.out_features % 2 == 0 &&
+                  down.in_features == gate_up.out_features / 2 && down.out_features == o.out_features,
+              "o ", o.out_features, "x", o.in_features, ", gate_up ", gate_up.out_features, "x", gate_up.in_features,
+              " and down ", down.out_features, "x", down.in_features, " do not chain");
+  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == o.out_features && norm_w.scalar_type() == residual.scalar_type() &&
+                  norm_w.is_contiguous(),
+              "the norm weight must be [", o.out_features, "] of the residual's dtype");
+  const Isa isa = parse_isa(isa_name);
+  if (residual.scalar_type() == torch::kBFloat16)
+    return mlp_impl<c10::BFloat16>(attn, residual, o, norm_w, eps, gate_up, down, isa);
+  return mlp_impl<float>(attn, residual, o, norm_w, eps, gate_up, down, isa);
+}
+
+torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torch::Tensor head_w, int64_t kind,
+                    std::string isa_name) {
+  const PackedWeight head = check_weight(head_w, kind);
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == head.in_features, "hidden must be [rows, ", head.in_features, "]");
+  auto x = hidden.contiguous();
+  check_rows(x, head.in_features, "hidden");
+  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == x.size(1) && norm_w.scalar_type() == x.scalar_type() &&
+                  norm_w.is_contiguous(),
+              "the norm weight must be [", x.size(1), "] of hidden's dtype");
+  const Isa isa = parse_isa(isa_name);
+  QuantRows a;
+  const int64_t rows = x.size(0);
+  if (x.scalar_type() == torch::kBFloat16) {
+    add_norm_quantize<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), nullptr, norm_w.data_ptr<c10::BFloat16>(), rows,
+                                     x.size(1), eps, a);
+  } else {
+    add_norm_quantize<float>(x.data_ptr<float>(), nullptr, norm_w.data_ptr<float>(), rows, x.size(1), eps, a);
+  }
+  auto out = torch::empty({rows, head.out_features}, x.options().dtype(torch::kFloat));
+  qmatmul_rows(head.q8, isa, head.data, head.groups, a, out.data_ptr<float>(), head.out_features);
+  return out;
+}
+
+// --- a whole decoder stack per call ---------------------------------------------------------------
+
+QuantStack::QuantStack(std::vector<torch::Tensor> weights, std::vector<int64_t> kinds, std::vector<torch::Tensor> norms,
+                       double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+    : weights_(std::move(weights)), kinds_(std::move(kinds)), norms_(std::move(norms)), eps_(eps),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {
+  TORCH_CHECK(weights_.size() % 4 == 0 && weights_.size() == kinds_.size() && norms_.size() * 2 == weights_.size(),
+              "a stack takes 4 packed weights (qkv, o, gate_up, down) and 2 norms per layer");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  for (size_t i = 0; i < weights_.size(); i += 4) {
+    const PackedWeight qkv = check_weight(weights_[i], kinds_[i]), o = check_weight(weights_[i + 1], kinds_[i + 1]);
+    TORCH_CHECK(qkv.out_features == q_size + 2 * kv_size && o.in_features == q_size,
+                "layer ", i / 4, ": q/k/v has ", qkv.out_features, " rows and o ", o.in_features, " inputs; the heads need ",
+                q_size + 2 * kv_size, " and ", q_size);
+  }
+}
+
+int64_t QuantStack::num_layers() const { return static_cast<int64_t>(weights_.size() / 4); }
+
+namespace {
+
+// The share [begin, end) of `count` items that thread `tid` of `threads` takes.
+inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int threads) {
+  return {count * tid / threads, count * (tid + 1) / threads};
+}
+
+}  // namespace
+
+// Every layer in one parallel region whose threads stay in it from the first layer to the last,
+// meeting at a barrier after each matmul (as llama.cpp's threads do); each thread normalizes and
+// quantizes the rows it needs itself. Every row attends its own sequence's cached keys through
+// the decode kernel's items after the rows' new keys and values are written at their slots. The
+// arithmetic per token is the layer-by-layer path's (qlayer_attn_in, paged attention by rows,
+// qlayer_mlp), so the two give the same bits.
+torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                                  std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+                                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t partition) {
+  using T = c10::BFloat16;
+  const int64_t layers = num_layers();
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
+              "one K and one V cache per layer: ", layers);
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_, group = num_heads_ / num_kv_heads_;
+  const int64_t rows = x.size(0), hidden = x.size(1), tokens = slot_mapping.size(0);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x must be contiguous bfloat16 [rows, hidden], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == rows && cos.size(1) == head_dim_ &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kBFloat16 &&
+                  sin.scalar_type() == torch::kBFloat16,
+              "cos and sin must be contiguous bfloat16 [", rows, ", ", head_dim_, "]");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() && tokens <= rows,
+              "the slot mapping must be int64 for the first tokens of x");
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong &&
+                  block_tables.dim() == 2 && block_tables.size(0) == tokens && context_lens.size(0) == tokens,
+              "block tables [tokens, width] and context lengths [tokens] must be int64");
+  TORCH_CHECK(group <= kMaxGroup && head_dim_ <= kMaxDim && partition > 0, "group ", group, " or head dim ", head_dim_,
+              " is beyond the decode kernel");
+  std::vector<PackedWeight> w;
+  for (int64_t i = 0; i < 4 * layers; ++i) w.push_back(check_weight(weights_[i], kinds_[i]));
+  const int64_t inter = w[2].out_features / 2;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t l = 0; l < layers; ++l) {
+    const auto& k = k_caches[l];
+    const auto& v = v_caches[l];
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == torch::kBFloat16 &&
+                    v.scalar_type() == torch::kBFloat16 && k.dim() == 4 && k.size(2) == num_kv_heads_ &&
+                    k.size(3) == head_dim_ && v.sizes() == k.sizes() && k.size(1) <= kMaxBlock &&
+                    partition % k.size(1) == 0,
+                "layer ", l, ": caches must be contiguous bfloat16 [blocks, block_size, ", num_kv_heads_, ", ", head_dim_,
+                "] with the partition a multiple of the block size");
+    const int64_t slots_total = k.size(0) * k.size(1);
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " is outside the cache's ", slots_total);
+      TORCH_CHECK(lens[t] >= 1 && lens[t] <= block_tables.size(1) * k.size(1), "context length ", lens[t],
+                  " is beyond the block table");
+    }
+  }
+  const int64_t block_size = k_caches[0].size(1);
+
+  auto out = torch::empty({rows, hidden}, x.options());
+  std::vector<T> h(rows * hidden), residual(rows * hidden), attn(rows * q_size, T(0.0f)), q(tokens * q_size);
+  std::memcpy(h.data(), x.data_ptr<T>(), rows * hidden * sizeof(T));
+  std::vector<float> acc(rows * std::max(w[0].out_features, w[2].out_features));
+  std::vector<T> qkv(rows * w[0].out_features);
+  const T* cos_p = cos.data_ptr<T>();
+  const T* sin_p = sin.data_ptr<T>();
+  const Isa isa = best_isa();
+  const int threads = std::max(1, at::get_num_threads());
+  Bf16DecodeJob job(head_dim_, q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
+                    block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group, head_dim_,
+                    block_size, block_tables.size(1), scale, partition);
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto [row_begin, row_end] = share(rows, tid, nt);
+    QuantRows a;
+    std::vector<float> normed(std::max(hidden, inter));
+    // RMSNorm of h (+ residual, rounded as an add of two bfloat16 tensors), quantized: every row.
+    auto norm_rows = [&](const T* add, const T* weight) {
+      a.resize(rows, hidden);
+      for (int64_t r = 0; r < rows; ++r) {
+        float squares = 0.0f;
+        for (int64_t d = 0; d < hidden; ++d) {
+          const float v = add ? round_as<T>(widen(h[r * hidden + d]) + widen(add[r * hidden + d])) : widen(h[r * hidden + d]);
+          normed[d] = v;
+          squares += v * v;
+        }
+        const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps_));
+        for (int64_t d = 0; d < hidden; ++d) normed[d] = normed[d] * inv * widen(weight[d]);
+        a.quantize_row(r, normed.data());
+      }
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      const PackedWeight &wqkv = w[4 * l], &wo = w[4 * l + 1], &wgu = w[4 * l + 2], &wdown = w[4 * l + 3];
+      const T* norm1 = norms_[2 * l].data_ptr<T>();
+      const T* norm2 = norms_[2 * l + 1].data_ptr<T>();
+      T* kc = k_caches[l].data_ptr<T>();
+      T* vc = v_caches[l].data_ptr<T>();
+      const int64_t width = wqkv.out_features;
+      // residual += h (h alone in the first layer), normed, q/k/v.
+      norm_rows(l ? residual.data() : nullptr, norm1);
+      {
+        const auto [g0, g1] = share(wqkv.groups, tid, nt);
+        qmatmul_groups(wqkv.q8, isa, wqkv.data, g0, g1, a, acc.data(), width);
+      }
+#pragma omp barrier
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        for (int64_t d = 0; d < hidden; ++d) {
+          const int64_t i = r * hidden + d;
+          residual[i] = l ? narrow_to(widen(h[i]) + widen(residual[i]), static_cast<T*>(nullptr)) : h[i];
+        }
+        T* row = qkv.data() + r * width;
+        store_rows(acc.data() + r * width, row, width);
+        rope_rows(row, cos_p + r * head_dim_, sin_p + r * head_dim_, 1, num_heads_ + num_kv_heads_, head_dim_, width);
+        if (r < tokens) {
+          std::memcpy(kc + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
+          std::memcpy(vc + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+          std::memcpy(q.data() + r * q_size, row, q_size * sizeof(T));
+        }
+      }
+#pragma omp barrier
+      {
+        const auto [i0, i1] = share(job.items(), tid, nt);
+        for (int64_t i = i0; i < i1; ++i) job.item(i, kc, vc);
+      }
+#pragma omp barrier
+      {
+        const auto [p0, p1] = share(job.pairs(), tid, nt);
+        for (int64_t p = p0; p < p1; ++p) job.merge(p);
+      }
+#pragma omp barrier
+      // The output projection, added to the residual; normed; gate/up.
+      a.resize(rows, q_size);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < q_size; ++d) normed[d] = widen(attn[r * q_size + d]);
+        a.quantize_row(r, normed.data());
+      }
+      {
+        const auto [g0, g1] = share(wo.groups, tid, nt);
+        qmatmul_groups(wo.q8, isa, wo.data, g0, g1, a, acc.data(), hidden);
+      }
+#pragma omp barrier
+      for (int64_t r = row_begin; r < row_end; ++r) store_rows(acc.data() + r * hidden, h.data() + r * hidden, hidden);
+#pragma omp barrier
+      norm_rows(residual.data(), norm2);
+      {
+        const auto [g0, g1] = share(wgu.groups, tid, nt);
+        qmatmul_groups(wgu.q8, isa, wgu.data, g0, g1, a, acc.data(), wgu.out_features);
+      }
+#pragma omp barrier
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        for (int64_t d = 0; d < hidden; ++d) {
+          const int64_t i = r * hidden + d;
+          residual[i] = narrow_to(widen(h[i]) + widen(residual[i]), static_cast<T*>(nullptr));
+        }
+      }
+      a.resize(rows, inter);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = acc.data() + r * wgu.out_features;
+        silu_mul_row<T>(g, g + inter, normed.data(), inter);
+        a.quantize_row(r, normed.data());
+      }
+#pragma omp barrier
+      {
+        const auto [g0, g1] = share(wdown.groups, tid, nt);
+        qmatmul_groups(wdown.q8, isa, wdown.data, g0, g1, a, acc.data(), hidden);
+      }
+#pragma omp barrier
+      for (int64_t r = row_begin; r < row_end; ++r) store_rows(acc.data() + r * hidden, h.data() + r * hidden, hidden);
+#pragma omp barrier
+    }
+  }
+  // The stack's output: the last layer's output added to the residual stream.
+  T* o = out.data_ptr<T>();
+  for (int64_t i = 0; i < rows * hidden; ++i) o[i] = narrow_to(widen(h[i]) + widen(residual[i]), static_cast<T*>(nullptr));
+  return out;
+}

@@ -1,0 +1,128 @@
+"""GGUF weights laid out for kvbank's integer matmul kernels (kvbank/kernels/qmatmul.cpp).
+
+A CPU decode step is bound by reading weights. These layers keep the GGUF's bytes (4-bit Q4_0 /
+Q4_1 projections, the 8-bit Q8_0 embedding table that is also the LM head) and multiply them with
+activations quantized to 8 bits per 32 values, with integer dot products, as llama.cpp does.
+Weights are rearranged once at load into records of 16 output rows x 32 inputs, so one 512-bit
+VNNI instruction serves 16 rows; the byte count stays the file's (5 bits per 4-bit weight, 8.5
+per 8-bit one). Packing is plain tensor ops, so it also runs on meta tensors (memory prediction).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks
+
+#: output rows interleaved in one record
+GROUP_ROWS = 16
+Q4_RECORD_BYTES = 320
+Q8_RECORD_BYTES = 544
+
+
+def packable(out_features: int, in_features: int) -> bool:
+    return out_features % GROUP_ROWS == 0 and in_features % GROUP_SIZE == 0
+
+
+def _halves_as_bytes(values: torch.Tensor, groups: int, blocks: int) -> torch.Tensor:
+    """[out, blocks] float32 (fp16 values) -> uint8 [groups, blocks, 32]: each record's 16 rows as fp16."""
+    per_record = values.to(torch.float16).reshape(groups, GROUP_ROWS, blocks).transpose(1, 2).contiguous()
+    return per_record.view(torch.uint8).reshape(groups, blocks, 2 * GROUP_ROWS)
+
+
+def pack_q4(blocks: Int4Blocks) -> torch.Tensor:
+    """uint8 [out / 16, in / 32, 320] records (see qmatmul.cpp) of 4-bit weights."""
+    out_features, in_features = blocks.q.shape
+    groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
+    # q[g, r, b, half, j, e] is the weight at input b*32 + half*16 + 4j + e of row 16g + r.
+    q = blocks.q.reshape(groups, GROUP_ROWS, nb, 2, 4, 4)
+    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).to(torch.uint8)  # [g, r, b, j, e]
+    quads = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, nb, 4 * GROUP_ROWS * 4)
+    scale = _halves_as_bytes(blocks.scale, groups, nb)
+    minimum = _halves_as_bytes(blocks.minimum, groups, nb)
+    return torch.cat([quads, scale, minimum], dim=-1).contiguous()
+
+
+def pack_q8(blocks: Int8Blocks) -> torch.Tensor:
+    """uint8 [out / 16, in / 32, 544] records (see qmatmul.cpp) of 8-bit weights, stored as w + 128."""
+    out_features, in_features = blocks.q.shape
+    groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
+    q = (blocks.q.to(torch.int16) + 128).to(torch.uint8).reshape(groups, GROUP_ROWS, nb, 8, 4)
+    quads = q.permute(0, 2, 3, 1, 4).reshape(groups, nb, 8 * GROUP_ROWS * 4)
+    return torch.cat([quads, _halves_as_bytes(blocks.scale, groups, nb)], dim=-1).contiguous()
+
+
+def unpack_q8_rows(records: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight rows `rows` (int64 [n]) of Q8 records, as `dtype` (an embedding lookup)."""
+    _, nb, _ = records.shape
+    picked = records[rows // GROUP_ROWS]  # [n, nb, 544]
+    lane = (rows % GROUP_ROWS).view(-1, 1, 1, 1, 1)
+    quads = picked[..., : 8 * GROUP_ROWS * 4].reshape(-1, nb, 8, GROUP_ROWS, 4)
+    q = quads.gather(3, lane.expand(-1, nb, 8, 1, 4)).reshape(-1, nb, GROUP_SIZE)
+    scales = picked[..., 8 * GROUP_ROWS * 4 :].reshape(-1, nb, GROUP_ROWS, 2)
+    d = scales.gather(2, lane.view(-1, 1, 1, 1).expand(-1, nb, 1, 2)).reshape(-1, nb, 2).contiguous()
+    d = d.view(torch.float16).float()  # [n, nb, 1]
+    return ((q.to(torch.int16) - 128).float() * d).reshape(len(rows), -1).to(dtype)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer on packed GGUF records (4- or 8-bit) through the native integer kernel.
+
+    For batches of more than `max_rows` tokens it uses its dense weight instead; with
+    `max_rows=None` every batch takes the integer path and no dense copy is kept.
+    """
+
+    #: kvbank's native module; set by the model when it packs (there is no path without it)
+    native = None
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, records: torch.Tensor, bits: int, max_rows: int | None
+    ) -> None:
+        super().__init__()
+        self.weight = None if max_rows is None else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.max_rows = max_rows
+        self.bits = bits
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("records", records)
+
+    def integer_path(self, rows: int) -> bool:
+        return self.max_rows is None or rows <= self.max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.integer_path(x.shape[0]):
+            return F.linear(x, self.weight, self.bias)
+        out = self.native.qlinear(x, self.records, self.bits)
+        return out if self.bias is None else out + self.bias
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table read from Q8 records, the same bytes the LM head multiplies with.
+
+    A row comes out exactly as the dense table (dequantized in float32, then cast) would give it.
+    """
+
+    def __init__(self, records: torch.Tensor, num_embeddings: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", records)
+        self.num_embeddings = num_embeddings
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return unpack_q8_rows(self.weight, ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
+
+
+class QuantHead(nn.Module):
+    """The LM head on Q8 records: float32 logits of the final norm's output, in one native call."""
+
+    native = None
+
+    def __init__(self, records: torch.Tensor, out_features: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", records)
+        self.out_features = out_features
+
+    def logits(self, hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.native.qhead(hidden, norm_weight, eps, self.weight, 8)

@@ -1,0 +1,153 @@
+"""Integer GGUF matmuls (kvbank/kernels/qmatmul.cpp): exact against a float64 reference of the same
+quantized operands, bit-identical across instruction sets and batch sizes, and the fused layer
+calls equal to the same steps done one by one."""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvbank import kernels
+from kvbank.models.packed import Int4Blocks, Int8Blocks
+from kvbank.models.qweights import pack_q4, pack_q8, unpack_q8_rows
+
+native = kernels.native()
+if native is None and os.environ.get("CI"):
+    raise RuntimeError(f"CI must build the native kernels: {kernels.failure()}")
+pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels unavailable: {kernels.failure()}")
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+def _isas() -> list[str]:
+    best = native.qmatmul_isa() if native else "scalar"
+    return ISAS[: ISAS.index(best) + 1]
+
+
+def _weights(type_name: str, rows: int, cols: int, seed: int):
+    """(records, kind, dense float64 [rows, cols]) of random weights quantized by gguf-py."""
+    kind = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32), kind)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, kind)).double()
+    if type_name == "Q8_0":
+        return pack_q8(Int8Blocks.from_gguf(raw, rows)), 8, dense
+    return pack_q4(Int4Blocks.from_gguf(raw, type_name, rows)), 4, dense
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: 8-bit blocks of 32, scale amax / 127, rounded to nearest even."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(scale != 0, 1 / scale, torch.zeros_like(scale)))
+    assert q.abs().max() <= 127
+    return (q.double() * scale.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_every_instruction_set_gives_the_exact_product_of_the_quantized_operands(type_name):
+    records, kind, dense = _weights(type_name, 48, 224, seed=1)
+    x = torch.randn(7, 224) * torch.logspace(-3, 2, 7)[:, None]  # rows of very different scales
+    reference = _quantized(x) @ dense.T
+    results = {isa: native.qlinear(x, records, kind, True, isa) for isa in _isas()}
+    for isa, out in results.items():
+        # Integer dot products are exact; only the float32 sum over 7 blocks rounds.
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        assert torch.equal(out, results["scalar"]), isa
+
+
+def test_the_8_bit_rounding_stays_close_to_the_float_product():
+    records, kind, dense = _weights("Q4_1", 64, 576, seed=2)
+    x = torch.randn(4, 576)
+    exact = x.double() @ dense.T
+    rel = (native.qlinear(x, records, kind, True).double() - exact).norm() / exact.norm()
+    assert 1e-4 < rel < 0.01  # the activations really are rounded, by about what 8 bits cost
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_a_row_gets_the_same_result_in_any_batch(type_name):
+    records, kind, _ = _weights(type_name, 64, 128, seed=3)
+    rows = torch.randn(40, 128, dtype=torch.bfloat16)
+    alone = native.qlinear(rows[:1], records, kind)
+    for count in (2, 3, 4, 5, 8, 16, 17, 32, 40):
+        assert torch.equal(native.qlinear(rows[:count], records, kind)[:1], alone), count
+        assert torch.equal(native.qlinear(rows[:count].flip(0), records, kind)[-1:], alone), count
+
+
+def test_bfloat16_output_is_the_float32_result_rounded_once():
+    records, kind, _ = _weights("Q4_0", 32, 96, seed=4)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    assert torch.equal(native.qlinear(x, records, kind), native.qlinear(x, records, kind, True).bfloat16())
+
+
+def test_embedding_rows_come_out_of_the_head_records_exactly():
+    records, _, dense = _weights("Q8_0", 64, 96, seed=5)
+    ids = torch.tensor([0, 15, 16, 17, 63, 5])
+    assert torch.equal(unpack_q8_rows(records, ids, torch.float32).double(), dense[ids])
+
+
+def test_bad_shapes_and_kinds_are_refused_with_the_numbers():
+    records, kind, _ = _weights("Q4_1", 32, 64, seed=6)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\]"):
+        native.qlinear(torch.randn(2, 96), records, kind)
+    with pytest.raises(RuntimeError, match="kind must be 4"):
+        native.qlinear(torch.randn(2, 64), records, 5)
+    with pytest.raises(RuntimeError, match="packed weights must be contiguous uint8"):
+        native.qlinear(torch.randn(2, 64), records, 8)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        native.qlinear(torch.randn(2, 64), records, kind, True, "neon")
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x.float(), w.shape, w.float(), 1e-5)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # The norm's and SiLU's float32 arithmetic may round an ulp apart from torch's, which can move
+    # an 8-bit activation by one step: equal up to that.
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=0, atol=0.02 * expected.abs().max().item())
+
+
+def test_fused_layer_calls_equal_their_steps_one_by_one():
+    hidden, inter, heads, dim = 64, 96, 2, 16
+    qkv, k4, _ = _weights("Q4_1", 3 * hidden // 2 + hidden // 2, hidden, seed=7)  # q 64 + k 32 + v 32 rows
+    o, _, _ = _weights("Q4_0", hidden, hidden, seed=8)
+    gate_up, _, _ = _weights("Q4_1", 2 * inter, hidden, seed=9)
+    down, _, _ = _weights("Q4_1", hidden, inter, seed=10)
+    rows = 5
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    residual = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    norm1, norm2 = (torch.rand(hidden, dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    angles = torch.rand(rows, dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).bfloat16()
+
+    res = residual.clone()
+    fused_qkv = native.qlayer_attn_in(x, res, norm1, 1e-5, qkv, k4, cos, sin, heads + 2)
+    expected_res = (x.float() + residual.float()).bfloat16()
+    assert torch.equal(res, expected_res)
+    step = native.qlinear(_rms(expected_res, norm1), qkv, k4, True).bfloat16()
+    native.rope_(step, cos, sin, heads + 2)
+    _close(fused_qkv, step)
+
+    attn = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    res2 = res.clone()
+    fused_out = native.qlayer_mlp(attn, res2, o, 4, norm2, 1e-5, gate_up, 4, down, 4)
+    projected = native.qlinear(attn, o, 4)
+    after = (projected.float() + res.float()).bfloat16()
+    assert torch.equal(res2, after)
+    g, u = native.qlinear(_rms(after, norm2), gate_up, 4, True).bfloat16().chunk(2, dim=-1)
+    h = F.silu(g) * u
+    _close(fused_out, native.qlinear(h.float(), down, 4, True).bfloat16())
+
+
+def test_the_head_is_the_final_norm_then_the_8_bit_matmul():
+    head, _, _ = _weights("Q8_0", 80, 64, seed=11)
+    hidden = torch.randn(3, 64, dtype=torch.bfloat16)
+    norm = torch.rand(64, dtype=torch.bfloat16) + 0.5
+    logits = native.qhead(hidden, norm, 1e-5, head, 8)
+    assert logits.dtype == torch.float32
+    # The norm's float32 sum runs in another order than torch's: an 8-bit rounding may differ.
+    expected = native.qlinear(_rms(hidden, norm), head, 8, True)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0.01 * expected.abs().max().item())
