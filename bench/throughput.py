@@ -1,13 +1,20 @@
-"""Decode and prefill throughput of kvbank against Hugging Face transformers, in one process.
+"""Decode and prefill throughput of kvbank against Hugging Face transformers and llama.cpp.
 
-Both run the same GGUF (the bundled SmolLM2-135M-Instruct unless --model), in the same dtype,
-with the same threads. Decode: B prompts of 16 tokens, each generating --new-tokens tokens
+All run the same GGUF (the bundled SmolLM2-135M-Instruct unless --model), with the same threads;
+kvbank and transformers in one process and the same dtype, llama.cpp (with --llama-bench PATH)
+as its own tools: `llama-bench` for batch 1 and prefill, `llama-batched-bench` (found beside it)
+for B parallel sequences. Decode: B prompts of 16 tokens, each generating --new-tokens tokens
 (EOS ignored), tok/s = B * new_tokens / wall time. Prefill: one prompt of L tokens, one output
 token, tok/s = L / time to first token (prefix caching is off so nothing is reused).
-Each number is the median of --repeats runs after a warm-up; the two systems' runs alternate.
+Each number is the median of --repeats runs after a warm-up; the systems' runs alternate.
+
+The same run measures the machine's read bandwidth (a 2-thread sum over a buffer of the size the
+model's decode step reads, and over 1 GiB, beyond any cache) and reports, for batch-1 decode,
+bytes read per token x tok/s against it (the roofline: a decode step reads every weight once).
 
     python bench/throughput.py                      # full table, JSON to bench/results/
     python bench/throughput.py --dtypes bfloat16 --batches 1 --no-hf --profile
+    python bench/throughput.py --dtypes bfloat16 --no-hf --llama-bench ~/llama.cpp/build/bin/llama-bench
     python bench/throughput.py --dtypes bfloat16 --no-hf --no-batch-invariant   # the faster mixed kernels
 """
 
@@ -17,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,6 +109,68 @@ class TransformersRunner:
         return length / (time.perf_counter() - start)
 
 
+class LlamaCppRunner:
+    """llama.cpp's own benchmark tools, a fresh process per run (each loads the model cold)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, bench: str, model: str, threads: int) -> None:
+        self.bench = Path(bench).expanduser()
+        self.batched = self.bench.with_name("llama-batched-bench")
+        self.model, self.threads = model, threads
+        if not self.bench.exists():
+            sys.exit(f"throughput: --llama-bench {self.bench} does not exist")
+
+    def _run(self, command: list[str]) -> str:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            sys.exit(f"throughput: {' '.join(command)} failed ({done.returncode}): {done.stderr[-800:]}")
+        return done.stdout
+
+    def _llama_bench(self, prompt: int, gen: int) -> float:
+        out = self._run(
+            [str(self.bench), "-m", self.model, "-t", str(self.threads), "-p", str(prompt), "-n", str(gen)]
+            + ["-r", "1", "-o", "json"]
+        )
+        return float(json.loads(out)[0]["avg_ts"])
+
+    def decode(self, batch: int, new_tokens: int) -> float:
+        if batch == 1:
+            return self._llama_bench(0, new_tokens)
+        if not self.batched.exists():
+            sys.exit(f"throughput: batch {batch} needs {self.batched} beside --llama-bench")
+        context = batch * (PROMPT_LEN + new_tokens) + 64
+        out = self._run(
+            [str(self.batched), "-m", self.model, "-t", str(self.threads), "-c", str(context), "-b", "2048"]
+            + ["-ub", "512", "-npp", str(PROMPT_LEN), "-ntg", str(new_tokens), "-npl", str(batch)]
+            + ["--output-format", "jsonl"]
+        )
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return float(rows[-1]["speed_tg"])
+
+    def prefill(self, length: int) -> float:
+        return self._llama_bench(length, 0)
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """GB/s of a float32 sum over `nbytes` on this process's threads (the best of `repeats`)."""
+    buffer = torch.ones(nbytes // 4)
+    buffer.sum()
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def decode_bytes_per_token(llm: LLM) -> int:
+    """What one batch-1 decode step reads: every weight the layers and the LM head multiply with."""
+    parts = llm.engine.memory
+    head = 0 if parts.tied_embeddings else parts.lm_head
+    return parts.packed_weights + parts.dense_weights + parts.embeddings + head
+
+
 def measure(runners: list, args) -> dict[str, dict[str, float]]:
     """Every metric for every system; runs of the systems alternate so drift hits all alike."""
     jobs = [(f"decode_b{b}", lambda r, b=b: r.decode(b, args.new_tokens)) for b in args.batches]
@@ -142,6 +212,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     parser.add_argument(
+        "--llama-bench",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-bench binary (llama-batched-bench beside it serves batches > 1): adds llama.cpp",
+    )
+    parser.add_argument(
         "--no-batch-invariant",
         dest="batch_invariant",
         action="store_false",
@@ -166,7 +242,11 @@ def main() -> None:
         runners = [KvbankRunner(model, dtype, args.batch_invariant)] + (
             [] if args.no_hf else [TransformersRunner(model, dtype)]
         )
+        if args.llama_bench:
+            runners.append(LlamaCppRunner(args.llama_bench, model, torch.get_num_threads()))
+        step_bytes = decode_bytes_per_token(runners[0].llm)
         report["results"][dtype] = measure(runners, args)
+        report.setdefault("roofline", {})[dtype] = roofline(report["results"][dtype], step_bytes, model)
         if args.profile:
             for batch in args.batches:
                 print(f"kvbank {dtype} decode batch {batch} profile:\n{profile_decode(runners[0], batch, 32)}")
@@ -177,15 +257,43 @@ def main() -> None:
     print(f"wrote {args.json}")
 
 
+def roofline(results: dict, kvbank_bytes: int, model: str) -> dict:
+    """Batch-1 decode bytes/token x tok/s against the read bandwidth measured now."""
+    from gguf import GGUFReader
+
+    peer_bytes = sum(int(t.n_bytes) for t in GGUFReader(model).tensors)  # llama.cpp reads the file's tensors
+    bandwidth = {"step_size": read_bandwidth(kvbank_bytes), "1GiB": read_bandwidth(1 << 30)}
+    out = {"read_bandwidth_gbps": bandwidth, "systems": {}}
+    print(
+        f"\nread bandwidth: {bandwidth['step_size']:.1f} GB/s over {kvbank_bytes / 1e6:.1f} MB (one step's weights), "
+        f"{bandwidth['1GiB']:.1f} GB/s over 1 GiB"
+    )
+    for name, per_bytes in (("kvbank", kvbank_bytes), ("llama.cpp", peer_bytes)):
+        tok_s = results.get(name, {}).get("decode_b1")
+        if tok_s is None:
+            continue
+        gbps = per_bytes * tok_s / 1e9
+        out["systems"][name] = {"bytes_per_token": per_bytes, "gbps": gbps}
+        print(
+            f"  {name:10s} {per_bytes / 1e6:6.1f} MB/token x {tok_s:6.1f} tok/s = {gbps:5.1f} GB/s: "
+            f"{gbps / bandwidth['step_size']:4.0%} of the step-size bandwidth, "
+            f"{gbps / bandwidth['1GiB']:4.0%} of 1 GiB's"
+        )
+    return out
+
+
 def print_table(results: dict, batches: list[int]) -> None:
-    print(f"\n{'dtype':9s} {'metric':14s} {'kvbank':>10s} {'transformers':>13s} {'ratio':>7s}")
+    peers = [p for p in ("transformers", "llama.cpp") if any(p in r for r in results.values())]
+    header = "".join(f" {p:>13s} {'ratio':>7s}" for p in peers)
+    print(f"\n{'dtype':9s} {'metric':14s} {'kvbank':>10s}{header}")
     for dtype, by_system in results.items():
-        ours, theirs = by_system["kvbank"], by_system.get("transformers", {})
+        ours = by_system["kvbank"]
         for metric, value in ours.items():
-            ref = theirs.get(metric)
-            ratio = f"{value / ref:6.2f}x" if ref else "      -"
-            ref_text = f"{ref:13.1f}" if ref else f"{'-':>13s}"
-            print(f"{dtype:9s} {metric:14s} {value:10.1f} {ref_text} {ratio}")
+            cells = ""
+            for peer in peers:
+                ref = by_system.get(peer, {}).get(metric)
+                cells += f" {ref:13.1f} {value / ref:6.2f}x" if ref else f" {'-':>13s} {'-':>7s}"
+            print(f"{dtype:9s} {metric:14s} {value:10.1f}{cells}")
         if f"decode_b{batches[0]}" in ours and batches[0] == 1:
             for batch in batches[1:]:
                 print(

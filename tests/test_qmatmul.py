@@ -85,6 +85,10 @@ def test_embedding_rows_come_out_of_the_head_records_exactly():
     records, _, dense = _weights("Q8_0", 64, 96, seed=5)
     ids = torch.tensor([0, 15, 16, 17, 63, 5])
     assert torch.equal(unpack_q8_rows(records, ids, torch.float32).double(), dense[ids])
+    assert torch.equal(native.q8_rows(records, ids, torch.float32).double(), dense[ids])
+    assert torch.equal(native.q8_rows(records, ids, torch.bfloat16), dense[ids].float().bfloat16())
+    with pytest.raises(RuntimeError, match="token id 64 is outside the table's 64 rows"):
+        native.q8_rows(records, torch.tensor([64]), torch.float32)
 
 
 def test_bad_shapes_and_kinds_are_refused_with_the_numbers():

@@ -29,6 +29,8 @@ constexpr int64_t GROUP_ROWS = 16;
 constexpr int64_t Q4_RECORD = 320;
 constexpr int64_t Q8_RECORD = 544;
 constexpr int64_t ROW_TILE = 4;
+// Above this many rows the decoder stack splits normalization and quantization among its threads.
+constexpr int64_t SPLIT_ROWS = 8;
 #ifndef KVBANK_PREFETCH
 #define KVBANK_PREFETCH 2048
 #endif
@@ -728,26 +730,52 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                     block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group, head_dim_,
                     block_size, block_tables.size(1), scale, partition);
 
+  // A few rows: every thread quantizes all of them for itself (no barrier); more: each its share,
+  // then a barrier. The values are the same either way.
+  const bool split_rows = rows > SPLIT_ROWS;
+  QuantRows shared_hidden, shared_attn, shared_inter;
+  if (split_rows) {
+    shared_hidden.resize(rows, hidden);
+    shared_attn.resize(rows, q_size);
+    shared_inter.resize(rows, inter);
+  }
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     const auto [row_begin, row_end] = share(rows, tid, nt);
-    QuantRows a;
-    std::vector<float> normed(std::max(hidden, inter));
-    // RMSNorm of h (+ residual, rounded as an add of two bfloat16 tensors), quantized: every row.
-    auto norm_rows = [&](const T* add, const T* weight) {
-      a.resize(rows, hidden);
-      for (int64_t r = 0; r < rows; ++r) {
-        float squares = 0.0f;
-        for (int64_t d = 0; d < hidden; ++d) {
-          const float v = add ? round_as<T>(widen(h[r * hidden + d]) + widen(add[r * hidden + d])) : widen(h[r * hidden + d]);
-          normed[d] = v;
-          squares += v * v;
+    QuantRows local_hidden, local_attn, local_inter;
+    if (!split_rows) {
+      local_hidden.resize(rows, hidden);
+      local_attn.resize(rows, q_size);
+      local_inter.resize(rows, inter);
+    }
+    std::vector<float> values(std::max({hidden, inter, q_size}));
+    // `fill(r)` leaves row r's float values in `values`; returns the quantized rows to multiply.
+    auto quantize = [&](QuantRows& shared, QuantRows& local, auto&& fill) -> const QuantRows& {
+      if (!split_rows) {
+        for (int64_t r = 0; r < rows; ++r) {
+          fill(r);
+          local.quantize_row(r, values.data());
         }
-        const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps_));
-        for (int64_t d = 0; d < hidden; ++d) normed[d] = normed[d] * inv * widen(weight[d]);
-        a.quantize_row(r, normed.data());
+        return local;
       }
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        fill(r);
+        shared.quantize_row(r, values.data());
+      }
+#pragma omp barrier
+      return shared;
+    };
+    // RMSNorm of h (+ residual, rounded as an add of two bfloat16 tensors) of row r.
+    auto norm_row = [&](int64_t r, const T* add, const T* weight) {
+      float squares = 0.0f;
+      for (int64_t d = 0; d < hidden; ++d) {
+        const float v = add ? round_as<T>(widen(h[r * hidden + d]) + widen(add[r * hidden + d])) : widen(h[r * hidden + d]);
+        values[d] = v;
+        squares += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps_));
+      for (int64_t d = 0; d < hidden; ++d) values[d] = values[d] * inv * widen(weight[d]);
     };
     for (int64_t l = 0; l < layers; ++l) {
       const PackedWeight &wqkv = w[4 * l], &wo = w[4 * l + 1], &wgu = w[4 * l + 2], &wdown = w[4 * l + 3];
@@ -756,11 +784,13 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       T* kc = k_caches[l].data_ptr<T>();
       T* vc = v_caches[l].data_ptr<T>();
       const int64_t width = wqkv.out_features;
-      // residual += h (h alone in the first layer), normed, q/k/v.
-      norm_rows(l ? residual.data() : nullptr, norm1);
+      // residual += h (h alone in the first layer), normed, q/k/v. The row's owner stores the
+      // residual once every thread has read it.
+      const T* previous = l ? residual.data() : nullptr;
+      const QuantRows& a1 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, previous, norm1); });
       {
         const auto [g0, g1] = share(wqkv.groups, tid, nt);
-        qmatmul_groups(wqkv.q8, isa, wqkv.data, g0, g1, a, acc.data(), width);
+        qmatmul_groups(wqkv.q8, isa, wqkv.data, g0, g1, a1, acc.data(), width);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
@@ -789,22 +819,20 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
 #pragma omp barrier
       // The output projection, added to the residual; normed; gate/up.
-      a.resize(rows, q_size);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t d = 0; d < q_size; ++d) normed[d] = widen(attn[r * q_size + d]);
-        a.quantize_row(r, normed.data());
-      }
+      const QuantRows& a2 = quantize(shared_attn, local_attn, [&](int64_t r) {
+        for (int64_t d = 0; d < q_size; ++d) values[d] = widen(attn[r * q_size + d]);
+      });
       {
         const auto [g0, g1] = share(wo.groups, tid, nt);
-        qmatmul_groups(wo.q8, isa, wo.data, g0, g1, a, acc.data(), hidden);
+        qmatmul_groups(wo.q8, isa, wo.data, g0, g1, a2, acc.data(), hidden);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) store_rows(acc.data() + r * hidden, h.data() + r * hidden, hidden);
 #pragma omp barrier
-      norm_rows(residual.data(), norm2);
+      const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, residual.data(), norm2); });
       {
         const auto [g0, g1] = share(wgu.groups, tid, nt);
-        qmatmul_groups(wgu.q8, isa, wgu.data, g0, g1, a, acc.data(), wgu.out_features);
+        qmatmul_groups(wgu.q8, isa, wgu.data, g0, g1, a3, acc.data(), wgu.out_features);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
@@ -813,16 +841,16 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
           residual[i] = narrow_to(widen(h[i]) + widen(residual[i]), static_cast<T*>(nullptr));
         }
       }
-      a.resize(rows, inter);
-      for (int64_t r = 0; r < rows; ++r) {
+      const QuantRows& a4 = quantize(shared_inter, local_inter, [&](int64_t r) {
         const float* g = acc.data() + r * wgu.out_features;
-        silu_mul_row<T>(g, g + inter, normed.data(), inter);
-        a.quantize_row(r, normed.data());
-      }
+        silu_mul_row<T>(g, g + inter, values.data(), inter);
+      });
+      if (!split_rows) {
 #pragma omp barrier
+      }
       {
         const auto [g0, g1] = share(wdown.groups, tid, nt);
-        qmatmul_groups(wdown.q8, isa, wdown.data, g0, g1, a, acc.data(), hidden);
+        qmatmul_groups(wdown.q8, isa, wdown.data, g0, g1, a4, acc.data(), hidden);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) store_rows(acc.data() + r * hidden, h.data() + r * hidden, hidden);
