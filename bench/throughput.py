@@ -110,7 +110,13 @@ class TransformersRunner:
 
 
 class LlamaCppRunner:
-    """llama.cpp's own benchmark tools, a fresh process per run (each loads the model cold)."""
+    """llama.cpp's own benchmark tools, a fresh process per run (each loads the model cold).
+
+    Each metric runs with llama.cpp's weight repacking (its default; on CPUs with AMX it puts the
+    weights in the AMX buffer type, whose batch-1 kernels are its fastest) and falls back to
+    `--repack 0` where that crashes (AMX tiles the machine does not enable, SIGILL): the best
+    configuration that runs, recorded per metric in `configs`.
+    """
 
     name = "llama.cpp"
 
@@ -118,38 +124,39 @@ class LlamaCppRunner:
         self.bench = Path(bench).expanduser()
         self.batched = self.bench.with_name("llama-batched-bench")
         self.model, self.threads = model, threads
+        self.configs: dict[str, str] = {}
         if not self.bench.exists():
             sys.exit(f"throughput: --llama-bench {self.bench} does not exist")
 
-    def _run(self, command: list[str]) -> str:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            sys.exit(f"throughput: {' '.join(command)} failed ({done.returncode}): {done.stderr[-800:]}")
-        return done.stdout
+    def _run(self, metric: str, command: list[str], no_repack: list[str]) -> str:
+        for extra in ([] if self.configs.get(metric) == "no repack" else [[]]) + [no_repack]:
+            done = subprocess.run(command + extra, capture_output=True, text=True, timeout=900)
+            if done.returncode == 0:
+                self.configs[metric] = "no repack" if extra else "repack"
+                return done.stdout
+            failure = f"{' '.join(command + extra)} failed ({done.returncode}): {done.stderr[-800:]}"
+            print(f"  llama.cpp: {failure[:300]}", flush=True)
+        sys.exit(f"throughput: {failure}")
 
-    def _llama_bench(self, prompt: int, gen: int) -> float:
-        out = self._run(
-            [str(self.bench), "-m", self.model, "-t", str(self.threads), "-p", str(prompt), "-n", str(gen)]
-            + ["-r", "1", "-o", "json"]
-        )
+    def _llama_bench(self, metric: str, prompt: int, gen: int) -> float:
+        command = [str(self.bench), "-m", self.model, "-t", str(self.threads), "-p", str(prompt), "-n", str(gen)]
+        out = self._run(metric, command + ["-r", "1", "-o", "json"], ["--repack", "0"])
         return float(json.loads(out)[0]["avg_ts"])
 
     def decode(self, batch: int, new_tokens: int) -> float:
         if batch == 1:
-            return self._llama_bench(0, new_tokens)
+            return self._llama_bench("decode_b1", 0, new_tokens)
         if not self.batched.exists():
             sys.exit(f"throughput: batch {batch} needs {self.batched} beside --llama-bench")
         context = batch * (PROMPT_LEN + new_tokens) + 64
-        out = self._run(
-            [str(self.batched), "-m", self.model, "-t", str(self.threads), "-c", str(context), "-b", "2048"]
-            + ["-ub", "512", "-npp", str(PROMPT_LEN), "-ntg", str(new_tokens), "-npl", str(batch)]
-            + ["--output-format", "jsonl"]
-        )
+        command = [str(self.batched), "-m", self.model, "-t", str(self.threads), "-c", str(context), "-b", "2048"]
+        command += ["-ub", "512", "-npp", str(PROMPT_LEN), "-ntg", str(new_tokens), "-npl", str(batch)]
+        out = self._run(f"decode_b{batch}", command + ["--output-format", "jsonl"], ["--no-repack"])
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         return float(rows[-1]["speed_tg"])
 
     def prefill(self, length: int) -> float:
-        return self._llama_bench(length, 0)
+        return self._llama_bench(f"prefill_{length}", length, 0)
 
 
 def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -246,6 +253,10 @@ def main() -> None:
             runners.append(LlamaCppRunner(args.llama_bench, model, torch.get_num_threads()))
         step_bytes = decode_bytes_per_token(runners[0].llm)
         report["results"][dtype] = measure(runners, args)
+        for runner in runners:
+            if isinstance(runner, LlamaCppRunner):
+                report.setdefault("llama_cpp_configs", {})[dtype] = runner.configs
+                print(f"llama.cpp configurations: {runner.configs}")
         report.setdefault("roofline", {})[dtype] = roofline(report["results"][dtype], step_bytes, model)
         if args.profile:
             for batch in args.batches:

@@ -28,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("down_kind"), py::arg("isa") = "auto",
         "A decoder layer after attention: the output projection added to the residual (in place), RMSNorm, gate/up, "
         "silu(gate) * up and the down projection, returned");
+  m.def("q8_rows", &q8_rows, py::arg("records"), py::arg("ids"), py::arg("dtype"),
+        "Rows of a table of Q8 records (an embedding lookup), dequantized and cast to dtype");
   m.def("qhead", &qhead, py::arg("hidden"), py::arg("norm_w"), py::arg("eps"), py::arg("head_w"), py::arg("kind"),
         py::arg("isa") = "auto", "Float32 logits: the final RMSNorm of hidden and the packed LM head");
   py::class_<QuantStack>(m, "QuantStack")

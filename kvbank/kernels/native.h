@@ -61,6 +61,7 @@ torch::Tensor qlayer_attn_in(torch::Tensor x, std::optional<torch::Tensor> resid
 torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, torch::Tensor o_w, int64_t o_kind,
                          torch::Tensor norm_w, double eps, torch::Tensor gate_up_w, int64_t gate_up_kind,
                          torch::Tensor down_w, int64_t down_kind, std::string isa);
+torch::Tensor q8_rows(torch::Tensor records, torch::Tensor ids, torch::ScalarType dtype);
 torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torch::Tensor head_w, int64_t kind,
                     std::string isa);
 

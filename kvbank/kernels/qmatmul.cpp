@@ -32,7 +32,7 @@ constexpr int64_t ROW_TILE = 4;
 // Above this many rows the decoder stack splits normalization and quantization among its threads.
 constexpr int64_t SPLIT_ROWS = 8;
 #ifndef KVBANK_PREFETCH
-#define KVBANK_PREFETCH 2048
+#define KVBANK_PREFETCH 12288
 #endif
 // Weights stream from memory once per step: ask for them this far ahead of the records in use.
 constexpr int64_t PREFETCH_BYTES = KVBANK_PREFETCH;
@@ -213,6 +213,9 @@ void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
 }
 
 #ifdef KVBANK_X86
+// 4 activation bytes broadcast to every lane, straight from memory (a load, no shuffle).
+KVBANK_VNNI inline __m512i quad(const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+
 template <int R>
 KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
   __m512 acc[R];
@@ -233,17 +236,30 @@ KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
     const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
     for (int i = 0; i < R; ++i) {
       const int8_t* qa = rows[i] + b * QK;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      s0 = _mm512_dpbusd_epi32(s0, lo[0], _mm512_set1_epi32(load_i32(qa + 0)));
-      s1 = _mm512_dpbusd_epi32(s1, lo[1], _mm512_set1_epi32(load_i32(qa + 4)));
-      s0 = _mm512_dpbusd_epi32(s0, lo[2], _mm512_set1_epi32(load_i32(qa + 8)));
-      s1 = _mm512_dpbusd_epi32(s1, lo[3], _mm512_set1_epi32(load_i32(qa + 12)));
-      s0 = _mm512_dpbusd_epi32(s0, hi[0], _mm512_set1_epi32(load_i32(qa + 16)));
-      s1 = _mm512_dpbusd_epi32(s1, hi[1], _mm512_set1_epi32(load_i32(qa + 20)));
-      s0 = _mm512_dpbusd_epi32(s0, hi[2], _mm512_set1_epi32(load_i32(qa + 24)));
-      s1 = _mm512_dpbusd_epi32(s1, hi[3], _mm512_set1_epi32(load_i32(qa + 28)));
+      __m512i sum;
+      if constexpr (R >= 4) {  // the rows are independent chains already
+        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], quad(qa + 0));
+        sum = _mm512_dpbusd_epi32(sum, lo[1], quad(qa + 4));
+        sum = _mm512_dpbusd_epi32(sum, lo[2], quad(qa + 8));
+        sum = _mm512_dpbusd_epi32(sum, lo[3], quad(qa + 12));
+        sum = _mm512_dpbusd_epi32(sum, hi[0], quad(qa + 16));
+        sum = _mm512_dpbusd_epi32(sum, hi[1], quad(qa + 20));
+        sum = _mm512_dpbusd_epi32(sum, hi[2], quad(qa + 24));
+        sum = _mm512_dpbusd_epi32(sum, hi[3], quad(qa + 28));
+      } else {
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        s0 = _mm512_dpbusd_epi32(s0, lo[0], quad(qa + 0));
+        s1 = _mm512_dpbusd_epi32(s1, lo[1], quad(qa + 4));
+        s0 = _mm512_dpbusd_epi32(s0, lo[2], quad(qa + 8));
+        s1 = _mm512_dpbusd_epi32(s1, lo[3], quad(qa + 12));
+        s0 = _mm512_dpbusd_epi32(s0, hi[0], quad(qa + 16));
+        s1 = _mm512_dpbusd_epi32(s1, hi[1], quad(qa + 20));
+        s0 = _mm512_dpbusd_epi32(s0, hi[2], quad(qa + 24));
+        s1 = _mm512_dpbusd_epi32(s1, hi[3], quad(qa + 28));
+        sum = _mm512_add_epi32(s0, s1);
+      }
       const int64_t ab = (r0 + i) * a.blocks + b;
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      const __m512 dot = _mm512_cvtepi32_ps(sum);
       acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
       acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc[i]);
     }
@@ -267,8 +283,8 @@ KVBANK_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
       const int8_t* qa = rows[i] + b * QK;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int c = 0; c < 8; c += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, wv[c], _mm512_set1_epi32(load_i32(qa + 4 * c)));
-        s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], _mm512_set1_epi32(load_i32(qa + 4 * c + 4)));
+        s0 = _mm512_dpbusd_epi32(s0, wv[c], quad(qa + 4 * c));
+        s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], quad(qa + 4 * c + 4));
       }
       const int64_t ab = (r0 + i) * a.blocks + b;
       const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.sum[ab]));
@@ -611,6 +627,40 @@ torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, torch::Tens
   if (residual.scalar_type() == torch::kBFloat16)
     return mlp_impl<c10::BFloat16>(attn, residual, o, norm_w, eps, gate_up, down, isa);
   return mlp_impl<float>(attn, residual, o, norm_w, eps, gate_up, down, isa);
+}
+
+// Rows `ids` of a Q8 record table (an embedding lookup), dequantized in float32 and rounded to
+// `dtype` once: what the dense table, built the same way, would give.
+torch::Tensor q8_rows(torch::Tensor records, torch::Tensor ids, torch::ScalarType dtype) {
+  const PackedWeight table = check_weight(records, 8);
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids must be int64 [n]");
+  TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat, "rows come as bfloat16 or float32, not ", dtype);
+  auto index = ids.contiguous();
+  const int64_t n = index.size(0), cols = table.in_features;
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < table.out_features, "token id ", id[i], " is outside the table's ", table.out_features, " rows");
+  }
+  auto out = torch::empty({n, cols}, torch::TensorOptions().dtype(dtype));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t group = id[i] / GROUP_ROWS, lane = id[i] % GROUP_ROWS;
+    const uint8_t* base = table.data + group * table.blocks * Q8_RECORD;
+    for (int64_t b = 0; b < table.blocks; ++b) {
+      const uint8_t* rec = base + b * Q8_RECORD;
+      uint16_t dh;
+      std::memcpy(&dh, rec + 512 + 2 * lane, 2);
+      const float d = half_to_float(dh);
+      for (int64_t k = 0; k < QK; ++k) {
+        const float v = static_cast<float>(static_cast<int32_t>(rec[(k / 4) * 64 + lane * 4 + k % 4]) - 128) * d;
+        if (dtype == torch::kBFloat16) {
+          out.data_ptr<c10::BFloat16>()[i * cols + b * QK + k] = narrow_to(v, static_cast<c10::BFloat16*>(nullptr));
+        } else {
+          out.data_ptr<float>()[i * cols + b * QK + k] = v;
+        }
+      }
+    }
+  }
+  return out;
 }
 
 torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torch::Tensor head_w, int64_t kind,

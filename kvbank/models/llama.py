@@ -398,6 +398,7 @@ class LlamaForCausalLM(nn.Module):
         if table is not None and packable(*table.q.shape):
             records = pack_q8(table)
             self.embed_tokens = QuantEmbedding(records, c.vocab_size, dtype)
+            self.embed_tokens.native = native
             if c.tie_word_embeddings:
                 self.lm_head = QuantHead(records, c.vocab_size)
                 self.lm_head.native = native

@@ -104,6 +104,8 @@ class QuantEmbedding(nn.Module):
     A row comes out exactly as the dense table (dequantized in float32, then cast) would give it.
     """
 
+    native = None
+
     def __init__(self, records: torch.Tensor, num_embeddings: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.register_buffer("weight", records)
@@ -111,7 +113,12 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return unpack_q8_rows(self.weight, ids.reshape(-1), self.dtype).reshape(*ids.shape, -1)
+        flat = ids.reshape(-1)
+        if self.native is not None and flat.device.type == "cpu":
+            rows = self.native.q8_rows(self.weight, flat, self.dtype)
+        else:
+            rows = unpack_q8_rows(self.weight, flat, self.dtype)
+        return rows.reshape(*ids.shape, -1)
 
 
 class QuantHead(nn.Module):
