@@ -53,6 +53,8 @@ class KvbankRunner:
         )
         self.vocab = self.llm.engine.model_config.vocab_size
         self.calls = 0
+        #: per decode metric, tok/s counting only the generation after the first token
+        self.generation_only: dict[str, list[float]] = {}
 
     def decode(self, batch: int, new_tokens: int) -> float:
         self.calls += 1
@@ -62,6 +64,10 @@ class KvbankRunner:
         outputs = self.llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
+        # As llama-bench's tg counts: the tokens after the first, over the time after the first.
+        first = min(o.metrics.first_token_time for o in outputs)
+        last = max(o.metrics.finished_time for o in outputs)
+        self.generation_only.setdefault(f"decode_b{batch}", []).append(batch * (new_tokens - 1) / (last - first))
         return batch * new_tokens / elapsed
 
     def prefill(self, length: int) -> float:
@@ -253,6 +259,11 @@ def main() -> None:
             runners.append(LlamaCppRunner(args.llama_bench, model, torch.get_num_threads()))
         step_bytes = decode_bytes_per_token(runners[0].llm)
         report["results"][dtype] = measure(runners, args)
+        generation = {m: statistics.median(v[1:]) for m, v in runners[0].generation_only.items()}  # v[0]: warm-up
+        report.setdefault("kvbank_generation_only", {})[dtype] = generation
+        print("kvbank, generation after the first token only (llama-bench's tg):")
+        for metric, value in generation.items():
+            print(f"  {metric:14s} {value:8.1f} tok/s")
         for runner in runners:
             if isinstance(runner, LlamaCppRunner):
                 report.setdefault("llama_cpp_configs", {})[dtype] = runner.configs

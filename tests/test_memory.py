@@ -9,8 +9,8 @@ import pytest
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, memory
-from kvbank.kernels import native
 from kvbank.config import EngineConfig
+from kvbank.kernels import native
 
 # SmolLM2-135M: 49,152 x 576 embedding table tied to the LM head; 30 layers, 3 KV heads of 64 dims.
 EMBEDDING_BYTES = 49152 * 576 * 2
