@@ -424,24 +424,7 @@ void store_rows(const float* src, T* dst, int64_t count) {
 
 // --- fused decode steps ---------------------------------------------------------------------------
 
-// e^x, |x| < 88: the decode kernel's polynomial, 16 lanes at a time.
 #ifdef KVBANK_X86
-KVBANK_AVX512 inline __m512 exp_v(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 KVBANK_AVX512 inline __m512 round_bf16_v(__m512 x) {
   // Round to nearest even at bfloat16 (finite values), as narrow_to does.
   const __m512i bits = _mm512_castps_si512(x);
@@ -455,7 +438,8 @@ KVBANK_AVX512 int64_t silu_mul_bf16_avx512(const float* gate, const float* up, f
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
     const __m512 g = round_bf16_v(_mm512_loadu_ps(gate + k)), u = round_bf16_v(_mm512_loadu_ps(up + k));
-    const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    // e^-g: the decode kernel's polynomial (it clamps below; above 88 it gives inf, and silu 0).
+    const __m512 e = exp_neg_v(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 silu = round_bf16_v(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
     _mm512_storeu_ps(out + k, round_bf16_v(_mm512_mul_ps(silu, u)));
   }
