@@ -119,7 +119,8 @@ def test_quantized_prefill_calls_the_kernel_with_padded_shapes(monkeypatch):
 
     monkeypatch.setattr(quantized.F, "scaled_dot_product_attention", record)
     monkeypatch.setattr(quantized, "DEQUANT_CHUNK_TOKENS", None)  # one range: the concatenating path
-    llm = LLM(kv_cache_dtype="int8", num_gpu_blocks=64, enable_prefix_caching=False)
+    # the reference path's prefill (batch-invariant mode attends every token natively where it can)
+    llm = LLM(kv_cache_dtype="int8", num_gpu_blocks=64, enable_prefix_caching=False, batch_invariant=False)
     for n in range(33, 64, 3):
         llm.generate([list(range(200, 200 + n))], SamplingParams(max_tokens=1))
     prefill = {shape for shape in seen if shape[0] > 3}

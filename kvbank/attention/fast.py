@@ -49,6 +49,17 @@ def native_decode_kernel(
     return module if module is not None and module.has_bf16_fast_path() else None
 
 
+def row_tables(spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device):
+    """Every new token's block table and context length (its slot + 1), for sequences given as
+    (start, end, block_table) in batch order: what the decode kernels need to attend by rows."""
+    tables = [table[: -(-end // block_size)] for _, end, table in spans]
+    width = max(map(len, tables))
+    per_seq = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.tensor([end - start for start, end, _ in spans]))
+    lens = torch.cat([torch.arange(start + 1, end + 1) for start, end, _ in spans])
+    return per_seq.index_select(0, owner).to(device), lens.to(device)
+
+
 @dataclass
 class ScoreJob:
     """Attention of batch rows `rows` (at cache slots `row_slots`) over their sequence's slots

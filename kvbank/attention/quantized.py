@@ -1,7 +1,13 @@
-"""Attention over a quantized pool: blocks are dequantized as attention reads them.
+"""Attention over a quantized pool.
 
-Only blocks in this step's block tables are dequantized, at most DEQUANT_CHUNK_TOKENS of each
-sequence's context at a time, into temporaries that live for one range of one layer; the ranges
+Where the native kernel runs (an x86 CPU with AVX2, bfloat16 or float32 model, head dim 64 or 128;
+kvbank/kernels/quant_decode.cpp), tokens are attended as decodes of their own sequence and the
+codes are read in place through the block table, dequantized in registers: every token in
+batch-invariant mode (prefill included), the decodes otherwise.
+
+The reference path (and the fallback) dequantizes blocks as attention reads them. Only blocks
+in this step's block tables are dequantized, at most DEQUANT_CHUNK_TOKENS of each sequence's
+context at a time, into temporaries that live for one range of one layer; the ranges
 are merged by log-sum-exp (on CPU; elsewhere a sequence's context is read in one go). Layers
 that keep a block's newest tokens in full precision (KIVI) also pass their scratch blocks.
 
@@ -17,7 +23,15 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvbank.attention.fast import KEY_PAD, _flash_with_lse, _pad_rows, padded_length, padded_query_rows
+from kvbank import kernels
+from kvbank.attention.fast import (
+    DECODE_PARTITION,
+    KEY_PAD,
+    _flash_with_lse,
+    _pad_rows,
+    padded_length,
+    padded_query_rows,
+)
 from kvbank.attention.metadata import AttentionMetadata
 
 #: Quantized layers dequantize at most this many tokens of a sequence's context at a time; None
@@ -27,11 +41,40 @@ from kvbank.attention.metadata import AttentionMetadata
 DEQUANT_CHUNK_TOKENS: dict[str, int] | None = {"token": 2048, "kivi": 1024}
 
 
+#: codec name -> the native kernel's format id (quant_decode.cpp)
+NATIVE_FORMATS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4, "int2": 5}
+
+
+def native_quant_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    value_group_size: int | None,
+):
+    """The native module if it attends this model's quantized cache in place, else None."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or num_heads % num_kv_heads:
+        return None
+    if num_heads // num_kv_heads > 8 or head_dim not in (64, 128) or block_size > 64 or DECODE_PARTITION % block_size:
+        return None
+    if value_group_size is not None and value_group_size % 16:
+        return None
+    module = kernels.native()
+    return module if module is not None and module.has_quant_decode() else None
+
+
 class BlockReader(Protocol):
     """A quantized layer as attention sees it."""
 
     heads: int
     block_size: int
+    #: the native module and this layer's format id in it, when the kernel reads the layer in place
+    native: object | None
+    native_format: int | None
+    #: per side (K, V): the stored tensors by name ("codes", "scale", and "min" for int4/int2)
+    sides: list[dict[str, torch.Tensor]]
 
     def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of whole blocks, [batch, blocks * block_size, heads, dim]."""
@@ -53,6 +96,67 @@ class QuantizedView:
     chunk_masks: list[torch.Tensor]
     chunk_rows: list[tuple[int, int]] = field(default_factory=list)
     decode_own_blocks: torch.Tensor | None = None
+    #: when the native kernel attends every token: each token's block table and context length
+    row_tables: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
+    #: for the native kernel, each attended row's scratch block row (int4/int2): every token's
+    #: when row_tables is set, else the decodes'
+    own_rows: torch.Tensor | None = None
+
+
+def native_rows(
+    q: torch.Tensor,
+    layer: BlockReader,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    own_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows of q ([n, heads, dim]) attended as decodes by the native kernel, reading codes in place."""
+    n, heads, dim = q.shape
+    k, v = layer.sides
+    with_scratch = scratch is not None and own_rows is not None
+    out = layer.native.quant_decode_attention(
+        q.reshape(n, layer.heads, heads // layer.heads, dim),
+        layer.native_format,
+        k["codes"],
+        k["scale"],
+        k.get("min"),
+        v["codes"],
+        v["scale"],
+        v.get("min"),
+        tables,
+        lens,
+        scale,
+        DECODE_PARTITION,
+        scratch[0] if with_scratch else None,
+        scratch[1] if with_scratch else None,
+        own_rows if with_scratch else None,
+    )
+    return out.view(n, heads, dim)
+
+
+def attend_quantized(
+    q: torch.Tensor,
+    layer: BlockReader,
+    kind: str,
+    view: QuantizedView,
+    meta: AttentionMetadata,
+    scale: float,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Attention of every new token over a quantized layer: natively where the kernel runs."""
+    if view.row_tables is not None:
+        return native_rows(q, layer, view.row_tables, view.row_lens, scale, scratch, view.own_rows)
+    if layer.native is None or not meta.num_decode_tokens:
+        return quantized_paged_attention(q, layer, kind, view, meta, scale, scratch)
+    n = meta.num_decode_tokens
+    out = quantized_paged_attention(q, layer, kind, view, meta, scale, scratch, decodes=False)
+    out[:n] = native_rows(
+        q[:n], layer, meta.decode_block_tables, meta.decode_context_lens, scale, scratch, view.own_rows
+    )
+    return out
 
 
 def pad_visibility(visible: torch.Tensor) -> torch.Tensor:
@@ -114,11 +218,14 @@ def quantized_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    decodes: bool = True,
 ) -> torch.Tensor:
-    """Attention of every new token (q: [T, heads, dim]) over a quantized layer's blocks.
+    """Attention of every new token (q: [T, heads, dim]) over a quantized layer's blocks: the
+    reference path, which dequantizes blocks in PyTorch.
 
     `kind` picks the range length (DEQUANT_CHUNK_TOKENS); `scratch` is a KIVI layer's
-    full-precision blocks of this step (see QuantizedView).
+    full-precision blocks of this step (see QuantizedView). With `decodes` false the decode rows
+    are left for the caller.
     """
     num_kv_heads, head_dim = layer.heads, q.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -126,7 +233,7 @@ def quantized_paged_attention(
     step = _chunk_blocks(q.device, kind, bs)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decode_tokens
-    if n:
+    if n and decodes:
         tables = meta.decode_block_tables
         queries = q[:n].view(n, num_kv_heads, group, head_dim)
         width = tables.shape[1]

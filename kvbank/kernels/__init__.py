@@ -22,7 +22,7 @@ logger = logging.getLogger("kvbank.kernels")
 
 _SOURCE_DIR = Path(__file__).parent
 #: bindings.cpp includes the kernels' sources; all of them (and native.h) name the build.
-SOURCES = ("bindings.cpp", "native.h", "layers.cpp", "paged_decode.cpp", "qmatmul.cpp")
+SOURCES = ("bindings.cpp", "native.h", "layers.cpp", "paged_decode.cpp", "quant_decode.cpp", "qmatmul.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # after the one attempt: "module", or "failure" (why it failed)
 

@@ -4,6 +4,7 @@
 
 #include "layers.cpp"
 #include "paged_decode.cpp"
+#include "quant_decode.cpp"
 #include "qmatmul.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -43,5 +44,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
            py::arg("scale"), py::arg("partition"),
            "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual");
+  m.def("quant_decode_attention", &quant_decode_attention, py::arg("q"), py::arg("format"), py::arg("k_codes"),
+        py::arg("k_scale"), py::arg("k_min"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_min"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),
+        py::arg("scratch_k") = py::none(), py::arg("scratch_v") = py::none(), py::arg("own_rows") = py::none(),
+        "Decode attention read in place from a quantized paged cache (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
+        "4 int4, 5 int2); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
+        "row, or -1)");
+  m.def("has_quant_decode", &has_quant_decode, "Whether this CPU runs the quantized decode attention (AVX2, FMA, F16C)");
   m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether this CPU runs the AVX-512 bfloat16 path");
 }

@@ -48,6 +48,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 bool has_bf16_fast_path();
 
+// quant_decode.cpp
+torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
+                                     std::optional<torch::Tensor> k_min, torch::Tensor v_codes, torch::Tensor v_scale,
+                                     std::optional<torch::Tensor> v_min, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale, int64_t partition,
+                                     std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
+                                     std::optional<torch::Tensor> own_rows);
+bool has_quant_decode();
+
 // layers.cpp
 torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);

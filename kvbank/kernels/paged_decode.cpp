@@ -231,26 +231,18 @@ FastRange fast_range(int64_t group) {
   return nullptr;
 }
 
-// One decode attention over raw pointers, as work items (token, KV head, partition) whose partial
-// results merge per (token, KV head): the tensor entry point and the fused decoder stack
-// (qmatmul.cpp) run the same items and merges, so both give the same bits.
-template <typename T, int D>
-struct DecodeJob {
-  const T *q_p, *k_p, *v_p;
-  const int64_t *t_p, *lens_p;
-  T* o_p;
-  int64_t n, heads, group, dim, block_size, width, partition, parts;
-  float s;
-  FastRange fast;
+// Partial results of decode attention split into work items (row, KV head, partition of the
+// context) and merged per (row, KV head) by log-sum-exp. The dense and quantized kernels and the
+// fused decoder stack (qmatmul.cpp) all use it, so a row's result never depends on the batch.
+struct Partials {
+  int64_t n, heads, group, dim, partition, parts;
+  const int64_t* lens;
   std::unique_ptr<float[]> acc, maxes, sums;
 
-  DecodeJob(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, T* out, int64_t n_,
-            int64_t heads_, int64_t group_, int64_t dim_, int64_t block_size_, int64_t width_, double scale,
-            int64_t partition_)
-      : q_p(q), k_p(k), v_p(v), t_p(tables), lens_p(lens), o_p(out), n(n_), heads(heads_), group(group_), dim(dim_),
-        block_size(block_size_), width(width_), partition(partition_), s(static_cast<float>(scale)) {
+  Partials(int64_t n_, int64_t heads_, int64_t group_, int64_t dim_, const int64_t* lens_, int64_t partition_)
+      : n(n_), heads(heads_), group(group_), dim(dim_), partition(partition_), lens(lens_) {
     int64_t longest = 0;
-    for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lens_p[i]);
+    for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lens[i]);
     parts = std::max<int64_t>(1, (longest + partition - 1) / partition);
     // Partial results: [n, heads, parts, group, dim] and [n, heads, parts, group] (max, sum).
     // Left uninitialized: every item writes its max and sum, and the merge reads only the partial
@@ -259,38 +251,28 @@ struct DecodeJob {
     acc.reset(new float[rows * dim]);
     maxes.reset(new float[rows]);
     sums.reset(new float[rows]);
-    fast = std::is_same_v<T, c10::BFloat16> ? fast_range<D>(group) : nullptr;
   }
 
   int64_t items() const { return n * heads * parts; }
   int64_t pairs() const { return n * heads; }
 
-  void item(int64_t item) { this->item(item, k_p, v_p); }
-
-  // An item over other caches of the same shape (another layer's).
-  void item(int64_t item, const T* k_p, const T* v_p) {
-    const int64_t i = item / (heads * parts), h = item / parts % heads, part = item % parts;
-    const int64_t begin = part * partition, end = std::min(lens_p[i], begin + partition);
-    const int64_t row = item * group;
-    if (begin >= end) {
-      for (int64_t g = 0; g < group; ++g) {
-        maxes[row + g] = -std::numeric_limits<float>::infinity();
-        sums[row + g] = 0.0f;
-      }
-      return;
+  // The row, KV head and token range of `item`; false (and an empty result) when the range is empty.
+  bool span(int64_t item, int64_t& i, int64_t& h, int64_t& begin, int64_t& end) {
+    i = item / (heads * parts);
+    h = item / parts % heads;
+    const int64_t part = item % parts;
+    begin = part * partition;
+    end = std::min(lens[i], begin + partition);
+    if (begin < end) return true;
+    for (int64_t g = 0; g < group; ++g) {
+      maxes[item * group + g] = -std::numeric_limits<float>::infinity();
+      sums[item * group + g] = 0.0f;
     }
-    const T* q_i = q_p + (i * heads + h) * group * dim;
-    if (fast != nullptr) {
-      fast(reinterpret_cast<const uint16_t*>(q_i), reinterpret_cast<const uint16_t*>(k_p),
-           reinterpret_cast<const uint16_t*>(v_p), t_p + i * width, begin, end, block_size, heads, h, s,
-           acc.get() + row * dim, maxes.get() + row, sums.get() + row);
-    } else {
-      attend_range<T, D>(q_i, k_p, v_p, t_p + i * width, begin, end, block_size, heads, h, group, dim, s,
-                         acc.get() + row * dim, maxes.get() + row, sums.get() + row);
-    }
+    return false;
   }
 
-  void merge(int64_t pair) {
+  template <typename T>
+  void merge(int64_t pair, T* out) {
     for (int64_t g = 0; g < group; ++g) {
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t part = 0; part < parts; ++part) best = std::max(best, maxes[(pair * parts + part) * group + g]);
@@ -305,10 +287,58 @@ struct DecodeJob {
         for (int64_t d = 0; d < dim; ++d) merged[d] += w * a[d];
       }
       const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      T* o = o_p + (pair * group + g) * dim;
+      T* o = out + (pair * group + g) * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(merged[d] * inv);
     }
   }
+};
+
+// One decode attention over raw pointers, as Partials work items: the tensor entry point and the
+// fused decoder stack (qmatmul.cpp) run the same items and merges, so both give the same bits.
+template <typename T, int D>
+struct DecodeJob {
+  const T *q_p, *k_p, *v_p;
+  const int64_t* t_p;
+  T* o_p;
+  int64_t heads, group, dim, block_size, width;
+  float s;
+  FastRange fast;
+  Partials partials;
+
+  DecodeJob(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, T* out, int64_t n_,
+            int64_t heads_, int64_t group_, int64_t dim_, int64_t block_size_, int64_t width_, double scale,
+            int64_t partition_)
+      : q_p(q), k_p(k), v_p(v), t_p(tables), o_p(out), heads(heads_), group(group_), dim(dim_),
+        block_size(block_size_), width(width_), s(static_cast<float>(scale)),
+        partials(n_, heads_, group_, dim_, lens, partition_) {
+    fast = std::is_same_v<T, c10::BFloat16> ? fast_range<D>(group) : nullptr;
+  }
+
+  int64_t items() const { return partials.items(); }
+  int64_t pairs() const { return partials.pairs(); }
+
+  void item(int64_t item) { this->item(item, k_p, v_p); }
+
+  // An item over other caches of the same shape (another layer's).
+  void item(int64_t item, const T* k_p, const T* v_p) {
+    int64_t i, h, begin, end;
+    if (!partials.span(item, i, h, begin, end)) return;
+    const int64_t row = item * group;
+    float* acc = partials.acc.get() + row * dim;
+    float* maxes = partials.maxes.get() + row;
+    float* sums = partials.sums.get() + row;
+    const T* q_i = q_p + (i * heads + h) * group * dim;
+    if (fast != nullptr) {
+      fast(reinterpret_cast<const uint16_t*>(q_i), reinterpret_cast<const uint16_t*>(k_p),
+           reinterpret_cast<const uint16_t*>(v_p), t_p + i * width, begin, end, block_size, heads, h, s, acc, maxes,
+           sums);
+    } else {
+      attend_range<T, D>(q_i, k_p, v_p, t_p + i * width, begin, end, block_size, heads, h, group, dim, s, acc, maxes,
+                         sums);
+    }
+  }
+
+  void merge(int64_t pair) { partials.merge(pair, o_p); }
 };
 
 // A bfloat16 decode job for any head dim: the kernel's fast paths for 64 and 128.

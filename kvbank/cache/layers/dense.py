@@ -18,6 +18,7 @@ from kvbank.attention.fast import (
     chunk_visibility,
     native_decode_kernel,
     paged_attention,
+    row_tables,
 )
 from kvbank.attention.metadata import AttentionMetadata, additive_mask, write_kv
 from kvbank.attention.rope import apply_rope
@@ -129,13 +130,8 @@ class DenseKind(KVKind):
 
     def _row_step(self, steps: list[StepSeq]) -> DenseStep:
         """Each new token's block table and context length (its position + 1), in batch order."""
-        bs, device = self.spec.block_size, self.spec.device
-        tables = [s.block_table[: -(-s.end // bs)] for s in steps]
-        width = max(map(len, tables))
-        per_seq = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        owner = torch.repeat_interleave(torch.tensor([s.num_tokens for s in steps]))
-        lens = torch.cat([torch.arange(s.start + 1, s.end + 1) for s in steps])
         step = DenseStep(self.decode_kernel, [])
-        step.row_block_tables = per_seq.index_select(0, owner).to(device)
-        step.row_context_lens = lens.to(device)
+        step.row_block_tables, step.row_context_lens = row_tables(
+            [(s.start, s.end, s.block_table) for s in steps], self.spec.block_size, self.spec.device
+        )
         return step

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbank.attention.fast import row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
-from kvbank.attention.quantized import QuantizedView, pad_visibility, quantized_paged_attention
+from kvbank.attention.quantized import QuantizedView, attend_quantized, pad_visibility
 from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
 from kvbank.cache.layers.token import CodecLayer
 from kvbank.cache.quant import CodecPair, FullPrecision
@@ -148,7 +149,7 @@ class KiviLayer(CodecLayer):
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         view = meta.kinds[self.kind].view
-        return quantized_paged_attention(q, self, KiviKind.name, view, meta, scale, scratch=written)
+        return attend_quantized(q, self, KiviKind.name, view, meta, scale, scratch=written)
 
     def _store_blocks(self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole blocks [n, block_size, heads, dim] into `block_ids`."""
@@ -166,6 +167,8 @@ class KiviKind(KVKind):
         super().__init__(spec, codecs)
         self.residual = ResidualSlots(len(codecs), spec.reserved_seqs, spec.block_shape, spec.dtype, spec.device)
         self.layers = [KiviLayer(spec, pair, self.name, self.residual, i) for i, pair in enumerate(codecs)]
+        #: every token, prefill or decode, is attended by the native kernel (batch invariance)
+        self.attend_rows = spec.batch_invariant and all(layer.native is not None for layer in self.layers)
 
     @classmethod
     def bytes_per_seq(cls, spec_shape: tuple[int, int, int], codecs: list[CodecPair], dtype: torch.dtype) -> int:
@@ -198,6 +201,8 @@ class KiviKind(KVKind):
         own_blocks: list[int] = []
         masks: list[torch.Tensor] = []
         chunk_rows: list[tuple[int, int]] = []
+        # the native kernel's scratch row for each token it attends (all tokens, or the decodes)
+        own_rows: list[int] = []
         for s in steps:
             first_block, last_block = s.start // bs, (s.end - 1) // bs
             first_row = rows
@@ -218,8 +223,12 @@ class KiviKind(KVKind):
                     keep[1].append(residual.slot(block_id))
                 rows += 1
             scratch_slots.extend((first_row + p // bs - first_block) * bs + p % bs for p in range(s.start, s.end))
+            if self.attend_rows:
+                own_rows.extend(first_row + p // bs - first_block for p in range(s.start, s.end))
+                continue
             if s.num_tokens == 1:
                 own_blocks.append(first_block)
+                own_rows.append(first_row)
                 continue
             positions = torch.arange(s.start, s.end).unsqueeze(1)
             own_block = positions // bs * bs
@@ -234,6 +243,10 @@ class KiviKind(KVKind):
             rows, _tensor(scratch_slots, device), *_pair(preload, device), *_pair(full, device), *_pair(keep, device)
         )
         view = QuantizedView(masks, chunk_rows, _tensor(own_blocks, device) if own_blocks else None)
+        if own_rows:
+            view.own_rows = _tensor(own_rows, device)
+        if self.attend_rows:
+            view.row_tables, view.row_lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, device)
         return KiviStep(view, plan)
 
 

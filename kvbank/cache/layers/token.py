@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from kvbank.attention.fast import row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
-from kvbank.attention.quantized import QuantizedView, pad_visibility, quantized_paged_attention
+from kvbank.attention.quantized import (
+    NATIVE_FORMATS,
+    QuantizedView,
+    attend_quantized,
+    native_quant_kernel,
+    pad_visibility,
+)
 from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
 from kvbank.cache.quant import CodecPair
 
@@ -29,6 +36,20 @@ class CodecLayer:
             for codec in codecs
         ]
         self.tensors = [t for side in self.sides for t in side.values()]
+        #: the native module when it attends this layer's codes in place, and the format's id in it
+        self.native, self.native_format = None, None
+        name = codecs[0].name
+        if name in NATIVE_FORMATS and codecs[1].name == name:
+            self.native = native_quant_kernel(
+                spec.device,
+                spec.dtype,
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.block_size,
+                getattr(codecs[1], "group_size", None),
+            )
+            self.native_format = NATIVE_FORMATS[name] if self.native is not None else None
 
     def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of whole blocks, [batch, blocks * block_size, heads, dim]."""
@@ -51,7 +72,7 @@ class TokenLayer(CodecLayer):
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
     def attend(self, q: torch.Tensor, written: None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return quantized_paged_attention(q, self, TokenKind.name, meta.kinds[self.kind], meta, scale)
+        return attend_quantized(q, self, TokenKind.name, meta.kinds[self.kind], meta, scale)
 
 
 class TokenKind(KVKind):
@@ -62,10 +83,15 @@ class TokenKind(KVKind):
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
         self.layers = [TokenLayer(spec, pair, self.name) for pair in codecs]
+        #: every token, prefill or decode, is attended by the native kernel (batch invariance)
+        self.attend_rows = spec.batch_invariant and all(layer.native is not None for layer in self.layers)
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> QuantizedView:
         # Every token, new ones included, is read back from the quantized pool.
         bs = self.spec.block_size
+        if self.attend_rows:
+            tables, lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, self.spec.device)
+            return QuantizedView([], row_tables=tables, row_lens=lens)
         masks = []
         for s in steps:
             if s.num_tokens > 1:

@@ -1,0 +1,499 @@
+// Decode attention straight from a quantized paged KV cache: the codes are read in place through
+// the block table and turned into float32 in registers, never written back out dequantized.
+//
+// Formats (kvbank/cache/quant.py):
+// - int8, fp8 e4m3 / e5m2: codes [blocks, block_size, heads, dim] with one float16 scale per
+//   token and KV head. The key scale multiplies the token's score, the value scale its
+//   probability, so the inner loops see only codes.
+// - int4 / int2 (KIVI): keys per channel over one block (scale and minimum [blocks, heads, dim]),
+//   folded into the query once per block: q.k = (q * scale) . codes + q . minimum. Values per
+//   token in groups of channels (scale and minimum [blocks, block_size, heads, groups]): the
+//   scale weights the token's probability, the minimum term is summed apart per group.
+//   A row's own block (the one holding its newest tokens) is read in full precision from the
+//   step's scratch blocks, as the reference path does.
+//
+// Vectors are 8 float32 lanes (AVX2, FMA, F16C), so the kernel runs on AVX-512 CPUs and on AVX2
+// ones alike. Scores of 8 tokens are summed across lanes together, not one by one. Work
+// items and their merge are the dense kernel's (Partials), so a row's result depends on its own
+// sequence alone.
+#include "native.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+enum QuantFormat : int64_t { kInt8 = 1, kFp8E4M3 = 2, kFp8E5M2 = 3, kInt4 = 4, kInt2 = 5 };
+
+// One layer's quantized K and V, and the step's full-precision scratch blocks (KIVI).
+struct QuantLayer {
+  int64_t format;
+  const uint8_t* k_codes;
+  const uint16_t* k_scale;
+  const uint16_t* k_min;
+  const uint8_t* v_codes;
+  const uint16_t* v_scale;
+  const uint16_t* v_min;
+  int64_t heads, dim, block_size, code_bytes, value_groups;
+  const void* scratch_k;  // [rows, block_size, heads, dim] in the query's dtype, or null
+  const void* scratch_v;
+  const int64_t* own_rows;  // per batch row: its scratch row, or -1
+};
+
+#ifdef KVBANK_X86
+// AVX2 with FMA and F16C: every x86 CPU kvbank's fast paths target has them, AVX-512 ones too.
+#define KVBANK_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+
+inline bool avx2_f16c_supported() {
+  static const bool supported =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return supported;
+}
+
+// e^x for x <= 0, 8 lanes: the scalar exp_neg's polynomial and rounding.
+KVBANK_AVX2_F16C inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_floor_ps(t);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// All-ones in the first n lanes.
+KVBANK_AVX2_F16C inline __m256 first_lanes(int n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+KVBANK_AVX2_F16C inline float hsum8(__m256 v) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+
+KVBANK_AVX2_F16C inline float hmax8(__m256 v) {
+  const __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
+}
+
+// 8 float16 values to float32.
+KVBANK_AVX2_F16C inline __m256 halves(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+KVBANK_AVX2_F16C inline __m256i bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 fp8 codes to float32, exactly. The sign, exponent and mantissa bits move into a float32 with
+// the exponent rebiased; a subnormal code (exponent 0) then reads +-2^-bias (1 + m), and
+// 2f -+ 2^(1-bias) is its value.
+template <int MantBits, int Bias>
+KVBANK_AVX2_F16C inline __m256 fp8_to_f32(const uint8_t* p) {
+  const __m256i c = bytes8(p);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  const __m256i body = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), 23 - MantBits);
+  const __m256i bits = _mm256_or_si256(_mm256_add_epi32(body, _mm256_set1_epi32((127 - Bias) << 23)), sign);
+  const __m256 f = _mm256_castsi256_ps(bits);
+  const __m256i exponent = _mm256_and_si256(c, _mm256_set1_epi32(0x7F & ~((1 << MantBits) - 1)));
+  const __m256 sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()));
+  const __m256 lowest = _mm256_castsi256_ps(_mm256_or_si256(_mm256_set1_epi32((128 - Bias) << 23), sign));
+  return _mm256_blendv_ps(f, _mm256_fmsub_ps(f, _mm256_set1_ps(2.0f), lowest), sub);
+}
+
+// Row sums of 8 vectors: lane t of the result is the sum of v[t]'s lanes.
+KVBANK_AVX2_F16C inline __m256 row_sums(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <typename T>
+KVBANK_AVX2_F16C inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+}
+
+// One head of token t as V float32 vectors of codes (scales applied by the caller).
+template <int V>
+KVBANK_AVX2_F16C inline void decode_codes(int64_t format, const uint8_t* p, __m256* out) {
+  switch (format) {
+    case kInt8:
+      for (int v = 0; v < V; ++v)
+        out[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + v * 8))));
+      break;
+    case kFp8E4M3:
+      for (int v = 0; v < V; ++v) out[v] = fp8_to_f32<3, 7>(p + v * 8);
+      break;
+    case kFp8E5M2:
+      for (int v = 0; v < V; ++v) out[v] = fp8_to_f32<2, 15>(p + v * 8);
+      break;
+    case kInt4: {
+      // planar: byte i holds channel i (low nibble) and channel i + D/2 (high nibble)
+      const __m256i low = _mm256_set1_epi32(0x0F);
+      for (int v = 0; v < V / 2; ++v) {
+        const __m256i c = bytes8(p + v * 8);
+        out[v] = _mm256_cvtepi32_ps(_mm256_and_si256(c, low));
+        out[v + V / 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+      }
+      break;
+    }
+    default: {  // kInt2: byte i holds channels i, i + D/4, i + D/2, i + 3D/4
+      const __m256i low = _mm256_set1_epi32(0x03);
+      for (int v = 0; v < V / 4; ++v) {
+        const __m256i c = bytes8(p + v * 8);
+        for (int s = 0; s < 4; ++s)
+          out[v + s * V / 4] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(c, 2 * s), low));
+      }
+      break;
+    }
+  }
+}
+
+// Attention of G query heads of one KV head over tokens [begin, end) of a quantized sequence.
+template <typename T, int G, int D>
+KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
+                                  int64_t head, int64_t own_block, int64_t own_row, float scale, float* acc_out,
+                                  float* max_out, float* sum_out) {
+  constexpr int V = D / 8;
+  constexpr int kMaxBlockTokens = 64;
+  constexpr int kMaxValueGroups = D / 16;
+  const int64_t bs = L.block_size;
+  const bool kivi = L.format == kInt4 || L.format == kInt2;
+  alignas(32) float qs[G][D];
+  alignas(32) float qb[G][D];
+  alignas(32) float acc[G][D];
+  float minsum[G][kMaxValueGroups];
+  float m[G], l[G];
+  alignas(32) float scores[G][kMaxBlockTokens];
+  alignas(32) float weights[G][kMaxBlockTokens];
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < V; ++v) {
+      _mm256_store_ps(qs[g] + v * 8, _mm256_mul_ps(load8(q + g * D + v * 8), _mm256_set1_ps(scale)));
+      _mm256_store_ps(acc[g] + v * 8, _mm256_setzero_ps());
+    }
+    for (int c = 0; c < kMaxValueGroups; ++c) minsum[g][c] = 0.0f;
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+  }
+  const int64_t group_size = kivi ? D / L.value_groups : D;
+  const int64_t token_codes = L.heads * L.code_bytes;
+  for (int64_t start = begin; start < end; start += bs - start % bs) {
+    const int64_t j = start / bs;
+    const int64_t block = table[j];
+    const int64_t first = start % bs;
+    const int count = static_cast<int>(std::min(end - start, bs - first));
+    const bool own = own_row >= 0 && j == own_block;
+    const T* sk = own ? static_cast<const T*>(L.scratch_k) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
+    const T* sv = own ? static_cast<const T*>(L.scratch_v) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
+    const uint8_t* kc = L.k_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    const uint8_t* vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    const int64_t next = start + count;
+    if (next < end) {
+      // The next block is elsewhere in memory: ask for its rows now, so they arrive while this one computes.
+      const int64_t nb = table[next / bs];
+      const int ahead = static_cast<int>(std::min(end - next, bs));
+      for (int t = 0; t < ahead; ++t) {
+        const int64_t at = (nb * bs + t) * token_codes + head * L.code_bytes;
+        for (int64_t c = 0; c < L.code_bytes; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(L.k_codes + at + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(L.v_codes + at + c), _MM_HINT_T0);
+        }
+      }
+    }
+    // This block's queries: KIVI keys fold the block's per-channel scale in, and add q . minimum.
+    float bias[G];
+    const float(*qk)[D] = qs;
+    if (kivi && !own) {
+      const uint16_t* ks = L.k_scale + (block * L.heads + head) * D;
+      const uint16_t* km = L.k_min + (block * L.heads + head) * D;
+      for (int g = 0; g < G; ++g) {
+        __m256 b = _mm256_setzero_ps();
+        for (int v = 0; v < V; ++v) {
+          const __m256 qv = _mm256_load_ps(qs[g] + v * 8);
+          _mm256_store_ps(qb[g] + v * 8, _mm256_mul_ps(qv, halves(ks + v * 8)));
+          b = _mm256_fmadd_ps(qv, halves(km + v * 8), b);
+        }
+        bias[g] = hsum8(b);
+      }
+      qk = qb;
+    } else {
+      for (int g = 0; g < G; ++g) bias[g] = 0.0f;
+    }
+    // Scores, 8 tokens at a time.
+    for (int t0 = 0; t0 < count; t0 += 8) {
+      __m256 part[G][8];
+      const int n = std::min(8, count - t0);
+      for (int t = 0; t < 8; ++t) {
+        if (t >= n) {
+          for (int g = 0; g < G; ++g) part[g][t] = _mm256_setzero_ps();
+          continue;
+        }
+        __m256 kf[V];
+        if (own) {
+          for (int v = 0; v < V; ++v) kf[v] = load8(sk + (t0 + t) * L.heads * D + v * 8);
+        } else {
+          decode_codes<V>(L.format, kc + (t0 + t) * token_codes, kf);
+        }
+        for (int g = 0; g < G; ++g) {
+          __m256 s = _mm256_mul_ps(_mm256_load_ps(qk[g]), kf[0]);
+          for (int v = 1; v < V; ++v) s = _mm256_fmadd_ps(_mm256_load_ps(qk[g] + v * 8), kf[v], s);
+          part[g][t] = s;
+        }
+      }
+      __m256 token_scale = _mm256_set1_ps(1.0f);
+      if (!own && !kivi) {
+        alignas(16) uint16_t sc[8] = {};
+        for (int t = 0; t < n; ++t) sc[t] = L.k_scale[(block * bs + first + t0 + t) * L.heads + head];
+        token_scale = halves(sc);
+      }
+      for (int g = 0; g < G; ++g)
+        _mm256_store_ps(scores[g] + t0, _mm256_fmadd_ps(row_sums(part[g]), token_scale, _mm256_set1_ps(bias[g])));
+    }
+    // Online softmax over the block; lanes past `count` are masked out.
+    for (int g = 0; g < G; ++g) {
+      __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int t = 0; t < count; t += 8) {
+        const __m256 live = first_lanes(count - t);
+        top8 = _mm256_max_ps(top8, _mm256_blendv_ps(top8, _mm256_load_ps(scores[g] + t), live));
+      }
+      const float best = std::max(m[g], hmax8(top8));
+      if (best > m[g]) {
+        const float c = exp_neg(m[g] - best);
+        const __m256 correction = _mm256_set1_ps(c);
+        for (int v = 0; v < V; ++v)
+          _mm256_store_ps(acc[g] + v * 8, _mm256_mul_ps(_mm256_load_ps(acc[g] + v * 8), correction));
+        l[g] *= c;
+        for (int k = 0; k < kMaxValueGroups; ++k) minsum[g][k] *= c;
+        m[g] = best;
+      }
+      const __m256 top = _mm256_set1_ps(best);
+      __m256 total = _mm256_setzero_ps();
+      for (int t = 0; t < count; t += 8) {
+        const __m256 p =
+            _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores[g] + t), top)), first_lanes(count - t));
+        _mm256_store_ps(scores[g] + t, p);
+        total = _mm256_add_ps(total, p);
+      }
+      l[g] += hsum8(total);
+    }
+    // Values. int8/fp8: each probability times its token's scale.
+    if (!own && !kivi) {
+      for (int t = 0; t < count; t += 8) {
+        const int n = std::min(8, count - t);
+        alignas(16) uint16_t sc[8] = {};
+        for (int i = 0; i < n; ++i) sc[i] = L.v_scale[(block * bs + first + t + i) * L.heads + head];
+        const __m256 s = halves(sc);
+        for (int g = 0; g < G; ++g) _mm256_store_ps(weights[g] + t, _mm256_mul_ps(_mm256_load_ps(scores[g] + t), s));
+      }
+    }
+    for (int t = 0; t < count; ++t) {
+      __m256 vf[V];
+      if (own) {
+        for (int v = 0; v < V; ++v) vf[v] = load8(sv + t * L.heads * D + v * 8);
+      } else {
+        decode_codes<V>(L.format, vc + t * token_codes, vf);
+      }
+      if (own || !kivi) {
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_set1_ps(own ? scores[g][t] : weights[g][t]);
+          for (int v = 0; v < V; ++v)
+            _mm256_store_ps(acc[g] + v * 8, _mm256_fmadd_ps(p, vf[v], _mm256_load_ps(acc[g] + v * 8)));
+        }
+        continue;
+      }
+      const int64_t meta = ((block * bs + first + t) * L.heads + head) * L.value_groups;
+      float vs[kMaxValueGroups], vm[kMaxValueGroups];
+      for (int64_t c = 0; c < L.value_groups; ++c) {
+        vs[c] = _cvtsh_ss(L.v_scale[meta + c]);
+        vm[c] = _cvtsh_ss(L.v_min[meta + c]);
+      }
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g][t];
+        for (int64_t c = 0; c < L.value_groups; ++c) minsum[g][c] += p * vm[c];
+        for (int v = 0; v < V; ++v) {
+          const __m256 w = _mm256_set1_ps(p * vs[v * 8 / group_size]);
+          _mm256_store_ps(acc[g] + v * 8, _mm256_fmadd_ps(w, vf[v], _mm256_load_ps(acc[g] + v * 8)));
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < V; ++v) {
+      __m256 a = _mm256_load_ps(acc[g] + v * 8);
+      if (kivi) a = _mm256_add_ps(a, _mm256_set1_ps(minsum[g][v * 8 / group_size]));
+      _mm256_storeu_ps(acc_out + g * D + v * 8, a);
+    }
+    max_out[g] = m[g];
+    sum_out[g] = l[g];
+  }
+}
+
+template <typename T, int D>
+using QuantRange = void (*)(const QuantLayer&, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            float, float*, float*, float*);
+
+template <typename T, int D>
+QuantRange<T, D> quant_range_for(int64_t group) {
+  switch (group) {
+    case 1: return quant_range<T, 1, D>;
+    case 2: return quant_range<T, 2, D>;
+    case 3: return quant_range<T, 3, D>;
+    case 4: return quant_range<T, 4, D>;
+    case 5: return quant_range<T, 5, D>;
+    case 6: return quant_range<T, 6, D>;
+    case 7: return quant_range<T, 7, D>;
+    case 8: return quant_range<T, 8, D>;
+    default: return nullptr;
+  }
+}
+
+template <typename T, int D>
+void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tensor& tables, const torch::Tensor& lens,
+                  double scale, int64_t partition, torch::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), group = q.size(2);
+  const T* q_p = q.data_ptr<T>();
+  const int64_t* t_p = tables.data_ptr<int64_t>();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t width = tables.size(1);
+  Partials partials(n, heads, group, D, lens_p, partition);
+  const auto range = quant_range_for<T, D>(group);
+  const float s = static_cast<float>(scale);
+  const int64_t bs = L.block_size;
+  at::parallel_for(0, partials.items(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t item = from; item < to; ++item) {
+      int64_t i, h, begin, end;
+      if (!partials.span(item, i, h, begin, end)) continue;
+      const int64_t own_row = L.own_rows != nullptr ? L.own_rows[i] : -1;
+      const int64_t row = item * group;
+      range(L, q_p + (i * heads + h) * group * D, t_p + i * width, begin, end, h, (lens_p[i] - 1) / bs, own_row, s,
+            partials.acc.get() + row * D, partials.maxes.get() + row, partials.sums.get() + row);
+    }
+  });
+  T* o_p = out.data_ptr<T>();
+  at::parallel_for(0, partials.pairs(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t pair = from; pair < to; ++pair) partials.merge(pair, o_p);
+  });
+}
+#endif
+
+const uint16_t* halves_ptr(const std::optional<torch::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const uint16_t*>(t->data_ptr()) : nullptr;
+}
+
+}  // namespace
+
+bool has_quant_decode() {
+#ifdef KVBANK_X86
+  return avx2_f16c_supported();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
+                                     std::optional<torch::Tensor> k_min, torch::Tensor v_codes, torch::Tensor v_scale,
+                                     std::optional<torch::Tensor> v_min, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale, int64_t partition,
+                                     std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
+                                     std::optional<torch::Tensor> own_rows) {
+  TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(format >= kInt8 && format <= kInt2, "unknown quantized KV format ", format);
+  TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "q must be bfloat16 or float32");
+  const int64_t heads = q.size(1), group = q.size(2), dim = q.size(3);
+  const bool kivi = format == kInt4 || format == kInt2;
+  TORCH_CHECK(dim == 64 || dim == 128, "head dim must be 64 or 128, got ", dim);
+  TORCH_CHECK(group >= 1 && group <= 8, "at most 8 query heads per KV head, got ", group);
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes(), "codes must be [blocks, block_size, heads, bytes]");
+  TORCH_CHECK(k_codes.size(2) == heads, "q has ", heads, " KV heads, the cache ", k_codes.size(2));
+  const int64_t block_size = k_codes.size(1);
+  TORCH_CHECK(block_size <= 64 && partition > 0 && partition % block_size == 0,
+              "block size <= 64 and partition a multiple of it");
+  const int64_t code_bytes = kivi ? dim * (format == kInt4 ? 4 : 2) / 8 : dim;
+  TORCH_CHECK(k_codes.size(3) == code_bytes, "codes have ", k_codes.size(3), " bytes per head, expected ", code_bytes);
+  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf, "scales must be float16");
+  int64_t value_groups = 1;
+  if (kivi) {
+    TORCH_CHECK(k_min.has_value() && v_min.has_value(), "int4/int2 need key and value minimums");
+    TORCH_CHECK(k_scale.dim() == 3 && k_scale.size(1) == heads && k_scale.size(2) == dim, "key scales must be [blocks, heads, dim]");
+    TORCH_CHECK(k_min->sizes() == k_scale.sizes() && v_min->sizes() == v_scale.sizes(), "minimums must match scales");
+    TORCH_CHECK(v_scale.dim() == 4 && v_scale.size(1) == block_size && v_scale.size(2) == heads,
+                "value scales must be [blocks, block_size, heads, groups]");
+    value_groups = v_scale.size(3);
+    TORCH_CHECK(value_groups >= 1 && dim % value_groups == 0 && (dim / value_groups) % 16 == 0,
+                "value groups must be whole multiples of 16 channels, got ", value_groups, " groups of dim ", dim);
+  } else {
+    TORCH_CHECK(k_scale.dim() == 3 && k_scale.size(1) == block_size && k_scale.size(2) == heads,
+                "scales must be [blocks, block_size, heads]");
+  }
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "block tables and lengths must be int64");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one table and length per row");
+  const bool scratch = own_rows.has_value();
+  if (scratch) {
+    TORCH_CHECK(scratch_k.has_value() && scratch_v.has_value(), "own rows need scratch blocks");
+    TORCH_CHECK(scratch_k->scalar_type() == q.scalar_type() && scratch_v->scalar_type() == q.scalar_type(),
+                "scratch blocks must be in q's dtype");
+    TORCH_CHECK(scratch_k->dim() == 4 && scratch_k->size(1) == block_size && scratch_k->size(2) == heads &&
+                    scratch_k->size(3) == dim && scratch_k->sizes() == scratch_v->sizes(),
+                "scratch blocks must be [rows, block_size, heads, dim]");
+    TORCH_CHECK(own_rows->scalar_type() == torch::kLong && own_rows->size(0) == q.size(0), "one own row per row");
+  }
+  for (const auto* t : {&k_codes, &v_codes, &k_scale, &v_scale}) TORCH_CHECK(t->is_contiguous(), "caches must be contiguous");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  torch::Tensor sk, sv, own;
+  if (scratch) {
+    sk = scratch_k->contiguous();
+    sv = scratch_v->contiguous();
+    own = own_rows->contiguous();
+  }
+  auto out = torch::empty_like(q);
+#ifdef KVBANK_X86
+  QuantLayer L{format,
+               reinterpret_cast<const uint8_t*>(k_codes.data_ptr()),
+               reinterpret_cast<const uint16_t*>(k_scale.data_ptr()),
+               halves_ptr(k_min),
+               reinterpret_cast<const uint8_t*>(v_codes.data_ptr()),
+               reinterpret_cast<const uint16_t*>(v_scale.data_ptr()),
+               halves_ptr(v_min),
+               heads,
+               dim,
+               block_size,
+               code_bytes,
+               value_groups,
+               scratch ? sk.data_ptr() : nullptr,
+               scratch ? sv.data_ptr() : nullptr,
+               scratch ? own.data_ptr<int64_t>() : nullptr};
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  if (dim == 64) {
+    bf16 ? quant_decode<c10::BFloat16, 64>(L, q, block_tables, context_lens, scale, partition, out)
+         : quant_decode<float, 64>(L, q, block_tables, context_lens, scale, partition, out);
+  } else {
+    bf16 ? quant_decode<c10::BFloat16, 128>(L, q, block_tables, context_lens, scale, partition, out)
+         : quant_decode<float, 128>(L, q, block_tables, context_lens, scale, partition, out);
+  }
+#endif
+  return out;
+}

@@ -1,0 +1,227 @@
+"""The native kernel that attends a quantized KV cache in place (kvbank/kernels/quant_decode.cpp),
+against the reference: the codecs' own dequantization and plain attention, over many shapes; and
+through the engine, against the PyTorch reference path, for every quantized KV dtype."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbank import LLM, SamplingParams
+from kvbank.attention import quantized
+from kvbank.attention.fast import DECODE_PARTITION
+from kvbank.attention.quantized import NATIVE_FORMATS
+from kvbank.cache.layers import kivi, token
+from kvbank.cache.quant import codecs_for
+
+TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
+QUANTIZED = list(NATIVE_FORMATS)
+
+
+@pytest.fixture(scope="module")
+def kernel(native):
+    if not native.has_quant_decode():
+        pytest.skip("the quantized decode kernel needs an x86 CPU with AVX2, FMA and F16C")
+    return native
+
+
+def _reference(q, keys, values, lens, scale):
+    """q [n, kv_heads, group, dim]; keys/values [n, tokens, kv_heads, dim]: float64 attention."""
+    out = []
+    for i, n in enumerate(lens):
+        scores = torch.einsum("hgd,thd->hgt", q[i].double(), keys[i, :n].double()) * scale
+        out.append(torch.einsum("hgt,thd->hgd", scores.softmax(-1), values[i, :n].double()))
+    return torch.stack(out)
+
+
+def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed):
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, n = 2, len(lens)
+    width = -(-max(lens) // block)
+    blocks = n * width + 3
+    key_codec, value_codec = codecs_for(kv, dtype, value_group)
+    keys = torch.randn(blocks, block, kv_heads, dim, generator=generator) * 2
+    keys[..., 5] += 6  # an outlier channel, as real keys have
+    values = torch.randn(blocks, block, kv_heads, dim, generator=generator)
+    k_stored, v_stored = key_codec.quantize(keys), value_codec.quantize(values)
+    k_read, v_read = key_codec.dequantize(k_stored, torch.float32), value_codec.dequantize(v_stored, torch.float32)
+    order = torch.randperm(blocks, generator=generator)  # a sequence's blocks lie anywhere
+    tables = order[: n * width].view(n, width)
+    q = torch.randn(n, kv_heads, group, dim, generator=generator).to(dtype)
+    seen_k = k_read[tables].reshape(n, -1, kv_heads, dim).clone()
+    seen_v = v_read[tables].reshape(n, -1, kv_heads, dim).clone()
+    extra = {}
+    if scratch:
+        # each row's own block is read from the step's full-precision scratch rows
+        rows = n + 1
+        scratch_k = torch.randn(rows, block, kv_heads, dim, generator=generator).to(dtype)
+        scratch_v = torch.randn(rows, block, kv_heads, dim, generator=generator).to(dtype)
+        own = torch.randperm(rows, generator=generator)[:n]
+        for i, length in enumerate(lens):
+            j = (length - 1) // block
+            seen_k[i, j * block : (j + 1) * block] = scratch_k[own[i]].float()
+            seen_v[i, j * block : (j + 1) * block] = scratch_v[own[i]].float()
+        extra = {"scratch_k": scratch_k, "scratch_v": scratch_v, "own_rows": own}
+    out = kernel.quant_decode_attention(
+        q,
+        NATIVE_FORMATS[kv],
+        k_stored["codes"],
+        k_stored["scale"],
+        k_stored.get("min"),
+        v_stored["codes"],
+        v_stored["scale"],
+        v_stored.get("min"),
+        tables,
+        torch.tensor(lens),
+        0.125,
+        DECODE_PARTITION,
+        **extra,
+    )
+    return out, _reference(q, seen_k, seen_v, lens, 0.125)
+
+
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_native_quantized_attention_matches_the_reference_over_shapes(kernel, kv):
+    kivi = kv in ("int4", "int2")
+    # contexts across partition boundaries (DECODE_PARTITION = 256) and within one block
+    lens = [1, 7, DECODE_PARTITION - 1, DECODE_PARTITION, DECODE_PARTITION + 1, 2 * DECODE_PARTITION + 37]
+    shapes = itertools.product(
+        (64, 128),  # head dim
+        (8, 16, 32),  # block size
+        (1, 3),  # query heads per KV head
+        (torch.float32, torch.bfloat16),
+        (16, 32, 64) if kivi else (None,),  # value group size
+        (False, True) if kivi else (False,),  # residual (scratch) blocks
+    )
+    for seed, (dim, block, group, dtype, value_group, scratch) in enumerate(shapes):
+        out, expected = _case(kernel, kv, dim, block, group, dtype, value_group or 32, lens, scratch, seed)
+        err = (out.double() - expected).abs()
+        # float32 sums over hundreds of tokens (a few units in the last place of the row's largest
+        # value), and for bfloat16 out the output's own rounding
+        largest = expected.abs().amax(dim=-1, keepdim=True)
+        bound = expected.abs() * (0 if dtype == torch.float32 else 2**-8) + largest * 1e-5
+        assert (err <= bound).all(), (dim, block, group, dtype, value_group, scratch, err.max().item())
+
+
+def test_bad_arguments_are_refused_with_the_numbers(kernel):
+    key_codec, value_codec = codecs_for("int8", torch.float32)
+    stored_k = key_codec.quantize(torch.randn(4, 16, 2, 64))
+    stored_v = value_codec.quantize(torch.randn(4, 16, 2, 64))
+    q = torch.randn(1, 2, 3, 64)
+    args = (stored_k["codes"], stored_k["scale"], None, stored_v["codes"], stored_v["scale"], None)
+    tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="unknown quantized KV format 9"):
+        kernel.quant_decode_attention(q, 9, *args, tables, lens, 0.125, DECODE_PARTITION)
+    with pytest.raises(RuntimeError, match="q has 3 KV heads, the cache 2"):
+        kernel.quant_decode_attention(torch.randn(1, 3, 3, 64), 1, *args, tables, lens, 0.125, DECODE_PARTITION)
+    with pytest.raises(RuntimeError, match="codes have 64 bytes per head, expected 32"):
+        kernel.quant_decode_attention(q, 4, *args, tables, lens, 0.125, DECODE_PARTITION)  # int8 codes read as int4
+    key_codec, value_codec = codecs_for("int4", torch.float32)
+    stored_k = key_codec.quantize(torch.randn(4, 16, 2, 64))
+    stored_v = value_codec.quantize(torch.randn(4, 16, 2, 64))
+    args = (stored_k["codes"], stored_k["scale"], None, stored_v["codes"], stored_v["scale"], stored_v["min"])
+    with pytest.raises(RuntimeError, match="int4/int2 need key and value minimums"):
+        kernel.quant_decode_attention(q, 4, *args, tables, lens, 0.125, DECODE_PARTITION)
+
+
+def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0))
+    return [
+        torch.tensor([step[token].logprob for step, token in zip(out.prompt_logprobs[1:], prompt[1:])])
+        for out, prompt in zip(outs, prompts)
+    ]
+
+
+def _engine(kv: str, batch_invariant: bool) -> LLM:
+    # float32, prompts longer than the step's token budget (chunked prefill), decodes beside them
+    return LLM(
+        dtype="float32",
+        kv_cache_dtype=kv,
+        num_gpu_blocks=96,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        batch_invariant=batch_invariant,
+    )
+
+
+def _rows_of_step(q, meta, view, block_size):
+    """Every new token of a step as a row for the native kernel, derived from the reference
+    path's view of the step: block table, context length and (int4/int2) its own scratch row."""
+    tables, lens, own = [], [], []
+    widths = [len(c.block_table) for c in meta.prefills]
+    if meta.num_decode_tokens:
+        widths.append(meta.decode_block_tables.shape[1])
+    width = max(widths)
+
+    def table_of(t):
+        return torch.cat((t, t.new_zeros(width - len(t))))
+
+    for i in range(meta.num_decode_tokens):
+        tables.append(table_of(meta.decode_block_tables[i]))
+        lens.append(int(meta.decode_context_lens[i]))
+        own.append(int(view.own_rows[i]) if view.own_rows is not None else -1)
+    for i, chunk in enumerate(meta.prefills):
+        for p in range(chunk.context_start, chunk.kv_len):
+            tables.append(table_of(chunk.block_table))
+            lens.append(p + 1)
+            if view.chunk_rows:
+                own.append(view.chunk_rows[i][0] + p // block_size - chunk.context_start // block_size)
+    own_rows = torch.tensor(own) if view.chunk_rows or view.own_rows is not None else None
+    return torch.stack(tables), torch.tensor(lens), own_rows
+
+
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_native_attention_equals_the_reference_path_at_every_layer_and_step(kernel, kv, monkeypatch):
+    # A real engine run on the reference path; at every layer of every step (prefill chunks and
+    # decodes, int4/int2 residual blocks included) the native kernel attends the same tokens too.
+    llm = _engine(kv, batch_invariant=False)
+    for kind in llm.engine.runner.storage.kinds:
+        kind.attend_rows = False
+    compared = []
+
+    def attend(q, layer, kind, view, meta, scale, scratch=None):
+        expected = quantized.quantized_paged_attention(q, layer, kind, view, meta, scale, scratch)
+        tables, lens, own_rows = _rows_of_step(q, meta, view, layer.block_size)
+        got = quantized.native_rows(q, layer, tables, lens, scale, scratch, own_rows)
+        largest = expected.abs().amax(dim=-1, keepdim=True)
+        assert ((got - expected).abs() <= largest * 1e-5 + 1e-6).all(), (got - expected).abs().max()
+        compared.append((meta.num_decode_tokens, len(meta.prefills)))
+        return expected
+
+    monkeypatch.setattr(quantized, "attend_quantized", attend)
+    for module in (token, kivi):
+        monkeypatch.setattr(module, "attend_quantized", attend)
+    tokens = llm.get_tokenizer().encode(TEXT)
+    llm.generate([tokens[:160], tokens[1000:1090]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert any(d and p for d, p in compared), "no step mixed decodes and prefill chunks"
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_engine_logprobs_with_native_rows_are_as_close_to_full_precision_as_the_reference(kernel, kv):
+    # Every token attended by the native kernel (the default, batch-invariant mode) against the
+    # reference path. The paths round differently, and quantization turns a last-bit difference in
+    # a key into a different code now and then, so they agree to quantization noise, not to bits:
+    # each is compared with the full-precision cache.
+    tokens = LLM(dtype="float32", num_gpu_blocks=32).get_tokenizer().encode(TEXT)
+    prompts = [tokens[:200], tokens[1000:1120]]
+    full = _prompt_logprobs(_engine("auto", batch_invariant=True), prompts)
+    llm = _engine(kv, batch_invariant=True)
+    assert all(kind.attend_rows for kind in llm.engine.runner.storage.kinds if kind.name != "dense")
+    native = _prompt_logprobs(llm, prompts)
+    for kind in llm.engine.runner.storage.kinds:
+        kind.attend_rows = False
+    for layer in llm.engine.runner.storage.layers:
+        if hasattr(layer, "native_format"):
+            layer.native = layer.native_format = None
+    reference = _prompt_logprobs(llm, prompts)
+    for got, want, exact in zip(native, reference, full):
+        assert not torch.equal(got, exact)  # the quantized cache was read
+        assert (got - exact).abs().mean() <= 1.25 * (want - exact).abs().mean() + 1e-3
+
+
+def test_the_default_configuration_attends_quantized_kv_natively(kernel):
+    llm = LLM(kv_cache_dtype="int4", num_gpu_blocks=32)
+    storage = llm.engine.runner.storage
+    assert storage.kind("kivi").attend_rows
+    assert {layer.native_format for layer in storage.layers} == {NATIVE_FORMATS["int4"]}
