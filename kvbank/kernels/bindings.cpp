@@ -48,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scale"), py::arg("k_min"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_min"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),
         py::arg("scratch_k") = py::none(), py::arg("scratch_v") = py::none(), py::arg("own_rows") = py::none(),
-        "Decode attention read in place from a quantized paged cache (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
+        "Decode attention read in place from a quantized paged cache (format 0 bfloat16 dense, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
         "4 int4, 5 int2); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
         "row, or -1)");
   m.def("has_quant_decode", &has_quant_decode, "Whether this CPU runs the quantized decode attention (AVX2, FMA, F16C)");

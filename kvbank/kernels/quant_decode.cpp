@@ -2,18 +2,19 @@
 // the block table and turned into float32 in registers, never written back out dequantized.
 //
 // Formats (kvbank/cache/quant.py):
+// - bfloat16, dense: the model's own cache [blocks, block_size, heads, dim], no scales (used for
+//   decodes on CPUs without the AVX-512 BF16 kernel of paged_decode.cpp).
 // - int8, fp8 e4m3 / e5m2: codes [blocks, block_size, heads, dim] with one float16 scale per
-//   token and KV head. The key scale multiplies the token's score, the value scale its
-//   probability, so the inner loops see only codes.
+//   token and KV head; the key scale multiplies the token's score.
 // - int4 / int2 (KIVI): keys per channel over one block (scale and minimum [blocks, heads, dim]),
 //   folded into the query once per block: q.k = (q * scale) . codes + q . minimum. Values per
-//   token in groups of channels (scale and minimum [blocks, block_size, heads, groups]): the
-//   scale weights the token's probability, the minimum term is summed apart per group.
+//   token in groups of channels (scale and minimum [blocks, block_size, heads, groups]).
 //   A row's own block (the one holding its newest tokens) is read in full precision from the
 //   step's scratch blocks, as the reference path does.
 //
 // Vectors are 8 float32 lanes (AVX2, FMA, F16C), so the kernel runs on AVX-512 CPUs and on AVX2
-// ones alike. Scores of 8 tokens are summed across lanes together, not one by one. Work
+// ones alike. A block's codes are decoded once into float32 rows that every query head of the KV
+// head then reads; scores of 8 tokens are summed across lanes together, not one by one. Work
 // items and their merge are the dense kernel's (Partials), so a row's result depends on its own
 // sequence alone.
 #include "native.h"
@@ -28,7 +29,7 @@
 
 namespace {
 
-enum QuantFormat : int64_t { kInt8 = 1, kFp8E4M3 = 2, kFp8E5M2 = 3, kInt4 = 4, kInt2 = 5 };
+enum QuantFormat : int64_t { kBf16 = 0, kInt8 = 1, kFp8E4M3 = 2, kFp8E5M2 = 3, kInt4 = 4, kInt2 = 5 };
 
 // One layer's quantized K and V, and the step's full-precision scratch blocks (KIVI).
 struct QuantLayer {
@@ -137,6 +138,9 @@ KVBANK_AVX2_F16C inline __m256 load8(const T* p) {
 template <int V>
 KVBANK_AVX2_F16C inline void decode_codes(int64_t format, const uint8_t* p, __m256* out) {
   switch (format) {
+    case kBf16:
+      for (int v = 0; v < V; ++v) out[v] = load8(reinterpret_cast<const c10::BFloat16*>(p) + v * 8);
+      break;
     case kInt8:
       for (int v = 0; v < V; ++v)
         out[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + v * 8))));
@@ -170,28 +174,27 @@ KVBANK_AVX2_F16C inline void decode_codes(int64_t format, const uint8_t* p, __m2
 }
 
 // Attention of G query heads of one KV head over tokens [begin, end) of a quantized sequence.
+// Each block is decoded once into float32 rows (L1-resident), then every query head runs over
+// them with its query and accumulator in registers.
 template <typename T, int G, int D>
 KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
                                   int64_t head, int64_t own_block, int64_t own_row, float scale, float* acc_out,
                                   float* max_out, float* sum_out) {
   constexpr int V = D / 8;
   constexpr int kMaxBlockTokens = 64;
-  constexpr int kMaxValueGroups = D / 16;
   const int64_t bs = L.block_size;
   const bool kivi = L.format == kInt4 || L.format == kInt2;
+  const bool scaled = !kivi && L.format != kBf16;  // one scale per token and head
   alignas(32) float qs[G][D];
-  alignas(32) float qb[G][D];
   alignas(32) float acc[G][D];
-  float minsum[G][kMaxValueGroups];
   float m[G], l[G];
   alignas(32) float scores[G][kMaxBlockTokens];
-  alignas(32) float weights[G][kMaxBlockTokens];
+  alignas(32) float rows[kMaxBlockTokens][D];
   for (int g = 0; g < G; ++g) {
     for (int v = 0; v < V; ++v) {
       _mm256_store_ps(qs[g] + v * 8, _mm256_mul_ps(load8(q + g * D + v * 8), _mm256_set1_ps(scale)));
       _mm256_store_ps(acc[g] + v * 8, _mm256_setzero_ps());
     }
-    for (int c = 0; c < kMaxValueGroups; ++c) minsum[g][c] = 0.0f;
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.0f;
   }
@@ -220,56 +223,87 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
         }
       }
     }
-    // This block's queries: KIVI keys fold the block's per-channel scale in, and add q . minimum.
-    float bias[G];
-    const float(*qk)[D] = qs;
-    if (kivi && !own) {
-      const uint16_t* ks = L.k_scale + (block * L.heads + head) * D;
-      const uint16_t* km = L.k_min + (block * L.heads + head) * D;
-      for (int g = 0; g < G; ++g) {
+    // Keys as float32 rows: codes (int8, fp8: the token's scale comes after the dot product;
+    // KIVI: the block's per-channel scale and minimum are folded into the query below).
+    for (int t = 0; t < count; ++t) {
+      __m256 x[V];
+      if (own) {
+        for (int v = 0; v < V; ++v) x[v] = load8(sk + t * L.heads * D + v * 8);
+      } else {
+        decode_codes<V>(L.format, kc + t * token_codes, x);
+      }
+      for (int v = 0; v < V; ++v) _mm256_store_ps(rows[t] + v * 8, x[v]);
+    }
+    alignas(32) float token_scale[kMaxBlockTokens + 8];
+    if (!own && scaled) {
+      for (int t = 0; t < count; t += 8) {
+        alignas(16) uint16_t sc[8] = {};
+        for (int i = 0; i < std::min(8, count - t); ++i) sc[i] = L.k_scale[(block * bs + first + t + i) * L.heads + head];
+        _mm256_store_ps(token_scale + t, halves(sc));
+      }
+    }
+    const bool folded = kivi && !own;
+    const uint16_t* ks = folded ? L.k_scale + (block * L.heads + head) * D : nullptr;
+    const uint16_t* km = folded ? L.k_min + (block * L.heads + head) * D : nullptr;
+    for (int g = 0; g < G; ++g) {
+      __m256 qv[V];
+      float bias = 0.0f;
+      if (folded) {
         __m256 b = _mm256_setzero_ps();
         for (int v = 0; v < V; ++v) {
-          const __m256 qv = _mm256_load_ps(qs[g] + v * 8);
-          _mm256_store_ps(qb[g] + v * 8, _mm256_mul_ps(qv, halves(ks + v * 8)));
-          b = _mm256_fmadd_ps(qv, halves(km + v * 8), b);
+          const __m256 x = _mm256_load_ps(qs[g] + v * 8);
+          qv[v] = _mm256_mul_ps(x, halves(ks + v * 8));
+          b = _mm256_fmadd_ps(x, halves(km + v * 8), b);
         }
-        bias[g] = hsum8(b);
+        bias = hsum8(b);
+      } else {
+        for (int v = 0; v < V; ++v) qv[v] = _mm256_load_ps(qs[g] + v * 8);
       }
-      qk = qb;
-    } else {
-      for (int g = 0; g < G; ++g) bias[g] = 0.0f;
+      // Scores, 8 tokens at a time, summed across lanes together.
+      for (int t0 = 0; t0 < count; t0 += 8) {
+        __m256 part[8];
+        const int n = std::min(8, count - t0);
+        for (int t = 0; t < 8; ++t) {
+          if (t >= n) {
+            part[t] = _mm256_setzero_ps();
+            continue;
+          }
+          const float* r = rows[t0 + t];
+          __m256 s0 = _mm256_mul_ps(qv[0], _mm256_load_ps(r));
+          __m256 s1 = _mm256_mul_ps(qv[1], _mm256_load_ps(r + 8));
+          for (int v = 2; v < V; v += 2) {
+            s0 = _mm256_fmadd_ps(qv[v], _mm256_load_ps(r + v * 8), s0);
+            s1 = _mm256_fmadd_ps(qv[v + 1], _mm256_load_ps(r + v * 8 + 8), s1);
+          }
+          part[t] = _mm256_add_ps(s0, s1);
+        }
+        __m256 s = row_sums(part);
+        if (!own && scaled) s = _mm256_mul_ps(s, _mm256_load_ps(token_scale + t0));
+        _mm256_store_ps(scores[g] + t0, _mm256_add_ps(s, _mm256_set1_ps(bias)));
+      }
     }
-    // Scores, 8 tokens at a time.
-    for (int t0 = 0; t0 < count; t0 += 8) {
-      __m256 part[G][8];
-      const int n = std::min(8, count - t0);
-      for (int t = 0; t < 8; ++t) {
-        if (t >= n) {
-          for (int g = 0; g < G; ++g) part[g][t] = _mm256_setzero_ps();
-          continue;
-        }
-        __m256 kf[V];
-        if (own) {
-          for (int v = 0; v < V; ++v) kf[v] = load8(sk + (t0 + t) * L.heads * D + v * 8);
-        } else {
-          decode_codes<V>(L.format, kc + (t0 + t) * token_codes, kf);
-        }
-        for (int g = 0; g < G; ++g) {
-          __m256 s = _mm256_mul_ps(_mm256_load_ps(qk[g]), kf[0]);
-          for (int v = 1; v < V; ++v) s = _mm256_fmadd_ps(_mm256_load_ps(qk[g] + v * 8), kf[v], s);
-          part[g][t] = s;
+    // Values as float32 rows, dequantized: codes times the token's scale (int8, fp8), or times
+    // each group's scale plus its minimum (KIVI).
+    for (int t = 0; t < count; ++t) {
+      __m256 x[V];
+      if (own) {
+        for (int v = 0; v < V; ++v) x[v] = load8(sv + t * L.heads * D + v * 8);
+      } else {
+        decode_codes<V>(L.format, vc + t * token_codes, x);
+        if (scaled) {
+          const __m256 sc = _mm256_set1_ps(_cvtsh_ss(L.v_scale[(block * bs + first + t) * L.heads + head]));
+          for (int v = 0; v < V; ++v) x[v] = _mm256_mul_ps(x[v], sc);
+        } else if (kivi) {
+          const int64_t meta = ((block * bs + first + t) * L.heads + head) * L.value_groups;
+          for (int v = 0; v < V; ++v) {
+            const int64_t c = meta + v * 8 / group_size;
+            x[v] = _mm256_fmadd_ps(x[v], _mm256_set1_ps(_cvtsh_ss(L.v_scale[c])), _mm256_set1_ps(_cvtsh_ss(L.v_min[c])));
+          }
         }
       }
-      __m256 token_scale = _mm256_set1_ps(1.0f);
-      if (!own && !kivi) {
-        alignas(16) uint16_t sc[8] = {};
-        for (int t = 0; t < n; ++t) sc[t] = L.k_scale[(block * bs + first + t0 + t) * L.heads + head];
-        token_scale = halves(sc);
-      }
-      for (int g = 0; g < G; ++g)
-        _mm256_store_ps(scores[g] + t0, _mm256_fmadd_ps(row_sums(part[g]), token_scale, _mm256_set1_ps(bias[g])));
+      for (int v = 0; v < V; ++v) _mm256_store_ps(rows[t] + v * 8, x[v]);
     }
-    // Online softmax over the block; lanes past `count` are masked out.
+    // Online softmax over the block, then the value sum; lanes past `count` are masked out.
     for (int g = 0; g < G; ++g) {
       __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
       for (int t = 0; t < count; t += 8) {
@@ -277,13 +311,13 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
         top8 = _mm256_max_ps(top8, _mm256_blendv_ps(top8, _mm256_load_ps(scores[g] + t), live));
       }
       const float best = std::max(m[g], hmax8(top8));
+      __m256 a[V];
+      for (int v = 0; v < V; ++v) a[v] = _mm256_load_ps(acc[g] + v * 8);
       if (best > m[g]) {
         const float c = exp_neg(m[g] - best);
         const __m256 correction = _mm256_set1_ps(c);
-        for (int v = 0; v < V; ++v)
-          _mm256_store_ps(acc[g] + v * 8, _mm256_mul_ps(_mm256_load_ps(acc[g] + v * 8), correction));
+        for (int v = 0; v < V; ++v) a[v] = _mm256_mul_ps(a[v], correction);
         l[g] *= c;
-        for (int k = 0; k < kMaxValueGroups; ++k) minsum[g][k] *= c;
         m[g] = best;
       }
       const __m256 top = _mm256_set1_ps(best);
@@ -295,54 +329,16 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
         total = _mm256_add_ps(total, p);
       }
       l[g] += hsum8(total);
-    }
-    // Values. int8/fp8: each probability times its token's scale.
-    if (!own && !kivi) {
-      for (int t = 0; t < count; t += 8) {
-        const int n = std::min(8, count - t);
-        alignas(16) uint16_t sc[8] = {};
-        for (int i = 0; i < n; ++i) sc[i] = L.v_scale[(block * bs + first + t + i) * L.heads + head];
-        const __m256 s = halves(sc);
-        for (int g = 0; g < G; ++g) _mm256_store_ps(weights[g] + t, _mm256_mul_ps(_mm256_load_ps(scores[g] + t), s));
+      for (int t = 0; t < count; ++t) {
+        const __m256 p = _mm256_set1_ps(scores[g][t]);
+        const float* r = rows[t];
+        for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(p, _mm256_load_ps(r + v * 8), a[v]);
       }
-    }
-    for (int t = 0; t < count; ++t) {
-      __m256 vf[V];
-      if (own) {
-        for (int v = 0; v < V; ++v) vf[v] = load8(sv + t * L.heads * D + v * 8);
-      } else {
-        decode_codes<V>(L.format, vc + t * token_codes, vf);
-      }
-      if (own || !kivi) {
-        for (int g = 0; g < G; ++g) {
-          const __m256 p = _mm256_set1_ps(own ? scores[g][t] : weights[g][t]);
-          for (int v = 0; v < V; ++v)
-            _mm256_store_ps(acc[g] + v * 8, _mm256_fmadd_ps(p, vf[v], _mm256_load_ps(acc[g] + v * 8)));
-        }
-        continue;
-      }
-      const int64_t meta = ((block * bs + first + t) * L.heads + head) * L.value_groups;
-      float vs[kMaxValueGroups], vm[kMaxValueGroups];
-      for (int64_t c = 0; c < L.value_groups; ++c) {
-        vs[c] = _cvtsh_ss(L.v_scale[meta + c]);
-        vm[c] = _cvtsh_ss(L.v_min[meta + c]);
-      }
-      for (int g = 0; g < G; ++g) {
-        const float p = scores[g][t];
-        for (int64_t c = 0; c < L.value_groups; ++c) minsum[g][c] += p * vm[c];
-        for (int v = 0; v < V; ++v) {
-          const __m256 w = _mm256_set1_ps(p * vs[v * 8 / group_size]);
-          _mm256_store_ps(acc[g] + v * 8, _mm256_fmadd_ps(w, vf[v], _mm256_load_ps(acc[g] + v * 8)));
-        }
-      }
+      for (int v = 0; v < V; ++v) _mm256_store_ps(acc[g] + v * 8, a[v]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int v = 0; v < V; ++v) {
-      __m256 a = _mm256_load_ps(acc[g] + v * 8);
-      if (kivi) a = _mm256_add_ps(a, _mm256_set1_ps(minsum[g][v * 8 / group_size]));
-      _mm256_storeu_ps(acc_out + g * D + v * 8, a);
-    }
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_out + g * D + v * 8, _mm256_load_ps(acc[g] + v * 8));
     max_out[g] = m[g];
     sum_out[g] = l[g];
   }
@@ -417,7 +413,7 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
                                      std::optional<torch::Tensor> own_rows) {
   TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU with AVX2, FMA and F16C");
-  TORCH_CHECK(format >= kInt8 && format <= kInt2, "unknown quantized KV format ", format);
+  TORCH_CHECK(format >= kBf16 && format <= kInt2, "unknown quantized KV format ", format);
   TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "q must be bfloat16 or float32");
   const int64_t heads = q.size(1), group = q.size(2), dim = q.size(3);
@@ -429,11 +425,18 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
   const int64_t block_size = k_codes.size(1);
   TORCH_CHECK(block_size <= 64 && partition > 0 && partition % block_size == 0,
               "block size <= 64 and partition a multiple of it");
-  const int64_t code_bytes = kivi ? dim * (format == kInt4 ? 4 : 2) / 8 : dim;
-  TORCH_CHECK(k_codes.size(3) == code_bytes, "codes have ", k_codes.size(3), " bytes per head, expected ", code_bytes);
-  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf, "scales must be float16");
+  const bool dense = format == kBf16;
+  const int64_t code_bytes = kivi ? dim * (format == kInt4 ? 4 : 2) / 8 : dense ? 2 * dim : dim;
+  TORCH_CHECK(k_codes.size(3) * k_codes.element_size() == code_bytes, "codes have ",
+              k_codes.size(3) * k_codes.element_size(), " bytes per head, expected ", code_bytes);
+  TORCH_CHECK(!dense || (k_codes.scalar_type() == torch::kBFloat16 && v_codes.scalar_type() == torch::kBFloat16),
+              "a dense cache must be bfloat16");
+  TORCH_CHECK(dense || (k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf),
+              "scales must be float16");
   int64_t value_groups = 1;
-  if (kivi) {
+  if (dense) {
+    // no scales
+  } else if (kivi) {
     TORCH_CHECK(k_min.has_value() && v_min.has_value(), "int4/int2 need key and value minimums");
     TORCH_CHECK(k_scale.dim() == 3 && k_scale.size(1) == heads && k_scale.size(2) == dim, "key scales must be [blocks, heads, dim]");
     TORCH_CHECK(k_min->sizes() == k_scale.sizes() && v_min->sizes() == v_scale.sizes(), "minimums must match scales");
