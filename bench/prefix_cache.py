@@ -10,6 +10,7 @@ All prompts are real text from --corpus (default: the excerpt in tests/data). Me
 --repeats runs; on and off runs are interleaved so drift hits both alike.
 
     python bench/prefix_cache.py [--corpus ../shared/data/austen_all.txt] [--dtype bfloat16]
+    python bench/prefix_cache.py --only-ttft --kv-cache-dtype int8 --json bench/results/prefix_cache_int8.json
 """
 
 from __future__ import annotations
@@ -123,13 +124,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--corpus", default=str(ROOT / "tests" / "data" / "austen_excerpt.txt"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype of both engines")
+    parser.add_argument("--only-ttft", action="store_true", help="measure part 1 only")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "prefix_cache.json"))
     args = parser.parse_args()
     systems = {
-        on: LLM(args.model, dtype=args.dtype, enable_prefix_caching=on, kv_cache_memory_gb=1.0) for on in (True, False)
+        on: LLM(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=on,
+            kv_cache_memory_gb=1.0,
+        )
+        for on in (True, False)
     }
     corpus = Corpus(systems[True], Path(args.corpus))
-    report = {"dtype": args.dtype, "corpus": args.corpus}
+    report = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "corpus": args.corpus}
 
     report["ttft"] = cached_ttft(systems[True], corpus, args.repeats)
     t = report["ttft"]
@@ -138,6 +148,10 @@ def main() -> None:
         f"-> {t['speedup']:.1f}x (target >= 15x)",
         flush=True,
     )
+    if args.only_ttft:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+        return
 
     system_tokens = corpus.take(600)
     chat = {on: chat_workload(systems[on], corpus, system_tokens) for on in (True, False)}

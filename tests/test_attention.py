@@ -61,11 +61,14 @@ def _step(seqs: list[tuple[int, int]], num_blocks: int = 64, shared: dict[int, l
         [(8, 5)],  # prefill continuing a cached prefix
         [(7, 1), (0, 6), (10, 3), (2, 1)][:3],  # a mixed step
         [(8, 40), (0, 45)],  # chunks long enough for padded queries and keys
+        # cached prefixes of whole KEY_PAD units and more: those keys are attended without a mask
+        [(64, 5), (130, 40), (200, 1)],
+        [(256, 70)],
     ],
 )
 def test_fast_path_matches_reference(seqs):
     seqs = sorted(seqs, key=lambda s: s[1] > 1)
-    q, k, v, k_cache, v_cache, meta, step = _step(seqs)
+    q, k, v, k_cache, v_cache, meta, step = _step(seqs, num_blocks=256)
     scale = DIM**-0.5
     got = paged_attention(q, k, v, k_cache, v_cache, meta, step, scale)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -225,3 +225,24 @@ def test_the_default_configuration_attends_quantized_kv_natively(kernel):
     storage = llm.engine.runner.storage
     assert storage.kind("kivi").attend_rows
     assert {layer.native_format for layer in storage.layers} == {NATIVE_FORMATS["int4"]}
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_quantized_kv_greedy_answer_is_the_same_alone_and_batched(kernel, kv):
+    # Every token attends by rows through the native kernel, and the packed weights' kernels give
+    # a row the same bits at any row count: the answer and its logprobs do not depend on the batch.
+    llm = LLM(kv_cache_dtype=kv, max_num_batched_tokens=96, num_gpu_blocks=256, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+
+    def answers(prompts):
+        return [
+            (o.outputs[0].token_ids, [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in llm.generate(prompts, params)
+        ]
+
+    chat = [
+        llm.render_chat([{"role": "user", "content": f"Tell story {i} about a {'big ' * 9 * i}dog."}]) for i in range(4)
+    ]
+    alone = answers(chat[:1])[0]
+    mixed = answers(chat[1:3] + chat[:1] + chat[3:] + chat[:1])
+    assert mixed[2] == alone and mixed[-1] == alone
