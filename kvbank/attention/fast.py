@@ -62,7 +62,10 @@ def row_tables(spans: list[tuple[int, int, list[int]]], block_size: int, device:
 
 class Avx2DenseDecode:
     """Decodes over a dense bfloat16 cache through the quantized kernel's AVX2 path (format 0),
-    for CPUs without AVX-512 BF16; same call as the native module's paged_decode_attention."""
+    for CPUs without AVX-512 BF16; same call as the native module's paged_decode_attention.
+
+    Not the engine's default yet: its decodes would round differently from the flash kernel that
+    prefills there, and recomputing a preempted sequence must give the tokens it had."""
 
     def __init__(self, module) -> None:
         self.module = module
@@ -235,52 +238,11 @@ def paged_attention(
             table = _cover(chunk.block_table, -(-width // k_cache.shape[1])).unsqueeze(0)
             keys = _gather_blocks(k_cache, table)[:, :, :width]
             values = _gather_blocks(v_cache, table)[:, :, :width]
-            split = _unmasked_prefix(chunk.context_start, k_cache.shape[1], q.device)
-            if split:
-                attended = _prefix_then_rest(queries, keys, values, mask, split, group, scale)
-            else:
-                attended = F.scaled_dot_product_attention(
-                    queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1
-                )
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1
+            )
         out[chunk.start : chunk.end] = attended.squeeze(0)[:, :n].transpose(0, 1)
     return out
-
-
-def _unmasked_prefix(context_start: int, block_size: int, device: torch.device) -> int:
-    """How many leading cached keys a continued prefill chunk attends without a mask: every new
-    token sees all of them. Whole KEY_PAD units (so shapes stay few), on CPU, where the flash
-    kernel returns the log-sum-exp that merging needs."""
-    if device.type != "cpu" or _flash_with_lse is None:
-        return 0
-    unit = padded_length(KEY_PAD, block_size)
-    return context_start // unit * unit
-
-
-def _prefix_then_rest(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    split: int,
-    group: int,
-    scale: float,
-) -> torch.Tensor:
-    """A continued prefill chunk's attention (queries [1, heads, rows, dim]; keys/values
-    [1, kv_heads, width, dim]) as two calls merged by log-sum-exp: the first `split` cached keys
-    without a mask, the rest (the chunk's own tokens among them) with its part of the mask."""
-    if group > 1:  # the kernel wants as many K/V heads as query heads
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    head_out, head_lse = _flash_with_lse(queries, keys[:, :, :split], values[:, :, :split], 0.0, False, scale=scale)[:2]
-    tail_out, tail_lse = _flash_with_lse(
-        queries, keys[:, :, split:], values[:, :, split:], 0.0, False, attn_mask=mask[..., split:], scale=scale
-    )[:2]
-    # Padding rows see no key of the tail (nor do they matter): keep their weight there at 0.
-    tail_lse = tail_lse.masked_fill(torch.isinf(mask[..., split:]).all(dim=-1).expand(tail_lse.shape), float("-inf"))
-    total = torch.logaddexp(head_lse, tail_lse)
-    merged = head_out.float() * (head_lse - total).exp().unsqueeze(-1) + tail_out.float() * (
-        tail_lse - total
-    ).exp().unsqueeze(-1)
-    return merged.to(queries.dtype)
 
 
 def _attend_rows(

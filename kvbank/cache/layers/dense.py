@@ -14,7 +14,6 @@ from kvbank.attention.fast import (
     DenseStep,
     ScoreJob,
     accumulate_scores,
-    avx2_dense_decode,
     cascade_available,
     chunk_visibility,
     native_decode_kernel,
@@ -69,14 +68,12 @@ class DenseKind(KVKind):
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
         self.layers = [DenseLayer(spec, self.name, i) for i in range(len(codecs))]
-        shape = (spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
-        self.decode_kernel = native_decode_kernel(*shape)
+        self.decode_kernel = native_decode_kernel(
+            spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size
+        )
+        self.cascade = self.decode_kernel is None and cascade_available(spec.device)
         #: every token, prefill or decode, is attended by the decode kernel (batch invariance)
         self.attend_rows = spec.batch_invariant and self.decode_kernel is not None
-        if self.decode_kernel is None:
-            # no AVX-512 BF16: decodes (only) through the AVX2 kernel, where it runs
-            self.decode_kernel = avx2_dense_decode(*shape)
-        self.cascade = self.decode_kernel is None and cascade_available(spec.device)
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> DenseStep:
         step = self._row_step(steps) if self.attend_rows else self._batched_step(steps)
