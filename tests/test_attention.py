@@ -178,18 +178,28 @@ def test_native_decode_kernel_rejects_bad_input_by_name(native):
         native.paged_decode_attention(q, cache, cache, tables.int(), lens, 1.0, 256)
 
 
-def test_decodes_over_a_bf16_cache_through_the_avx2_kernel_match_the_reference(native):
-    # CPUs without AVX-512 BF16 decode a dense bfloat16 cache through the quantized kernel's AVX2 path.
-    cpu = torch.device("cpu")
-    kernel = fast.avx2_dense_decode(cpu, torch.bfloat16, 9, 3, 64, 16)
-    assert (kernel is not None) == native.has_quant_decode()
-    if kernel is None:
+def test_the_quantized_kernel_reads_a_bf16_cache_as_format_0(native):
+    # The AVX2 kernel's dense bfloat16 format: the same attention as the reference.
+    if not native.has_quant_decode():
         pytest.skip("this CPU lacks AVX2/FMA/F16C")
-    assert fast.avx2_dense_decode(cpu, torch.float32, 9, 3, 64, 16) is None
     q, k, v, k_cache, v_cache, meta, _ = _step([(40, 1), (300, 1), (0, 1)], num_blocks=160)
-    expanded = [x.to(torch.bfloat16).repeat_interleave(8, dim=-1) for x in (q, k, v, k_cache, v_cache)]
-    q, k, v, k_cache, v_cache = expanded  # head dim 64
-    got = paged_attention(q, k, v, k_cache, v_cache, meta, DenseStep(kernel, []), 0.125)
+    q, k_cache, v_cache = [x.to(torch.bfloat16).repeat_interleave(8, dim=-1) for x in (q, k_cache, v_cache)]
+    n, heads, dim = q.shape
+    none = torch.empty(0, dtype=torch.float16)
+    got = native.quant_decode_attention(
+        q.view(n, KV_HEADS, heads // KV_HEADS, dim),
+        0,
+        k_cache,
+        none,
+        None,
+        v_cache,
+        none,
+        None,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        0.125,
+        256,
+    ).view(n, heads, dim)
     ref = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 

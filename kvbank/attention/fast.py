@@ -60,36 +60,6 @@ def row_tables(spans: list[tuple[int, int, list[int]]], block_size: int, device:
     return per_seq.index_select(0, owner).to(device), lens.to(device)
 
 
-class Avx2DenseDecode:
-    """Decodes over a dense bfloat16 cache through the quantized kernel's AVX2 path (format 0),
-    for CPUs without AVX-512 BF16; same call as the native module's paged_decode_attention.
-
-    Not the engine's default yet: its decodes would round differently from the flash kernel that
-    prefills there, and recomputing a preempted sequence must give the tokens it had."""
-
-    def __init__(self, module) -> None:
-        self.module = module
-        self.no_scale = torch.empty(0, dtype=torch.float16)
-
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, partition):
-        s = self.no_scale
-        return self.module.quant_decode_attention(
-            q, 0, k_cache, s, None, v_cache, s, None, block_tables, context_lens, scale, partition
-        )
-
-
-def avx2_dense_decode(
-    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
-) -> Avx2DenseDecode | None:
-    """The AVX2 decode path for a dense bfloat16 cache, where the kernel runs, else None."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or num_heads % num_kv_heads:
-        return None
-    if num_heads // num_kv_heads > 8 or head_dim not in (64, 128) or block_size > 64 or DECODE_PARTITION % block_size:
-        return None
-    module = kernels.native()
-    return Avx2DenseDecode(module) if module is not None and module.has_quant_decode() else None
-
-
 @dataclass
 class ScoreJob:
     """Attention of batch rows `rows` (at cache slots `row_slots`) over their sequence's slots
