@@ -125,6 +125,64 @@ def test_bad_arguments_are_refused_with_the_numbers(kernel):
         kernel.quant_decode_attention(q, 4, *args, tables, lens, 0.125, DECODE_PARTITION)
 
 
+PER_TOKEN = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def _write_inputs(dtype, dim, seed):
+    # magnitudes from 1e-8 to 1e4 (fp8 subnormal codes included), zeros, a row of one outlier
+    # beside tiny values, and exact ties between neighbouring codes (rounding must go to even)
+    torch.manual_seed(seed)
+    n, heads = 200, 3
+    x = torch.randn(n, heads, dim) * torch.logspace(-8, 4, n).view(n, 1, 1)
+    x[0] = 0
+    x[1, :, 0], x[1, :, 1:] = 1e3, torch.randn(heads, dim - 1) * 1e-3
+    ties = torch.tensor([0.5, 1.5, 2.5, -2.5, 1.0625, 1.1875, 3.25, 0.0078125 * 1.5, 0.001953125 * 0.5])
+    x[2, :, :] = ties.repeat(dim // len(ties) + 1)[:dim]
+    x[2, :, -1] = 448.0  # a scale of exactly 1 for e4m3, so the ties above reach the rounding as they are
+    x[3, :, :] = ties.repeat(dim // len(ties) + 1)[:dim]
+    x[3, :, -1] = 127.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("kv", PER_TOKEN)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype):
+    codec = codecs_for(kv, dtype)[0]
+    for dim, seed in ((64, 0), (128, 1), (16, 2)):
+        x = _write_inputs(dtype, dim, seed)
+        blocks, block = 30, 16
+        # rows strided as the fused projection leaves them (k is a view into q|k|v)
+        fused = torch.zeros(x.shape[0], 5 * x.shape[1] * dim, dtype=dtype)
+        strided = fused[:, dim : dim + x.shape[1] * dim].view_as(x)
+        strided.copy_(x)
+        slots = torch.randperm(blocks * block)[: x.shape[0]]
+        component = codec.components(block, x.shape[1], dim)
+        codes = torch.full((blocks, *component["codes"][0]), 77, dtype=component["codes"][1])
+        scale = torch.zeros(blocks, *component["scale"][0], dtype=torch.float16)
+        kernel.quant_write_tokens(strided, NATIVE_FORMATS[kv], codes, scale, slots)
+        expected = codec.quantize(x)
+        assert torch.equal(codes.view(-1, *codes.shape[2:])[slots], expected["codes"]), (kv, dtype, dim)
+        got_scale = scale.view(-1, x.shape[1])[slots]
+        assert torch.equal(got_scale.view(torch.int16), expected["scale"].view(torch.int16)), (kv, dtype, dim)
+        untouched = torch.ones(blocks * block, dtype=torch.bool)
+        untouched[slots] = False
+        assert (codes.view(blocks * block, -1)[untouched] == 77).all(), "a slot not written was changed"
+
+
+def test_bad_write_arguments_are_refused_with_the_numbers(kernel):
+    codes = torch.zeros(4, 16, 2, 64, dtype=torch.int8)
+    scale = torch.zeros(4, 16, 2, dtype=torch.float16)
+    x = torch.randn(3, 2, 64)
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache's 64 slots"):
+        kernel.quant_write_tokens(x, 1, codes, scale, torch.tensor([0, 64, 1]))
+    with pytest.raises(RuntimeError, match="got format 4"):
+        kernel.quant_write_tokens(x, 4, codes, scale, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match=r"slots must be int64 \[3\]"):
+        kernel.quant_write_tokens(x, 1, codes, scale, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="codes must be one byte each"):
+        kernel.quant_write_tokens(torch.randn(3, 3, 64), 1, codes, scale, torch.tensor([0, 1, 2]))
+
+
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0))
     return [

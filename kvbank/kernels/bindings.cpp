@@ -51,6 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention read in place from a quantized paged cache (format 0 bfloat16 dense, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
         "4 int4, 5 int2); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
         "row, or -1)");
+  m.def("quant_write_tokens", &quant_write_tokens, py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"),
+        py::arg("slots"),
+        "Quantize tokens [n, heads, dim] per token and head (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2) into the cache's "
+        "codes and float16 scales at their slots, bit for bit as the codecs do");
   m.def("has_quant_decode", &has_quant_decode, "Whether this CPU runs the quantized decode attention (AVX2, FMA, F16C)");
   m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether this CPU runs the AVX-512 bfloat16 path");
 }

@@ -55,6 +55,7 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
                                      std::optional<torch::Tensor> own_rows);
+void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots);
 bool has_quant_decode();
 
 // layers.cpp

@@ -100,21 +100,21 @@ KVBANK_AVX2_F16C inline __m256i bytes8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// 8 fp8 codes to float32, exactly. The sign, exponent and mantissa bits move into a float32 with
-// the exponent rebiased; a subnormal code (exponent 0) then reads +-2^-bias (1 + m), and
-// 2f -+ 2^(1-bias) is its value.
-template <int MantBits, int Bias>
+// 8 fp8 codes to float32 through float16, exactly. e5m2 is float16's top byte; e4m3's exponent
+// and mantissa bits, moved into a float16, read its value times 2^-8 (subnormals included: both
+// formats' subnormals land on float16 numbers), which the token's scale undoes (kFp8E4M3Unit).
+template <bool E4M3>
 KVBANK_AVX2_F16C inline __m256 fp8_to_f32(const uint8_t* p) {
-  const __m256i c = bytes8(p);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-  const __m256i body = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), 23 - MantBits);
-  const __m256i bits = _mm256_or_si256(_mm256_add_epi32(body, _mm256_set1_epi32((127 - Bias) << 23)), sign);
-  const __m256 f = _mm256_castsi256_ps(bits);
-  const __m256i exponent = _mm256_and_si256(c, _mm256_set1_epi32(0x7F & ~((1 << MantBits) - 1)));
-  const __m256 sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()));
-  const __m256 lowest = _mm256_castsi256_ps(_mm256_or_si256(_mm256_set1_epi32((128 - Bias) << 23), sign));
-  return _mm256_blendv_ps(f, _mm256_fmsub_ps(f, _mm256_set1_ps(2.0f), lowest), sub);
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (E4M3) {
+    const __m128i body = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(body, sign));
+  } else {
+    return _mm256_cvtph_ps(_mm_slli_epi16(c, 8));
+  }
 }
+constexpr float kFp8E4M3Unit = 256.0f;
 
 // Row sums of 8 vectors: lane t of the result is the sum of v[t]'s lanes.
 KVBANK_AVX2_F16C inline __m256 row_sums(const __m256* v) {
@@ -146,10 +146,10 @@ KVBANK_AVX2_F16C inline void decode_codes(int64_t format, const uint8_t* p, __m2
         out[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + v * 8))));
       break;
     case kFp8E4M3:
-      for (int v = 0; v < V; ++v) out[v] = fp8_to_f32<3, 7>(p + v * 8);
+      for (int v = 0; v < V; ++v) out[v] = fp8_to_f32<true>(p + v * 8);
       break;
     case kFp8E5M2:
-      for (int v = 0; v < V; ++v) out[v] = fp8_to_f32<2, 15>(p + v * 8);
+      for (int v = 0; v < V; ++v) out[v] = fp8_to_f32<false>(p + v * 8);
       break;
     case kInt4: {
       // planar: byte i holds channel i (low nibble) and channel i + D/2 (high nibble)
@@ -185,6 +185,7 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
   const int64_t bs = L.block_size;
   const bool kivi = L.format == kInt4 || L.format == kInt2;
   const bool scaled = !kivi && L.format != kBf16;  // one scale per token and head
+  const __m256 unit = _mm256_set1_ps(L.format == kFp8E4M3 ? kFp8E4M3Unit : 1.0f);  // exact: a power of two
   alignas(32) float qs[G][D];
   alignas(32) float acc[G][D];
   float m[G], l[G];
@@ -239,7 +240,7 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
       for (int t = 0; t < count; t += 8) {
         alignas(16) uint16_t sc[8] = {};
         for (int i = 0; i < std::min(8, count - t); ++i) sc[i] = L.k_scale[(block * bs + first + t + i) * L.heads + head];
-        _mm256_store_ps(token_scale + t, halves(sc));
+        _mm256_store_ps(token_scale + t, _mm256_mul_ps(halves(sc), unit));
       }
     }
     const bool folded = kivi && !own;
@@ -291,7 +292,8 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
       } else {
         decode_codes<V>(L.format, vc + t * token_codes, x);
         if (scaled) {
-          const __m256 sc = _mm256_set1_ps(_cvtsh_ss(L.v_scale[(block * bs + first + t) * L.heads + head]));
+          const __m256 sc =
+              _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(L.v_scale[(block * bs + first + t) * L.heads + head])), unit);
           for (int v = 0; v < V; ++v) x[v] = _mm256_mul_ps(x[v], sc);
         } else if (kivi) {
           const int64_t meta = ((block * bs + first + t) * L.heads + head) * L.value_groups;
@@ -388,6 +390,99 @@ void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tens
   T* o_p = out.data_ptr<T>();
   at::parallel_for(0, partials.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) partials.merge(pair, o_p);
+  });
+}
+
+// --- The write side: per-token quantization at the step's slots (int8, fp8 e4m3 / e5m2). ---
+// Bit for bit PerTokenInt8 / PerTokenFP8.quantize: the float16 scale of amax / top (never zero,
+// rounded up when rounding to nearest went down, so no code clips), codes x / scale rounded to
+// nearest even (int8) or converted to fp8 by round to nearest even with fp8's subnormals, as
+// PyTorch's float -> float8 conversion does.
+
+// 8 int32 lanes (each a byte's value) stored as 8 bytes.
+template <bool Signed>
+KVBANK_AVX2_F16C inline void store_bytes8(__m256i v, uint8_t* out) {
+  const __m256i w = Signed ? _mm256_packs_epi32(v, v) : _mm256_packus_epi32(v, v);
+  const __m256i b = Signed ? _mm256_packs_epi16(w, w) : _mm256_packus_epi16(w, w);
+  const uint32_t lo = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(b)));
+  const uint32_t hi = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(b, 1)));
+  std::memcpy(out, &lo, 4);
+  std::memcpy(out + 4, &hi, 4);
+}
+
+// float32 -> fp8 codes, round to nearest even. Normal results: rebias the exponent and round
+// the mantissa by adding half an fp8 ulp (minus one when the kept mantissa is even). Below the
+// smallest normal: adding 2^(denormal exponent) lets the float adder round at fp8's subnormal
+// step. At or past the overflow threshold: e4m3's NaN, e5m2's infinity (or NaN).
+template <bool E4M3>
+KVBANK_AVX2_F16C inline __m256i f32_to_fp8(__m256 y) {
+  constexpr int kMant = E4M3 ? 3 : 2;
+  constexpr int kBias = E4M3 ? 7 : 15;
+  constexpr int kShift = 23 - kMant;
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i a = _mm256_xor_si256(bits, sign);
+  // normal
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, kShift), _mm256_set1_epi32(1));
+  __m256i normal = _mm256_add_epi32(a, _mm256_set1_epi32(static_cast<int>((static_cast<uint32_t>(kBias - 127) << 23) +
+                                                                          ((1u << (kShift - 1)) - 1))));
+  normal = _mm256_srli_epi32(_mm256_add_epi32(normal, odd), kShift);
+  // subnormal (and zero)
+  const __m256i denorm = _mm256_set1_epi32((151 - kBias - kMant) << 23);  // 2^(23 + smallest subnormal's exponent)
+  const __m256 shifted = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(denorm));
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(shifted), denorm);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((128 - kBias) << 23), a);
+  __m256i r = _mm256_blendv_epi8(normal, sub, is_sub);
+  // overflow, infinities, NaN
+  const uint32_t limit = E4M3 ? (1087u << 20) : (143u << 23);
+  const __m256i over = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(static_cast<int>(limit - 1)));
+  __m256i special = _mm256_set1_epi32(E4M3 ? 0x7F : 0x7C);
+  if constexpr (!E4M3) {
+    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    special = _mm256_blendv_epi8(special, _mm256_set1_epi32(0x7F), nan);
+  }
+  r = _mm256_blendv_epi8(r, special, over);
+  return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+}
+
+template <typename T>
+KVBANK_AVX2_F16C void quantize_head(int64_t format, const T* x, int64_t dim, uint8_t* codes, uint16_t* scale_out) {
+  const float top = format == kInt8 ? 127.0f : format == kFp8E4M3 ? 448.0f : 57344.0f;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 peak = _mm256_setzero_ps();
+  for (int64_t c = 0; c < dim; c += 8) peak = _mm256_max_ps(peak, _mm256_and_ps(load8(x + c), magnitude));
+  float wanted = hmax8(peak) / top;
+  if (wanted < 0x1p-24f) wanted = 0x1p-24f;
+  uint16_t h = _cvtss_sh(wanted, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  if (_cvtsh_ss(h) < wanted) ++h;  // the next float16 up (wanted is positive)
+  *scale_out = h;
+  const __m256 exact = _mm256_set1_ps(_cvtsh_ss(h));
+  const __m256 hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
+  for (int64_t c = 0; c < dim; c += 8) {
+    const __m256 y = _mm256_div_ps(load8(x + c), exact);
+    if (format == kInt8) {
+      const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      store_bytes8<true>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)), codes + c);
+    } else {
+      const __m256 clamped = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
+      store_bytes8<false>(format == kFp8E4M3 ? f32_to_fp8<true>(clamped) : f32_to_fp8<false>(clamped), codes + c);
+    }
+  }
+}
+
+template <typename T>
+void quant_write(int64_t format, const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scale,
+                 const torch::Tensor& slots) {
+  const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2), stride = x.stride(0);
+  const T* x_p = x.data_ptr<T>();
+  uint8_t* c_p = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  uint16_t* s_p = reinterpret_cast<uint16_t*>(scale.data_ptr());
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n * heads, 64, [&](int64_t from, int64_t to) {
+    for (int64_t r = from; r < to; ++r) {
+      const int64_t i = r / heads, h = r % heads, slot = slot_p[i];
+      quantize_head(format, x_p + i * stride + h * dim, dim, c_p + (slot * heads + h) * dim, s_p + slot * heads + h);
+    }
   });
 }
 #endif
@@ -499,4 +594,36 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
   }
 #endif
   return out;
+}
+
+void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots) {
+  TORCH_CHECK(has_quant_decode(), "quantized KV writes need an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(format == kInt8 || format == kFp8E4M3 || format == kFp8E5M2,
+              "per-token quantized writes are int8 (1), fp8_e4m3 (2) or fp8_e5m2 (3), got format ", format);
+  TORCH_CHECK(x.dim() == 3, "x must be [tokens, heads, dim], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat, "x must be bfloat16 or float32");
+  const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(dim % 8 == 0, "head dim must be a multiple of 8, got ", dim);
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == heads && codes.size(3) == dim && codes.element_size() == 1,
+              "codes must be one byte each, [blocks, block_size, ", heads, ", ", dim, "], got ", codes.sizes());
+  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.dim() == 3 && scale.size(0) == codes.size(0) &&
+                  scale.size(1) == codes.size(1) && scale.size(2) == heads,
+              "scales must be float16 [blocks, block_size, heads], got ", scale.sizes());
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == n,
+              "slots must be int64 [", n, "], got ", slots.sizes());
+  // Rows may be strided (k and v are views into the fused projection); each token's heads are dense.
+  if (x.stride(2) != 1 || x.stride(1) != dim) x = x.contiguous();
+  slots = slots.contiguous();
+  const int64_t capacity = codes.size(0) * codes.size(1);
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(slot_p[i] >= 0 && slot_p[i] < capacity, "slot ", slot_p[i], " is outside the cache's ", capacity, " slots");
+#ifdef KVBANK_X86
+  if (x.scalar_type() == torch::kBFloat16) {
+    quant_write<c10::BFloat16>(format, x, codes, scale, slots);
+  } else {
+    quant_write<float>(format, x, codes, scale, slots);
+  }
+#endif
 }

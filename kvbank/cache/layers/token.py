@@ -17,6 +17,9 @@ from kvbank.attention.quantized import (
 from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
 from kvbank.cache.quant import CodecPair
 
+#: the formats whose writes are native too (per-token int8 and fp8)
+NATIVE_WRITES = (NATIVE_FORMATS["int8"], NATIVE_FORMATS["fp8_e4m3"], NATIVE_FORMATS["fp8_e5m2"])
+
 
 class CodecLayer:
     """K and V stored through codecs: a dict of tensors per side, each [num_blocks, *component]."""
@@ -67,6 +70,11 @@ class TokenLayer(CodecLayer):
     """A layer whose tokens are quantized one by one at their slots."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self.native_format in NATIVE_WRITES:
+            # One native pass per side, bit for bit the codec's quantize (tests/test_quant_attention.py).
+            for side, x in zip(self.sides, (k, v)):
+                self.native.quant_write_tokens(x, self.native_format, side["codes"], side["scale"], meta.slot_mapping)
+            return
         for codec, side, x in zip(self.codecs, self.sides, (k, v)):
             for name, value in codec.quantize(x).items():
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, meta.slot_mapping, value)
