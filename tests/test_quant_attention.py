@@ -304,3 +304,30 @@ def test_quantized_kv_greedy_answer_is_the_same_alone_and_batched(kernel, kv):
     alone = answers(chat[:1])[0]
     mixed = answers(chat[1:3] + chat[:1] + chat[3:] + chat[:1])
     assert mixed[2] == alone and mixed[-1] == alone
+
+
+@pytest.mark.parametrize("kv", PER_TOKEN)
+def test_the_one_call_decoder_stack_on_quantized_kv_gives_the_layer_by_layer_bits(kernel, kv, monkeypatch):
+    # int8/fp8 caches in the default configuration: a whole step runs as one native call that
+    # quantizes each new K/V row at its slot and attends the codes in place; switched off, the
+    # layer-by-layer path (native writes, the kernel by rows) gives the same tokens and logprobs.
+    llm = LLM(kv_cache_dtype=kv, max_num_batched_tokens=96, num_gpu_blocks=256, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if model.layers[0].native is None:
+        pytest.skip("the model does not run on the integer kernels here")
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
+
+    def answers(prompts):
+        return [
+            (o.outputs[0].token_ids, [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in llm.generate(prompts, params)
+        ]
+
+    prompts = [llm.render_chat([{"role": "user", "content": f"Name {i + 2} {'old ' * 5 * i}rivers."}]) for i in range(3)]
+    steps = []
+    stack = type(model)._stack_attention
+    monkeypatch.setattr(type(model), "_stack_attention", lambda *args: steps.append(stack(*args)) or steps[-1])
+    fused = answers(prompts)
+    assert any(s is not None for s in steps), "the stack never ran"
+    monkeypatch.setattr(type(model), "_stack_attention", lambda *args: None)
+    assert answers(prompts) == fused

@@ -42,8 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &QuantStack::num_layers)
       .def("forward", &QuantStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
-           py::arg("scale"), py::arg("partition"),
-           "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual");
+           py::arg("scale"), py::arg("partition"), py::arg("format") = 0,
+           py::arg("k_scales") = std::vector<torch::Tensor>(), py::arg("v_scales") = std::vector<torch::Tensor>(),
+           "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual. "
+           "format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: codes as k/v caches with their float16 scales");
   m.def("quant_decode_attention", &quant_decode_attention, py::arg("q"), py::arg("format"), py::arg("k_codes"),
         py::arg("k_scale"), py::arg("k_min"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_min"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),

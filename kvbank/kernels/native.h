@@ -83,7 +83,8 @@ class QuantStack {
   int64_t num_layers() const;
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                         std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                        torch::Tensor context_lens, double scale, int64_t partition);
+                        torch::Tensor context_lens, double scale, int64_t partition, int64_t format,
+                        std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales);
 
  private:
   std::vector<torch::Tensor> weights_;

@@ -706,7 +706,8 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int threads) {
 // qlayer_mlp), so the two give the same bits.
 torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                                   std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-                                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t partition) {
+                                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t partition,
+                                  int64_t format, std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales) {
   using T = c10::BFloat16;
   const int64_t layers = num_layers();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
@@ -733,15 +734,37 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   const int64_t inter = w[2].out_features / 2;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  // format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: per-token codes and float16 scales
+  // (quant_decode.cpp), quantized as they are written and attended in place.
+  const bool quantized = format != 0;
+  TORCH_CHECK(format >= 0 && format <= 3, "the stack's caches are bfloat16 (0), int8 (1) or fp8 (2, 3), got ", format);
+  TORCH_CHECK(!quantized || (has_quant_decode() && (head_dim_ == 64 || head_dim_ == 128) && group <= 8),
+              "quantized caches in the stack need AVX2, FMA and F16C, head dim 64 or 128 and at most 8 query heads per "
+              "KV head");
+  TORCH_CHECK(!quantized || (static_cast<int64_t>(k_scales.size()) == layers &&
+                             static_cast<int64_t>(v_scales.size()) == layers),
+              "quantized caches need one K and one V scale tensor per layer: ", layers);
   for (int64_t l = 0; l < layers; ++l) {
     const auto& k = k_caches[l];
     const auto& v = v_caches[l];
-    TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == torch::kBFloat16 &&
-                    v.scalar_type() == torch::kBFloat16 && k.dim() == 4 && k.size(2) == num_kv_heads_ &&
-                    k.size(3) == head_dim_ && v.sizes() == k.sizes() && k.size(1) <= kMaxBlock &&
-                    partition % k.size(1) == 0,
-                "layer ", l, ": caches must be contiguous bfloat16 [blocks, block_size, ", num_kv_heads_, ", ", head_dim_,
-                "] with the partition a multiple of the block size");
+    if (quantized) {
+      TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.element_size() == 1 && v.element_size() == 1 &&
+                      k.dim() == 4 && k.size(2) == num_kv_heads_ && k.size(3) == head_dim_ && v.sizes() == k.sizes() &&
+                      k.size(1) <= 64 && partition % k.size(1) == 0,
+                  "layer ", l, ": quantized caches must be contiguous one-byte codes [blocks, block_size <= 64, ",
+                  num_kv_heads_, ", ", head_dim_, "] with the partition a multiple of the block size");
+      for (const auto* sc : {&k_scales[l], &v_scales[l]})
+        TORCH_CHECK(sc->is_contiguous() && sc->scalar_type() == torch::kHalf && sc->dim() == 3 &&
+                        sc->size(0) == k.size(0) && sc->size(1) == k.size(1) && sc->size(2) == num_kv_heads_,
+                    "layer ", l, ": scales must be contiguous float16 [blocks, block_size, ", num_kv_heads_, "]");
+    } else {
+      TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == torch::kBFloat16 &&
+                      v.scalar_type() == torch::kBFloat16 && k.dim() == 4 && k.size(2) == num_kv_heads_ &&
+                      k.size(3) == head_dim_ && v.sizes() == k.sizes() && k.size(1) <= kMaxBlock &&
+                      partition % k.size(1) == 0,
+                  "layer ", l, ": caches must be contiguous bfloat16 [blocks, block_size, ", num_kv_heads_, ", ",
+                  head_dim_, "] with the partition a multiple of the block size");
+    }
     const int64_t slots_total = k.size(0) * k.size(1);
     for (int64_t t = 0; t < tokens; ++t) {
       TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " is outside the cache's ", slots_total);
@@ -760,9 +783,29 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   const T* sin_p = sin.data_ptr<T>();
   const Isa isa = best_isa();
   const int threads = std::max(1, at::get_num_threads());
-  Bf16DecodeJob job(head_dim_, q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
-                    block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group, head_dim_,
-                    block_size, block_tables.size(1), scale, partition);
+  std::unique_ptr<Bf16DecodeJob> dense_job;
+#ifdef KVBANK_X86
+  std::unique_ptr<QuantJob<T>> quant_job;
+  std::vector<QuantLayer> quant_layers;
+#endif
+  if (!quantized) {
+    dense_job.reset(new Bf16DecodeJob(head_dim_, q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
+                                      block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group,
+                                      head_dim_, block_size, block_tables.size(1), scale, partition));
+  } else {
+#ifdef KVBANK_X86
+    quant_job.reset(new QuantJob<T>(q.data(), block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens,
+                                    num_kv_heads_, group, head_dim_, block_size, block_tables.size(1), scale,
+                                    partition));
+    for (int64_t l = 0; l < layers; ++l) {
+      quant_layers.push_back(QuantLayer{format, reinterpret_cast<const uint8_t*>(k_caches[l].data_ptr()),
+                                        reinterpret_cast<const uint16_t*>(k_scales[l].data_ptr()), nullptr,
+                                        reinterpret_cast<const uint8_t*>(v_caches[l].data_ptr()),
+                                        reinterpret_cast<const uint16_t*>(v_scales[l].data_ptr()), nullptr,
+                                        num_kv_heads_, head_dim_, block_size, head_dim_, 1, nullptr, nullptr, nullptr});
+    }
+#endif
+  }
 
   // A few rows: every thread quantizes all of them for itself (no barrier); more: each its share,
   // then a barrier. The values are the same either way.
@@ -815,8 +858,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const PackedWeight &wqkv = w[4 * l], &wo = w[4 * l + 1], &wgu = w[4 * l + 2], &wdown = w[4 * l + 3];
       const T* norm1 = norms_[2 * l].data_ptr<T>();
       const T* norm2 = norms_[2 * l + 1].data_ptr<T>();
-      T* kc = k_caches[l].data_ptr<T>();
-      T* vc = v_caches[l].data_ptr<T>();
+      T* kc = quantized ? nullptr : k_caches[l].data_ptr<T>();
+      T* vc = quantized ? nullptr : v_caches[l].data_ptr<T>();
       const int64_t width = wqkv.out_features;
       // residual += h (h alone in the first layer), normed, q/k/v. The row's owner stores the
       // residual once every thread has read it.
@@ -836,20 +879,55 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         store_rows(acc.data() + r * width, row, width);
         rope_rows(row, cos_p + r * head_dim_, sin_p + r * head_dim_, 1, num_heads_ + num_kv_heads_, head_dim_, width);
         if (r < tokens) {
-          std::memcpy(kc + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
-          std::memcpy(vc + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+          if (!quantized) {
+            std::memcpy(kc + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
+            std::memcpy(vc + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+          } else {
+#ifdef KVBANK_X86
+            // quantized at the slot as TokenLayer.write does (quant_write_tokens)
+            const QuantLayer& L = quant_layers[l];
+            auto* k_codes = const_cast<uint8_t*>(L.k_codes);
+            auto* v_codes = const_cast<uint8_t*>(L.v_codes);
+            auto* k_sc = const_cast<uint16_t*>(L.k_scale);
+            auto* v_sc = const_cast<uint16_t*>(L.v_scale);
+            for (int64_t hh = 0; hh < num_kv_heads_; ++hh) {
+              const int64_t at = slots[r] * num_kv_heads_ + hh;
+              quantize_head(format, row + q_size + hh * head_dim_, head_dim_, k_codes + at * head_dim_, k_sc + at);
+              quantize_head(format, row + q_size + kv_size + hh * head_dim_, head_dim_, v_codes + at * head_dim_,
+                            v_sc + at);
+            }
+#endif
+          }
           std::memcpy(q.data() + r * q_size, row, q_size * sizeof(T));
         }
       }
 #pragma omp barrier
-      {
-        const auto [i0, i1] = share(job.items(), tid, nt);
-        for (int64_t i = i0; i < i1; ++i) job.item(i, kc, vc);
+      if (!quantized) {
+        const auto [i0, i1] = share(dense_job->items(), tid, nt);
+        for (int64_t i = i0; i < i1; ++i) dense_job->item(i, kc, vc);
+      } else {
+#ifdef KVBANK_X86
+        const auto [i0, i1] = share(quant_job->items(), tid, nt);
+        for (int64_t i = i0; i < i1; ++i) quant_job->item(i, quant_layers[l]);
+#endif
       }
 #pragma omp barrier
       {
-        const auto [p0, p1] = share(job.pairs(), tid, nt);
-        for (int64_t p = p0; p < p1; ++p) job.merge(p);
+        int64_t pairs = 0;
+#ifdef KVBANK_X86
+        if (quantized) pairs = quant_job->pairs();
+#endif
+        if (!quantized) pairs = dense_job->pairs();
+        const auto [p0, p1] = share(pairs, tid, nt);
+        for (int64_t p = p0; p < p1; ++p) {
+          if (!quantized) {
+            dense_job->merge(p);
+          } else {
+#ifdef KVBANK_X86
+            quant_job->merge(p);
+#endif
+          }
+        }
       }
 #pragma omp barrier
       // The output projection, added to the residual; normed; gate/up.

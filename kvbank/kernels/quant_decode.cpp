@@ -107,9 +107,9 @@ template <bool E4M3>
 KVBANK_AVX2_F16C inline __m256 fp8_to_f32(const uint8_t* p) {
   const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   if constexpr (E4M3) {
-    const __m128i body = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7);
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(body, sign));
+    // shifted by 7 the sign lands on bit 14; adding that bit to itself carries it to bit 15
+    const __m128i t = _mm_slli_epi16(c, 7);
+    return _mm256_cvtph_ps(_mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000))));
   } else {
     return _mm256_cvtph_ps(_mm_slli_epi16(c, 8));
   }
@@ -365,31 +365,61 @@ QuantRange<T, D> quant_range_for(int64_t group) {
   }
 }
 
-template <typename T, int D>
+// One quantized decode attention over raw pointers, as Partials work items: the tensor entry
+// point and the fused decoder stack (qmatmul.cpp) run the same items and merges, so both give the
+// same bits. A layer's caches come with each item, so one job serves every layer of a step.
+template <typename T>
+struct QuantJob {
+  const T* q_p;
+  const int64_t *t_p, *lens_p;
+  T* o_p;
+  int64_t heads, group, dim, block_size, width;
+  float s;
+  QuantRange<T, 64> range64 = nullptr;
+  QuantRange<T, 128> range128 = nullptr;
+  Partials partials;
+
+  QuantJob(const T* q, const int64_t* tables, const int64_t* lens, T* out, int64_t n, int64_t heads_, int64_t group_,
+           int64_t dim_, int64_t block_size_, int64_t width_, double scale, int64_t partition)
+      : q_p(q), t_p(tables), lens_p(lens), o_p(out), heads(heads_), group(group_), dim(dim_), block_size(block_size_),
+        width(width_), s(static_cast<float>(scale)), partials(n, heads_, group_, dim_, lens, partition) {
+    if (dim == 64) range64 = quant_range_for<T, 64>(group);
+    if (dim == 128) range128 = quant_range_for<T, 128>(group);
+  }
+
+  int64_t items() const { return partials.items(); }
+  int64_t pairs() const { return partials.pairs(); }
+
+  void item(int64_t item, const QuantLayer& L) {
+    int64_t i, h, begin, end;
+    if (!partials.span(item, i, h, begin, end)) return;
+    const int64_t own_row = L.own_rows != nullptr ? L.own_rows[i] : -1;
+    const int64_t row = item * group;
+    const T* q_i = q_p + (i * heads + h) * group * dim;
+    float* acc = partials.acc.get() + row * dim;
+    float* maxes = partials.maxes.get() + row;
+    float* sums = partials.sums.get() + row;
+    const int64_t own_block = (lens_p[i] - 1) / block_size;
+    if (range64 != nullptr) {
+      range64(L, q_i, t_p + i * width, begin, end, h, own_block, own_row, s, acc, maxes, sums);
+    } else {
+      range128(L, q_i, t_p + i * width, begin, end, h, own_block, own_row, s, acc, maxes, sums);
+    }
+  }
+
+  void merge(int64_t pair) { partials.merge(pair, o_p); }
+};
+
+template <typename T>
 void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tensor& tables, const torch::Tensor& lens,
                   double scale, int64_t partition, torch::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), group = q.size(2);
-  const T* q_p = q.data_ptr<T>();
-  const int64_t* t_p = tables.data_ptr<int64_t>();
-  const int64_t* lens_p = lens.data_ptr<int64_t>();
-  const int64_t width = tables.size(1);
-  Partials partials(n, heads, group, D, lens_p, partition);
-  const auto range = quant_range_for<T, D>(group);
-  const float s = static_cast<float>(scale);
-  const int64_t bs = L.block_size;
-  at::parallel_for(0, partials.items(), 1, [&](int64_t from, int64_t to) {
-    for (int64_t item = from; item < to; ++item) {
-      int64_t i, h, begin, end;
-      if (!partials.span(item, i, h, begin, end)) continue;
-      const int64_t own_row = L.own_rows != nullptr ? L.own_rows[i] : -1;
-      const int64_t row = item * group;
-      range(L, q_p + (i * heads + h) * group * D, t_p + i * width, begin, end, h, (lens_p[i] - 1) / bs, own_row, s,
-            partials.acc.get() + row * D, partials.maxes.get() + row, partials.sums.get() + row);
-    }
+  QuantJob<T> job(q.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0),
+                  q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition);
+  at::parallel_for(0, job.items(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t item = from; item < to; ++item) job.item(item, L);
   });
-  T* o_p = out.data_ptr<T>();
-  at::parallel_for(0, partials.pairs(), 1, [&](int64_t from, int64_t to) {
-    for (int64_t pair = from; pair < to; ++pair) partials.merge(pair, o_p);
+  at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });
 }
 
@@ -584,13 +614,10 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                scratch ? sk.data_ptr() : nullptr,
                scratch ? sv.data_ptr() : nullptr,
                scratch ? own.data_ptr<int64_t>() : nullptr};
-  const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  if (dim == 64) {
-    bf16 ? quant_decode<c10::BFloat16, 64>(L, q, block_tables, context_lens, scale, partition, out)
-         : quant_decode<float, 64>(L, q, block_tables, context_lens, scale, partition, out);
+  if (q.scalar_type() == torch::kBFloat16) {
+    quant_decode<c10::BFloat16>(L, q, block_tables, context_lens, scale, partition, out);
   } else {
-    bf16 ? quant_decode<c10::BFloat16, 128>(L, q, block_tables, context_lens, scale, partition, out)
-         : quant_decode<float, 128>(L, q, block_tables, context_lens, scale, partition, out);
+    quant_decode<float>(L, q, block_tables, context_lens, scale, partition, out);
   }
 #endif
   return out;

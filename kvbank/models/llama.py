@@ -247,16 +247,20 @@ class LlamaForCausalLM(nn.Module):
         rows_attention = self._stack_attention(rows, kv_caches, meta)
         if rows_attention is not None:
             attn = self.layers[0].self_attn
+            formats, ks, vs, k_scales, v_scales = zip(*(c.stack_caches() for c in kv_caches))
             hidden = self._stack().forward(
                 x,
                 cos,
                 sin,
-                [c.k for c in kv_caches],
-                [c.v for c in kv_caches],
+                list(ks),
+                list(vs),
                 meta.slot_mapping,
                 *rows_attention,
                 attn.scale,
                 DECODE_PARTITION,
+                formats[0],
+                list(k_scales) if formats[0] else [],
+                list(v_scales) if formats[0] else [],
             )
             return hidden[:T]
         residual = None
@@ -266,7 +270,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata):
         """The row attention tables when this step can run as one native call over every layer:
-        all layers on integer kernels for this many rows, dense caches attended by rows, no scores."""
+        all layers on integer kernels for this many rows, caches attended by rows (bfloat16, or
+        int8/fp8 read in place), one format for every layer, no scores."""
         first = self.layers[0]
         if first.native is None or not first.self_attn.qkv_proj.integer_path(rows):
             return None
@@ -274,6 +279,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if not all(hasattr(c, "row_attention") for c in kv_caches) or len({c.kind for c in kv_caches}) != 1:
             return None
+        if len({c.stack_caches()[0] for c in kv_caches}) != 1:
+            return None  # one cache format for every layer
         return kv_caches[0].row_attention(meta)
 
     def _stack(self):

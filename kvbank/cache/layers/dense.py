@@ -50,6 +50,10 @@ class DenseLayer:
             return None
         return step.row_block_tables, step.row_context_lens
 
+    def stack_caches(self) -> tuple[int, torch.Tensor, torch.Tensor, None, None]:
+        """(format, K, V, K scales, V scales) as the fused model step takes them: 0 is bfloat16, no scales."""
+        return 0, self.k, self.v, None, None
+
     def attend(
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:

@@ -79,6 +79,19 @@ class TokenLayer(CodecLayer):
             for name, value in codec.quantize(x).items():
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
+    def row_attention(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block tables, context lengths) of every new token when this step attends by rows in a
+        format whose writes are native: a fused model step can then write and attend in native code."""
+        view = meta.kinds[self.kind]
+        if view.row_tables is None or self.native_format not in NATIVE_WRITES or self.dtype != torch.bfloat16:
+            return None  # the fused step is bfloat16
+        return view.row_tables, view.row_lens
+
+    def stack_caches(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(format, K codes, V codes, K scales, V scales) as the fused model step takes them."""
+        (k, v) = self.sides
+        return self.native_format, k["codes"], v["codes"], k["scale"], v["scale"]
+
     def attend(self, q: torch.Tensor, written: None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return attend_quantized(q, self, TokenKind.name, meta.kinds[self.kind], meta, scale)
 
