@@ -394,12 +394,16 @@ def test_engine_and_kvbank_plan_agree(kvbank_env):
 
 @pytest.fixture(scope="module")
 def perplexities() -> dict[str, float]:
-    """Perplexity of 1,536 tokens of the excerpt for every KV dtype (bundled model, bfloat16)."""
+    """Perplexity of three 1,024-token windows spread over the excerpt, for every KV dtype (bundled
+    model, bfloat16). One 1,536-token window is too few tokens: measured on four such windows,
+    int8's change against bfloat16 ranged from -0.44% to +0.54% (mean +0.12%), rounding noise."""
     result = {}
     for kv in ["auto", "int8", "fp8_e4m3", "int4", "int2"]:
         llm = LLM(kv_cache_dtype=kv, kv_cache_memory_gb=0.1, enable_prefix_caching=False)
-        tokens = llm.get_tokenizer().encode(TEXT[20000:])[:1536]
-        result[kv] = math.exp(-_prompt_logprobs(llm, tokens).mean().item())
+        logprobs = [
+            _prompt_logprobs(llm, llm.get_tokenizer().encode(TEXT[start:])[:1024]) for start in (0, 10000, 20000)
+        ]
+        result[kv] = math.exp(-torch.cat(logprobs).mean().item())
     print({k: round(v, 4) for k, v in result.items()})
     return result
 

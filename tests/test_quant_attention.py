@@ -323,7 +323,9 @@ def test_the_one_call_decoder_stack_on_quantized_kv_gives_the_layer_by_layer_bit
             for o in llm.generate(prompts, params)
         ]
 
-    prompts = [llm.render_chat([{"role": "user", "content": f"Name {i + 2} {'old ' * 5 * i}rivers."}]) for i in range(3)]
+    prompts = [
+        llm.render_chat([{"role": "user", "content": f"Name {i + 2} {'old ' * 5 * i}rivers."}]) for i in range(3)
+    ]
     steps = []
     stack = type(model)._stack_attention
     monkeypatch.setattr(type(model), "_stack_attention", lambda *args: steps.append(stack(*args)) or steps[-1])
