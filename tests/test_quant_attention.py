@@ -285,6 +285,14 @@ def test_the_default_configuration_attends_quantized_kv_natively(kernel):
     assert {layer.native_format for layer in storage.layers} == {NATIVE_FORMATS["int4"]}
 
 
+def _greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's tokens and their logprobs."""
+    return [
+        (o.outputs[0].token_ids, [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+        for o in llm.generate(prompts, params)
+    ]
+
+
 @pytest.mark.parametrize("kv", ["int8", "int4"])
 def test_quantized_kv_greedy_answer_is_the_same_alone_and_batched(kernel, kv):
     # Every token attends by rows through the native kernel, and the packed weights' kernels give
@@ -292,17 +300,11 @@ def test_quantized_kv_greedy_answer_is_the_same_alone_and_batched(kernel, kv):
     llm = LLM(kv_cache_dtype=kv, max_num_batched_tokens=96, num_gpu_blocks=256, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
 
-    def answers(prompts):
-        return [
-            (o.outputs[0].token_ids, [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in llm.generate(prompts, params)
-        ]
-
     chat = [
         llm.render_chat([{"role": "user", "content": f"Tell story {i} about a {'big ' * 9 * i}dog."}]) for i in range(4)
     ]
-    alone = answers(chat[:1])[0]
-    mixed = answers(chat[1:3] + chat[:1] + chat[3:] + chat[:1])
+    alone = _greedy(llm, chat[:1], params)[0]
+    mixed = _greedy(llm, chat[1:3] + chat[:1] + chat[3:] + chat[:1], params)
     assert mixed[2] == alone and mixed[-1] == alone
 
 
@@ -317,19 +319,13 @@ def test_the_one_call_decoder_stack_on_quantized_kv_gives_the_layer_by_layer_bit
         pytest.skip("the model does not run on the integer kernels here")
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
 
-    def answers(prompts):
-        return [
-            (o.outputs[0].token_ids, [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in llm.generate(prompts, params)
-        ]
-
     prompts = [
         llm.render_chat([{"role": "user", "content": f"Name {i + 2} {'old ' * 5 * i}rivers."}]) for i in range(3)
     ]
     steps = []
     stack = type(model)._stack_attention
     monkeypatch.setattr(type(model), "_stack_attention", lambda *args: steps.append(stack(*args)) or steps[-1])
-    fused = answers(prompts)
+    fused = _greedy(llm, prompts, params)
     assert any(s is not None for s in steps), "the stack never ran"
     monkeypatch.setattr(type(model), "_stack_attention", lambda *args: None)
-    assert answers(prompts) == fused
+    assert _greedy(llm, prompts, params) == fused

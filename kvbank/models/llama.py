@@ -279,9 +279,10 @@ class LlamaForCausalLM(nn.Module):
             return None
         if not all(hasattr(c, "row_attention") for c in kv_caches) or len({c.kind for c in kv_caches}) != 1:
             return None
-        if len({c.stack_caches()[0] for c in kv_caches}) != 1:
-            return None  # one cache format for every layer
-        return kv_caches[0].row_attention(meta)
+        rows_attention = kv_caches[0].row_attention(meta)
+        if rows_attention is None or len({c.stack_caches()[0] for c in kv_caches}) != 1:
+            return None  # one cache format, and one the stack takes, for every layer
+        return rows_attention
 
     def _stack(self):
         if self._native_stack is None:

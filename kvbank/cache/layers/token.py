@@ -87,8 +87,11 @@ class TokenLayer(CodecLayer):
             return None  # the fused step is bfloat16
         return view.row_tables, view.row_lens
 
-    def stack_caches(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(format, K codes, V codes, K scales, V scales) as the fused model step takes them."""
+    def stack_caches(self) -> tuple[int | None, torch.Tensor | None, ...]:
+        """(format, K codes, V codes, K scales, V scales) as the fused model step takes them; the
+        format is None when the step cannot take this layer."""
+        if self.native_format not in NATIVE_WRITES:
+            return None, None, None, None, None
         (k, v) = self.sides
         return self.native_format, k["codes"], v["codes"], k["scale"], v["scale"]
 
