@@ -183,6 +183,147 @@ def test_bad_write_arguments_are_refused_with_the_numbers(kernel):
         kernel.quant_write_tokens(torch.randn(3, 3, 64), 1, codes, scale, torch.tensor([0, 1, 2]))
 
 
+@pytest.mark.parametrize("kv", PER_TOKEN)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_code_is_read_as_the_codec_reads_it(kernel, kv, dtype):
+    # One token per row, a zero query: each row's output is its token's values exactly. The
+    # values' codes enumerate every byte the format can hold (fp8's NaN codes aside), in every
+    # channel position; keys hold them too, read by the same decoding.
+    dim, heads, block = 64, 2, 16
+    codes = torch.arange(256, dtype=torch.int16)
+    if kv == "int8":
+        codes = codes[(codes - 128).abs() <= 127] - 128
+    elif kv == "fp8_e4m3":
+        codes = codes[(codes & 0x7F) != 0x7F]
+    else:
+        codes = codes[(codes & 0x7C) != 0x7C]  # no infinities or NaN either
+    n = -(-codes.numel() // dim) * 2
+    flat = codes.repeat(n * heads * dim // codes.numel() + 1)[: n * heads * dim]
+    stored = {
+        "codes": flat.to(torch.int8 if kv == "int8" else torch.uint8).view(n, 1, heads, dim),
+        "scale": torch.full((n, 1, heads), 0.75, dtype=torch.float16),
+    }
+    stored = {name: torch.cat((t, t.new_zeros(n, block - 1, *t.shape[2:])), dim=1) for name, t in stored.items()}
+    codec = codecs_for(kv, dtype)[1]
+    values = codec.dequantize({k: v[:, :1] for k, v in stored.items()}, torch.float32)[:, 0]
+    q = torch.zeros(n, heads, 3, dim, dtype=dtype)
+    tables = torch.arange(n).view(n, 1)
+    out = kernel.quant_decode_attention(
+        q,
+        NATIVE_FORMATS[kv],
+        stored["codes"],
+        stored["scale"],
+        None,
+        stored["codes"],
+        stored["scale"],
+        None,
+        tables,
+        torch.ones(n, dtype=torch.long),
+        0.125,
+        DECODE_PARTITION,
+    )
+    expected = values.unsqueeze(2).expand(n, heads, 3, dim).to(dtype)
+    assert torch.equal(out, expected), (out.float() - expected.float()).abs().max()
+
+
+def _kivi_pool(kv, dtype, blocks, block, heads, dim, group):
+    key_codec, value_codec = codecs_for(kv, dtype, group)
+    sides = [
+        {
+            name: torch.zeros(blocks, *shape, dtype=cdtype)
+            for name, (shape, cdtype) in codec.components(block, heads, dim).items()
+        }
+        for codec in (key_codec, value_codec)
+    ]
+    residual = torch.zeros(2, 4, block, heads, dim, dtype=dtype)
+    return (key_codec, value_codec), sides, residual
+
+
+def _kivi_write(kernel, kv, k, v, sides, residual, plan, slots):
+    ks, vs = sides
+    return kernel.kivi_write(
+        k,
+        v,
+        NATIVE_FORMATS[kv],
+        ks["codes"],
+        ks["scale"],
+        ks["min"],
+        vs["codes"],
+        vs["scale"],
+        vs["min"],
+        residual[0],
+        residual[1],
+        torch.tensor(plan).view(-1, 4),
+        torch.tensor(slots),
+    )
+
+
+def _same_bits(a, b):
+    return (
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        if a.dtype == torch.uint8
+        else torch.equal(a.view(torch.int16), b.view(torch.int16))
+    )
+
+
+@pytest.mark.parametrize("kv", ["int4", "int2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_kivi_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype):
+    # A prefill of whole blocks, then one open block filled over three steps through its
+    # residual slot; every stored tensor equals the codecs' block quantization bit for bit.
+    for dim, group, block, seed in ((64, 32, 16, 0), (128, 64, 16, 1), (64, 16, 32, 2), (128, 128, 64, 3)):
+        generator = torch.Generator().manual_seed(seed)
+        heads = 3
+        codecs, sides, residual = _kivi_pool(kv, dtype, 10, block, heads, dim, group)
+        k = torch.randn(5 * block, heads, dim, generator=generator) * torch.logspace(-4, 2, 5 * block).view(-1, 1, 1)
+        k[:, :, 5] += 20  # an outlier channel
+        k[:block, 1] = 0.5  # a constant head: the smallest scale
+        v = torch.randn(5 * block, heads, dim, generator=generator).to(dtype)
+        k = k.to(dtype)
+        ids = [7, 2, 5, 0]
+        scratch_k, scratch_v = _kivi_write(
+            kernel,
+            kv,
+            k[: 4 * block],
+            v[: 4 * block],
+            sides,
+            residual,
+            [(b, -1, 0, block) for b in ids],
+            list(range(4 * block)),
+        )
+        assert torch.equal(scratch_k.flatten(0, 1), k[: 4 * block]) and torch.equal(
+            scratch_v.flatten(0, 1), v[: 4 * block]
+        )
+        tail = k[4 * block :], v[4 * block :]
+        cuts = (0, 5, block // 2, block)
+        for a, b in zip(cuts, cuts[1:]):
+            plan = [(3, 1, a, b)]
+            scratch_k, _ = _kivi_write(kernel, kv, tail[0][a:b], tail[1][a:b], sides, residual, plan, list(range(a, b)))
+            assert torch.equal(scratch_k[0, :b], tail[0][:b]), "the scratch row holds the block's tokens so far"
+            if b < block:
+                assert torch.equal(residual[0, 1, :b], tail[0][:b]) and torch.equal(residual[1, 1, :b], tail[1][:b])
+        blocks = [*ids, 3]
+        expected = [codec.quantize(x.view(5, block, heads, dim)) for codec, x in zip(codecs, (k, v))]
+        for side, want in zip(sides, expected):
+            for name, tensor in side.items():
+                assert _same_bits(tensor[blocks], want[name]), (kv, dtype, dim, group, block, name)
+
+
+def test_bad_kivi_write_arguments_are_refused_with_the_numbers(kernel):
+    _, sides, residual = _kivi_pool("int4", torch.float32, 4, 16, 2, 64, 32)
+    k = v = torch.randn(3, 2, 64)
+    with pytest.raises(RuntimeError, match="block 4 is outside the pool's 4 blocks"):
+        _kivi_write(kernel, "int4", k, v, sides, residual, [(4, 0, 0, 3)], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="residual slot 9 is outside the 4 slots"):
+        _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 9, 0, 3)], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="tokens held 5 -> 3 do not fit a block of 16"):
+        _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 0, 5, 3)], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="scratch slot 16 is outside the step's 16"):
+        _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 0, 0, 3)], [0, 1, 16])
+    with pytest.raises(RuntimeError, match=r"got format 1"):
+        _kivi_write(kernel, "int8", k, v, sides, residual, [(1, 0, 0, 3)], [0, 1, 2])
+
+
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0))
     return [
@@ -308,11 +449,13 @@ def test_quantized_kv_greedy_answer_is_the_same_alone_and_batched(kernel, kv):
     assert mixed[2] == alone and mixed[-1] == alone
 
 
-@pytest.mark.parametrize("kv", PER_TOKEN)
+@pytest.mark.parametrize("kv", QUANTIZED)
 def test_the_one_call_decoder_stack_on_quantized_kv_gives_the_layer_by_layer_bits(kernel, kv, monkeypatch):
-    # int8/fp8 caches in the default configuration: a whole step runs as one native call that
-    # quantizes each new K/V row at its slot and attends the codes in place; switched off, the
-    # layer-by-layer path (native writes, the kernel by rows) gives the same tokens and logprobs.
+    # Quantized caches in the default configuration: a whole step runs as one native call that
+    # quantizes each new K/V row at its slot (int8/fp8) or writes it through the step's scratch
+    # rows, quantizing blocks as they fill (int4/int2), and attends the codes in place; switched
+    # off, the layer-by-layer path (native writes, the kernel by rows) gives the same tokens and
+    # logprobs.
     llm = LLM(kv_cache_dtype=kv, max_num_batched_tokens=96, num_gpu_blocks=256, enable_prefix_caching=False)
     model = llm.engine.runner.model
     if model.layers[0].native is None:

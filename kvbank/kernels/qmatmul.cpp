@@ -707,7 +707,11 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int threads) {
 torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                                   std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
                                   torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t partition,
-                                  int64_t format, std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales) {
+                                  int64_t format, std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales,
+                                  std::vector<torch::Tensor> k_mins, std::vector<torch::Tensor> v_mins,
+                                  std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
+                                  std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
+                                  std::optional<torch::Tensor> own_rows) {
   using T = c10::BFloat16;
   const int64_t layers = num_layers();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
@@ -735,19 +739,45 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   // format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: per-token codes and float16 scales
-  // (quant_decode.cpp), quantized as they are written and attended in place.
+  // (quant_decode.cpp), quantized as they are written and attended in place; 4 int4, 5 int2: KIVI
+  // blocks, written through the step's scratch rows and residual slots (KiviWrite).
   const bool quantized = format != 0;
-  TORCH_CHECK(format >= 0 && format <= 3, "the stack's caches are bfloat16 (0), int8 (1) or fp8 (2, 3), got ", format);
+  const bool kivi = format == 4 || format == 5;
+  TORCH_CHECK(format >= 0 && format <= 5, "the stack's caches are bfloat16 (0), int8 (1), fp8 (2, 3), int4 (4) or int2 (5), got ",
+              format);
   TORCH_CHECK(!quantized || (has_quant_decode() && (head_dim_ == 64 || head_dim_ == 128) && group <= 8),
               "quantized caches in the stack need AVX2, FMA and F16C, head dim 64 or 128 and at most 8 query heads per "
               "KV head");
   TORCH_CHECK(!quantized || (static_cast<int64_t>(k_scales.size()) == layers &&
                              static_cast<int64_t>(v_scales.size()) == layers),
               "quantized caches need one K and one V scale tensor per layer: ", layers);
+  int64_t scratch_rows = 0;
+  if (kivi) {
+    TORCH_CHECK(static_cast<int64_t>(k_mins.size()) == layers && static_cast<int64_t>(v_mins.size()) == layers &&
+                    static_cast<int64_t>(residual_ks.size()) == layers && static_cast<int64_t>(residual_vs.size()) == layers,
+                "int4/int2 caches need one K and V minimum and residual slot tensor per layer: ", layers);
+    TORCH_CHECK(kivi_plan.has_value() && scratch_slots.has_value() && own_rows.has_value(),
+                "int4/int2 caches need the step's plan, scratch slots and own rows");
+    TORCH_CHECK(own_rows->scalar_type() == torch::kLong && own_rows->dim() == 1 && own_rows->size(0) == tokens &&
+                    own_rows->is_contiguous(),
+                "own rows must be contiguous int64 [", tokens, "]");
+    for (int64_t l = 0; l < layers; ++l)
+      check_kivi_layer(format, num_kv_heads_, head_dim_, k_caches[l], k_scales[l], k_mins[l], v_caches[l], v_scales[l],
+                       v_mins[l], residual_ks[l], residual_vs[l], torch::kBFloat16);
+    TORCH_CHECK(k_caches[0].size(1) <= 64 && partition % k_caches[0].size(1) == 0,
+                "the partition must be a multiple of the block size");
+    scratch_rows = check_kivi_plan(*kivi_plan, *scratch_slots, tokens, k_caches[0].size(0), k_caches[0].size(1),
+                                   residual_ks[0].size(0));
+    const int64_t* own = own_rows->data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(own[t] >= 0 && own[t] < scratch_rows, "own row ", own[t], " is outside the step's ", scratch_rows, " rows");
+  }
   for (int64_t l = 0; l < layers; ++l) {
     const auto& k = k_caches[l];
     const auto& v = v_caches[l];
-    if (quantized) {
+    if (kivi) {
+      // checked above
+    } else if (quantized) {
       TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.element_size() == 1 && v.element_size() == 1 &&
                       k.dim() == 4 && k.size(2) == num_kv_heads_ && k.size(3) == head_dim_ && v.sizes() == k.sizes() &&
                       k.size(1) <= 64 && partition % k.size(1) == 0,
@@ -787,7 +817,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
 #ifdef KVBANK_X86
   std::unique_ptr<QuantJob<T>> quant_job;
   std::vector<QuantLayer> quant_layers;
+  std::vector<KiviWrite<T>> kivi_writes;
 #endif
+  // int4/int2: one layer's scratch rows at a time, reused by every layer
+  std::vector<T> scratch_k(kivi ? scratch_rows * block_size * kv_size : 0),
+      scratch_v(kivi ? scratch_rows * block_size * kv_size : 0);
   if (!quantized) {
     dense_job.reset(new Bf16DecodeJob(head_dim_, q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
                                       block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group,
@@ -798,6 +832,16 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                                     num_kv_heads_, group, head_dim_, block_size, block_tables.size(1), scale,
                                     partition));
     for (int64_t l = 0; l < layers; ++l) {
+      if (kivi) {
+        kivi_writes.push_back(kivi_pointers<T>(format, k_caches[l], k_scales[l], k_mins[l], v_caches[l], v_scales[l],
+                                               v_mins[l], residual_ks[l], residual_vs[l], scratch_k.data(),
+                                               scratch_v.data(), *kivi_plan, *scratch_slots));
+        const KiviWrite<T>& W = kivi_writes.back();
+        quant_layers.push_back(QuantLayer{format, W.k_codes, W.k_scale, W.k_min, W.v_codes, W.v_scale, W.v_min,
+                                          num_kv_heads_, head_dim_, block_size, W.code_bytes, head_dim_ / W.group,
+                                          scratch_k.data(), scratch_v.data(), own_rows->data_ptr<int64_t>()});
+        continue;
+      }
       quant_layers.push_back(QuantLayer{format, reinterpret_cast<const uint8_t*>(k_caches[l].data_ptr()),
                                         reinterpret_cast<const uint16_t*>(k_scales[l].data_ptr()), nullptr,
                                         reinterpret_cast<const uint8_t*>(v_caches[l].data_ptr()),
@@ -864,6 +908,13 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       // residual += h (h alone in the first layer), normed, q/k/v. The row's owner stores the
       // residual once every thread has read it.
       const T* previous = l ? residual.data() : nullptr;
+#ifdef KVBANK_X86
+      if (kivi) {
+        // the blocks' earlier tokens into the scratch rows, before the barrier that ends the q/k/v matmul
+        const auto [r0, r1] = share(scratch_rows, tid, nt);
+        for (int64_t r = r0; r < r1; ++r) kivi_writes[l].preload(r);
+      }
+#endif
       const QuantRows& a1 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, previous, norm1); });
       {
         const auto [g0, g1] = share(wqkv.groups, tid, nt);
@@ -879,7 +930,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         store_rows(acc.data() + r * width, row, width);
         rope_rows(row, cos_p + r * head_dim_, sin_p + r * head_dim_, 1, num_heads_ + num_kv_heads_, head_dim_, width);
         if (r < tokens) {
-          if (!quantized) {
+          if (kivi) {
+#ifdef KVBANK_X86
+            kivi_writes[l].store(r, row + q_size, row + q_size + kv_size);
+#endif
+          } else if (!quantized) {
             std::memcpy(kc + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
             std::memcpy(vc + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
           } else {
@@ -902,6 +957,14 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         }
       }
 #pragma omp barrier
+#ifdef KVBANK_X86
+      if (kivi) {
+        // blocks filled by this step quantized (rows attend them next), the rest back to their slots
+        const auto [r0, r1] = share(scratch_rows, tid, nt);
+        for (int64_t r = r0; r < r1; ++r) kivi_writes[l].finish(r);
+#pragma omp barrier
+      }
+#endif
       if (!quantized) {
         const auto [i0, i1] = share(dense_job->items(), tid, nt);
         for (int64_t i = i0; i < i1; ++i) dense_job->item(i, kc, vc);

@@ -30,6 +30,8 @@
 namespace {
 
 enum QuantFormat : int64_t { kBf16 = 0, kInt8 = 1, kFp8E4M3 = 2, kFp8E5M2 = 3, kInt4 = 4, kInt2 = 5 };
+// The columns of a KIVI write plan's rows (see KiviWrite).
+enum KiviPlanField : int64_t { kPlanBlock = 0, kPlanSlot = 1, kPlanHeld = 2, kPlanUpto = 3, kPlanFields = 4 };
 
 // One layer's quantized K and V, and the step's full-precision scratch blocks (KIVI).
 struct QuantLayer {
@@ -365,6 +367,476 @@ QuantRange<T, D> quant_range_for(int64_t group) {
   }
 }
 
+// --- The same attention with 16 float32 lanes (AVX-512F/BW/DQ/VL), where the CPU has them. ---
+// Keys are decoded once per block into float32 rows in L1; each query head's scores for 16
+// tokens are 16 vectors of partial sums reduced together by one transpose tree; values are
+// decoded in registers and summed into accumulators that stay in registers, with the token's
+// value scale folded into its softmax weight. One instantiation per format, so no format test
+// runs per token.
+#define KVBANK_AVX512_Q __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
+
+inline bool avx512_quant_supported() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                                avx2_f16c_supported();
+  return supported;
+}
+
+template <typename T>
+KVBANK_AVX512_Q inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+// One head of one token as D / 16 float32 vectors of codes, channels in order.
+template <int F, int D>
+KVBANK_AVX512_Q inline void decode16(const uint8_t* p, __m512* out) {
+  constexpr int V = D / 16;
+  auto bytes16 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offset)); };
+  if constexpr (F == kBf16) {
+    for (int v = 0; v < V; ++v) out[v] = load16(reinterpret_cast<const c10::BFloat16*>(p) + v * 16);
+  } else if constexpr (F == kInt8) {
+    for (int v = 0; v < V; ++v) out[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(v * 16)));
+  } else if constexpr (F == kFp8E4M3) {
+    // as fp8_to_f32: e4m3 moved into a float16 reads its value times 2^-8
+    for (int v = 0; v < V; ++v) {
+      const __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes16(v * 16)), 7);
+      out[v] = _mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
+    }
+  } else if constexpr (F == kFp8E5M2) {
+    for (int v = 0; v < V; ++v) out[v] = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes16(v * 16)), 8));
+  } else if constexpr (F == kInt4) {
+    // byte i: channel i (low nibble), channel i + D/2 (high)
+    for (int v = 0; v < V / 2; ++v) {
+      const __m512i c = _mm512_cvtepu8_epi32(bytes16(v * 16));
+      out[v] = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(0x0F)));
+      out[v + V / 2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+    }
+  } else {
+    // int2, byte i: channels i, i + D/4, i + D/2, i + 3D/4
+    for (int v = 0; v < V / 4; ++v) {
+      const __m512i c = _mm512_cvtepu8_epi32(bytes16(v * 16));
+      for (int s = 0; s < 4; ++s)
+        out[v + s * V / 4] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c, 2 * s), _mm512_set1_epi32(3)));
+    }
+  }
+}
+
+// Lane t of the result: the sum of the lanes of the vector of token t, for 16 tokens. The tree
+// leaves token 4i + k in lane 4k + i, so the inputs go in that (self-inverse) order.
+KVBANK_AVX512_Q inline __m512 transpose_sums16(const __m512* part) {
+  __m512 t[8], u[4], s[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = part[4 * ((2 * i) % 4) + (2 * i) / 4], b = part[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)
+    s[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int kMaxQuantBlock = 64;  // tokens per block the kernels take
+
+KVBANK_AVX512_Q inline __mmask16 first16(int n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// State of one work item: G query heads' accumulators (registers once inlined), maxima and sums.
+template <int G, int D>
+struct Heads512 {
+  __m512 acc[G][D / 16];
+  float m[G], l[G];
+};
+
+#define KVBANK_INLINE512 KVBANK_AVX512_Q inline __attribute__((always_inline))
+
+KVBANK_INLINE512 void prefetch_block(const QuantLayer& L, const int64_t* table, int64_t next, int64_t end,
+                                     int64_t head, int64_t token_codes) {
+  // The next block is elsewhere in memory: ask for its rows now, so they arrive while this one computes.
+  if (next >= end) return;
+  const int64_t bs = L.block_size, nb = table[next / bs];
+  const int ahead = static_cast<int>(std::min(end - next, bs));
+  for (int t = 0; t < ahead; ++t) {
+    const int64_t at = (nb * bs + t) * token_codes + head * L.code_bytes;
+    for (int64_t c = 0; c < L.code_bytes; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(L.k_codes + at + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(L.v_codes + at + c), _MM_HINT_T0);
+    }
+  }
+}
+
+// Online softmax of head g over a block's `count` scores (lanes past it masked out); the scores
+// become the weights, times the tokens' value scales when given (the value rows are codes).
+template <int G, int D>
+KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int count, const float* v_scales) {
+  __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int t = 0; t < count; t += 16)
+    top16 = _mm512_mask_max_ps(top16, first16(count - t), top16, _mm512_load_ps(scores + t));
+  const float best = std::max(H.m[g], _mm512_reduce_max_ps(top16));
+  if (best > H.m[g]) {
+    const float c = exp_neg(H.m[g] - best);
+    for (int v = 0; v < D / 16; ++v) H.acc[g][v] = _mm512_mul_ps(H.acc[g][v], _mm512_set1_ps(c));
+    H.l[g] *= c;
+    H.m[g] = best;
+  }
+  __m512 total = _mm512_setzero_ps();
+  for (int t = 0; t < count; t += 16) {
+    const __m256 lo = exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores + t), _mm256_set1_ps(best)));
+    const __m256 hi = exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores + t + 8), _mm256_set1_ps(best)));
+    __m512 p = _mm512_maskz_mov_ps(first16(count - t), _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1));
+    total = _mm512_add_ps(total, p);
+    if (v_scales != nullptr) p = _mm512_mul_ps(p, _mm512_load_ps(v_scales + t));
+    _mm512_store_ps(scores + t, p);
+  }
+  H.l[g] += _mm512_reduce_add_ps(total);
+}
+
+// Values of a block's `count` tokens, decoded in registers and summed with each head's weights.
+template <typename T, int G, int D, int F>
+KVBANK_INLINE512 void values_block(Heads512<G, D>& H, const QuantLayer& L, const float (*scores)[kMaxQuantBlock],
+                                   int count, const uint8_t* vc, const T* sv, int64_t meta_first, int64_t head) {
+  constexpr int V = D / 16;
+  constexpr bool kivi = F == kInt4 || F == kInt2;
+  const int64_t token_codes = L.heads * L.code_bytes;
+  const int64_t group_size = kivi ? D / L.value_groups : D;
+  for (int t = 0; t < count; ++t) {
+    __m512 x[V];
+    if (sv != nullptr) {
+      for (int v = 0; v < V; ++v) x[v] = load16(sv + t * L.heads * D + v * 16);
+    } else {
+      decode16<F, D>(vc + t * token_codes, x);
+      if constexpr (kivi) {
+        const int64_t meta = ((meta_first + t) * L.heads + head) * L.value_groups;
+        for (int v = 0; v < V; ++v) {
+          const int64_t c = meta + v * 16 / group_size;
+          x[v] = _mm512_fmadd_ps(x[v], _mm512_set1_ps(_cvtsh_ss(L.v_scale[c])), _mm512_set1_ps(_cvtsh_ss(L.v_min[c])));
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g][t]);
+      for (int v = 0; v < V; ++v) H.acc[g][v] = _mm512_fmadd_ps(p, x[v], H.acc[g][v]);
+    }
+  }
+}
+
+template <int G, int D>
+KVBANK_INLINE512 void start_heads(Heads512<G, D>& H) {
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < D / 16; ++v) H.acc[g][v] = _mm512_setzero_ps();
+    H.m[g] = -std::numeric_limits<float>::infinity();
+    H.l[g] = 0.0f;
+  }
+}
+
+template <int G, int D>
+KVBANK_INLINE512 void finish_heads(const Heads512<G, D>& H, float* acc_out, float* max_out, float* sum_out) {
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < D / 16; ++v) _mm512_storeu_ps(acc_out + g * D + v * 16, H.acc[g][v]);
+    max_out[g] = H.m[g];
+    sum_out[g] = H.l[g];
+  }
+}
+
+// Keys decoded to float32 rows and dotted with float32 queries: every format, either dtype.
+template <typename T, int G, int D, int F>
+KVBANK_AVX512_Q void quant_range512_f(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
+                                      int64_t head, int64_t own_block, int64_t own_row, float scale, float* acc_out,
+                                      float* max_out, float* sum_out) {
+  constexpr int V = D / 16;
+  constexpr bool kivi = F == kInt4 || F == kInt2;
+  constexpr bool scaled = F == kInt8 || F == kFp8E4M3 || F == kFp8E5M2;  // one scale per token and head
+  const float unit = F == kFp8E4M3 ? kFp8E4M3Unit : 1.0f;  // exact: a power of two
+  const int64_t bs = L.block_size;
+  alignas(64) float qs[G][D];
+  Heads512<G, D> H;
+  start_heads(H);
+  alignas(64) float scores[G][kMaxQuantBlock];
+  alignas(64) float rows[kMaxQuantBlock][D];
+  alignas(64) float k_scales[kMaxQuantBlock], v_scales[kMaxQuantBlock];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v)
+      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
+  const int64_t token_codes = L.heads * L.code_bytes;
+  for (int64_t start = begin; start < end; start += bs - start % bs) {
+    const int64_t j = start / bs;
+    const int64_t block = table[j];
+    const int64_t first = start % bs;
+    const int count = static_cast<int>(std::min(end - start, bs - first));
+    const bool own = own_row >= 0 && j == own_block;
+    const T* sk = own ? static_cast<const T*>(L.scratch_k) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
+    const T* sv = own ? static_cast<const T*>(L.scratch_v) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
+    const uint8_t* kc = L.k_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    const uint8_t* vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    prefetch_block(L, table, start + count, end, head, token_codes);
+    // Keys as float32 rows of codes (int8, fp8: the token's scale comes after the dot product;
+    // KIVI: the block's per-channel scale and minimum are folded into the query below).
+    for (int t = 0; t < count; ++t) {
+      __m512 x[V];
+      if (own) {
+        for (int v = 0; v < V; ++v) x[v] = load16(sk + t * L.heads * D + v * 16);
+      } else {
+        decode16<F, D>(kc + t * token_codes, x);
+      }
+      for (int v = 0; v < V; ++v) _mm512_store_ps(rows[t] + v * 16, x[v]);
+    }
+    const bool token_scaled = scaled && !own;
+    if (token_scaled) {
+      for (int t = 0; t < count; ++t) {
+        const int64_t at = (block * bs + first + t) * L.heads + head;
+        k_scales[t] = _cvtsh_ss(L.k_scale[at]) * unit;
+        v_scales[t] = _cvtsh_ss(L.v_scale[at]) * unit;
+      }
+    }
+    const bool folded = kivi && !own;
+    for (int g = 0; g < G; ++g) {
+      __m512 qv[V];
+      float bias = 0.0f;
+      if (folded) {
+        const uint16_t* ks = L.k_scale + (block * L.heads + head) * D;
+        const uint16_t* km = L.k_min + (block * L.heads + head) * D;
+        __m512 b = _mm512_setzero_ps();
+        for (int v = 0; v < V; ++v) {
+          const __m512 x = _mm512_load_ps(qs[g] + v * 16);
+          qv[v] = _mm512_mul_ps(x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + v * 16))));
+          b = _mm512_fmadd_ps(x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(km + v * 16))), b);
+        }
+        bias = _mm512_reduce_add_ps(b);
+      } else {
+        for (int v = 0; v < V; ++v) qv[v] = _mm512_load_ps(qs[g] + v * 16);
+      }
+      for (int t0 = 0; t0 < count; t0 += 16) {
+        __m512 part[16];
+        for (int t = 0; t < 16; ++t) {
+          if (t0 + t >= count) {
+            part[t] = _mm512_setzero_ps();
+            continue;
+          }
+          const float* r = rows[t0 + t];
+          __m512 s = _mm512_mul_ps(qv[0], _mm512_load_ps(r));
+          for (int v = 1; v < V; ++v) s = _mm512_fmadd_ps(qv[v], _mm512_load_ps(r + v * 16), s);
+          part[t] = s;
+        }
+        __m512 s = transpose_sums16(part);
+        if (token_scaled) s = _mm512_mul_ps(s, _mm512_load_ps(k_scales + t0));
+        _mm512_store_ps(scores[g] + t0, _mm512_add_ps(s, _mm512_set1_ps(bias)));
+      }
+      softmax_block(H, g, scores[g], count, token_scaled ? v_scales : nullptr);
+    }
+    values_block<T, G, D, F>(H, L, scores, count, vc, sv, block * bs + first, head);
+  }
+  finish_heads(H, acc_out, max_out, sum_out);
+}
+
+// --- int8 and fp8 keys with bfloat16 queries: codes to bfloat16 by table, bfloat16 dot products. ---
+// Every int8 and fp8 code is a bfloat16 number, so the pair dot products of bfloat16 queries and
+// keys are exact products summed in float32. A code's bfloat16 bytes come from two 128-entry
+// byte tables (indexed by its low 7 bits; int8 by its magnitude) and its sign bit; interleaving
+// low and high bytes leaves the channels in a fixed order, which the query takes too.
+#define KVBANK_AVX512_LUT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,f16c")))
+
+inline bool avx512_lut_supported() {
+  static const bool supported =
+      avx512_quant_supported() && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
+struct CodeTables {
+  alignas(64) uint8_t hi[3][128];  // int8, e4m3, e5m2: the bfloat16's high byte (sign clear)
+  alignas(64) uint8_t lo[3][128];
+};
+
+inline const CodeTables& code_tables() {
+  static const CodeTables tables = [] {
+    CodeTables t{};
+    for (int i = 0; i < 128; ++i) {
+      const int e4 = i >> 3, m4 = i & 7, e5 = i >> 2, m5 = i & 3;
+      const float values[3] = {
+          static_cast<float>(i),
+          i == 0x7F ? std::numeric_limits<float>::quiet_NaN()
+                    : (e4 == 0 ? std::ldexp(static_cast<float>(m4), -9) : std::ldexp(1.0f + m4 / 8.0f, e4 - 7)),
+          e5 == 31 ? (m5 == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN())
+                   : (e5 == 0 ? std::ldexp(static_cast<float>(m5), -16) : std::ldexp(1.0f + m5 / 4.0f, e5 - 15))};
+      for (int f = 0; f < 3; ++f) {
+        uint32_t bits;
+        std::memcpy(&bits, &values[f], 4);
+        t.hi[f][i] = static_cast<uint8_t>(bits >> 24);
+        t.lo[f][i] = static_cast<uint8_t>(bits >> 16);
+      }
+    }
+    return t;
+  }();
+  return tables;
+}
+
+// The channel order of one 64-channel chunk after the byte interleave: word w of the first vector
+// holds channel 16 (w / 8) + w % 8, of the second that plus 8.
+inline int lut_channel(int vector, int word) { return 16 * (word / 8) + 8 * vector + word % 8; }
+
+// 64 codes as bfloat16 words in the tables' channel order (two vectors); luts: high bytes
+// (two halves), then low bytes.
+template <int F>
+KVBANK_AVX512_LUT inline __attribute__((always_inline)) void codes_to_bf16(const __m512i* luts, const uint8_t* p, __m512i* out) {
+  const __m512i c = _mm512_loadu_si512(p);
+  const __m512i index = F == kInt8 ? _mm512_abs_epi8(c) : c;
+  // high | (c & sign)
+  const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(luts[0], index, luts[1]), c,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  const __m512i low = _mm512_permutex2var_epi8(luts[2], index, luts[3]);
+  out[0] = _mm512_unpacklo_epi8(low, high);
+  out[1] = _mm512_unpackhi_epi8(low, high);
+}
+
+template <int G, int D, int F>
+KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat16* q, const int64_t* table,
+                                          int64_t begin, int64_t end, int64_t head, int64_t own_block, int64_t own_row,
+                                          float scale, float* acc_out, float* max_out, float* sum_out) {
+  static_assert(F == kInt8 || F == kFp8E4M3 || F == kFp8E5M2, "per-token codes only");
+  constexpr int C = D / 32;  // bfloat16 vectors per head
+  const int64_t bs = L.block_size;
+  const int tf = F == kInt8 ? 0 : F == kFp8E4M3 ? 1 : 2;
+  const CodeTables& tables = code_tables();
+  const __m512i luts[4] = {_mm512_load_si512(tables.hi[tf]), _mm512_load_si512(tables.hi[tf] + 64),
+                           _mm512_load_si512(tables.lo[tf]), _mm512_load_si512(tables.lo[tf] + 64)};
+  // fp8 values go through the tables too, and their bfloat16 words' even and odd halves are
+  // float32 as they stand: the accumulators hold the channels in that order until the end.
+  constexpr bool lut_values = F != kInt8;
+  alignas(64) uint16_t qp[G][D];  // the queries in the tables' channel order
+  const uint16_t* qbits = reinterpret_cast<const uint16_t*>(q);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      for (int w = 0; w < 32; ++w) qp[g][c * 32 + w] = qbits[g * D + (c / 2) * 64 + lut_channel(c % 2, w)];
+  Heads512<G, D> H;
+  start_heads(H);
+  alignas(64) float scores[G][kMaxQuantBlock];
+  alignas(64) uint16_t rows[kMaxQuantBlock][D];
+  alignas(64) float k_scales[kMaxQuantBlock], v_scales[kMaxQuantBlock];
+  const int64_t token_codes = L.heads * L.code_bytes;
+  for (int64_t start = begin; start < end; start += bs - start % bs) {
+    const int64_t block = table[start / bs];
+    const int64_t first = start % bs;
+    const int count = static_cast<int>(std::min(end - start, bs - first));
+    const uint8_t* kc = L.k_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    const uint8_t* vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    prefetch_block(L, table, start + count, end, head, token_codes);
+    for (int t = 0; t < count; ++t) {
+      for (int h = 0; h < D / 64; ++h) {
+        __m512i k[2];
+        codes_to_bf16<F>(luts, kc + t * token_codes + h * 64, k);
+        _mm512_store_si512(rows[t] + h * 64, k[0]);
+        _mm512_store_si512(rows[t] + h * 64 + 32, k[1]);
+      }
+      const int64_t at = (block * bs + first + t) * L.heads + head;
+      k_scales[t] = _cvtsh_ss(L.k_scale[at]) * scale;
+      // the tables give fp8 values exactly; int8 values are decoded as codes
+      v_scales[t] = _cvtsh_ss(L.v_scale[at]);
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512bh qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_load_si512(qp[g] + c * 32);
+      for (int t0 = 0; t0 < count; t0 += 16) {
+        __m512 part[16];
+        for (int t = 0; t < 16; ++t) {
+          __m512 s = _mm512_setzero_ps();
+          if (t0 + t < count)
+            for (int c = 0; c < C; ++c)
+              s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_load_si512(rows[t0 + t] + c * 32));
+          part[t] = s;
+        }
+        _mm512_store_ps(scores[g] + t0, _mm512_mul_ps(transpose_sums16(part), _mm512_load_ps(k_scales + t0)));
+      }
+      softmax_block(H, g, scores[g], count, v_scales);
+    }
+    if constexpr (!lut_values) {
+      values_block<c10::BFloat16, G, D, F>(H, L, scores, count, vc, nullptr, block * bs + first, head);
+      continue;
+    }
+    for (int t = 0; t < count; ++t) {
+      __m512 x[D / 16];
+      for (int h = 0; h < D / 64; ++h) {
+        __m512i w[2];
+        codes_to_bf16<F>(luts, vc + t * token_codes + h * 64, w);
+        for (int i = 0; i < 2; ++i) {
+          x[4 * h + 2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(w[i], 16));
+          x[4 * h + 2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(w[i], _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g][t]);
+        for (int v = 0; v < D / 16; ++v) H.acc[g][v] = _mm512_fmadd_ps(p, x[v], H.acc[g][v]);
+      }
+    }
+  }
+  if constexpr (!lut_values) {
+    finish_heads(H, acc_out, max_out, sum_out);
+    return;
+  }
+  // accumulator vector 4h + 2i + odd, lane j: channel 64h + lut_channel(i, 2j + odd)
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float lanes[D];
+    for (int v = 0; v < D / 16; ++v) _mm512_store_ps(lanes + v * 16, H.acc[g][v]);
+    for (int v = 0; v < D / 16; ++v)
+      for (int j = 0; j < 16; ++j)
+        acc_out[g * D + 64 * (v / 4) + lut_channel(v / 2 % 2, 2 * j + v % 2)] = lanes[v * 16 + j];
+    max_out[g] = H.m[g];
+    sum_out[g] = H.l[g];
+  }
+}
+
+template <typename T, int G, int D, int F>
+void quant_range512_any(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end, int64_t head,
+                        int64_t own_block, int64_t own_row, float scale, float* acc_out, float* max_out,
+                        float* sum_out) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && (F == kInt8 || F == kFp8E4M3 || F == kFp8E5M2)) {
+    if (avx512_lut_supported())
+      return quant_range512_lut<G, D, F>(L, q, table, begin, end, head, own_block, own_row, scale, acc_out, max_out,
+                                         sum_out);
+  }
+  quant_range512_f<T, G, D, F>(L, q, table, begin, end, head, own_block, own_row, scale, acc_out, max_out, sum_out);
+}
+
+// The format is fixed per layer: one switch per work item, none per token.
+template <typename T, int G, int D>
+void quant_range512(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end, int64_t head,
+                    int64_t own_block, int64_t own_row, float scale, float* acc_out, float* max_out, float* sum_out) {
+  auto run = [&](auto format) {
+    quant_range512_any<T, G, D, decltype(format)::value>(L, q, table, begin, end, head, own_block, own_row, scale,
+                                                          acc_out, max_out, sum_out);
+  };
+  switch (L.format) {
+    case kBf16: return run(std::integral_constant<int, kBf16>());
+    case kInt8: return run(std::integral_constant<int, kInt8>());
+    case kFp8E4M3: return run(std::integral_constant<int, kFp8E4M3>());
+    case kFp8E5M2: return run(std::integral_constant<int, kFp8E5M2>());
+    case kInt4: return run(std::integral_constant<int, kInt4>());
+    default: return run(std::integral_constant<int, kInt2>());
+  }
+}
+
+template <typename T, int D>
+QuantRange<T, D> quant_range512_for(int64_t group) {
+  switch (group) {
+    case 1: return quant_range512<T, 1, D>;
+    case 2: return quant_range512<T, 2, D>;
+    case 3: return quant_range512<T, 3, D>;
+    case 4: return quant_range512<T, 4, D>;
+    case 5: return quant_range512<T, 5, D>;
+    case 6: return quant_range512<T, 6, D>;
+    case 7: return quant_range512<T, 7, D>;
+    case 8: return quant_range512<T, 8, D>;
+    default: return nullptr;
+  }
+}
+
 // One quantized decode attention over raw pointers, as Partials work items: the tensor entry
 // point and the fused decoder stack (qmatmul.cpp) run the same items and merges, so both give the
 // same bits. A layer's caches come with each item, so one job serves every layer of a step.
@@ -383,8 +855,9 @@ struct QuantJob {
            int64_t dim_, int64_t block_size_, int64_t width_, double scale, int64_t partition)
       : q_p(q), t_p(tables), lens_p(lens), o_p(out), heads(heads_), group(group_), dim(dim_), block_size(block_size_),
         width(width_), s(static_cast<float>(scale)), partials(n, heads_, group_, dim_, lens, partition) {
-    if (dim == 64) range64 = quant_range_for<T, 64>(group);
-    if (dim == 128) range128 = quant_range_for<T, 128>(group);
+    const bool wide = avx512_quant_supported();
+    if (dim == 64) range64 = wide ? quant_range512_for<T, 64>(group) : quant_range_for<T, 64>(group);
+    if (dim == 128) range128 = wide ? quant_range512_for<T, 128>(group) : quant_range_for<T, 128>(group);
   }
 
   int64_t items() const { return partials.items(); }
@@ -514,6 +987,232 @@ void quant_write(int64_t format, const torch::Tensor& x, torch::Tensor& codes, t
       quantize_head(format, x_p + i * stride + h * dim, dim, c_p + (slot * heads + h) * dim, s_p + slot * heads + h);
     }
   });
+}
+
+// --- The KIVI write side (int4, int2): a block is quantized whole, when it fills. ---
+// Every block that receives tokens in a step gets a scratch row [block_size, heads, dim] in the
+// model's dtype. Per row the plan holds (block id, residual slot or -1, tokens the block held
+// before the step, tokens it holds after): the held tokens come from the residual slot, the
+// step's tokens go to their scratch slots, then a block that is now full is quantized into the
+// pool and any other row's new tokens go back to its residual slot. KiviLayer.write
+// (kvbank/cache/layers/kivi.py) runs these three phases through kivi_write, the fused stack
+// (qmatmul.cpp) inside its layer loop; the scratch rows are what attention reads a row's own
+// block from. Quantization is bit for bit KiviKeys / KiviValues.quantize: the group's minimum in
+// float16, the float16 scale (max - minimum) / top (at least 2^-24), codes (x - minimum) / scale
+// rounded to nearest even and clamped, packed planar (quant.pack).
+constexpr float kTinyScale = 0x1p-24f;
+
+KVBANK_AVX2_F16C inline float hmin8(__m256 v) {
+  const __m128 x = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_min_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_min_ss(y, _mm_movehdup_ps(y)));
+}
+
+// codes [dim] < 2^bits -> dim * bits / 8 bytes: byte i holds codes i, i + n, i + 2n, ... lowest first
+inline void pack_planar(int bits, const uint8_t* codes, int64_t dim, uint8_t* out) {
+  const int per = 8 / bits;
+  const int64_t n = dim / per;
+  for (int64_t i = 0; i < n; ++i) {
+    uint8_t b = 0;
+    for (int s = 0; s < per; ++s) b |= static_cast<uint8_t>(codes[i + s * n] << (bits * s));
+    out[i] = b;
+  }
+}
+
+// 8 codes (x - low) / scale, rounded and clamped to [0, top], as bytes.
+KVBANK_AVX2_F16C inline void kivi_codes8(__m256 x, __m256 low, __m256 scale, __m256 top, uint8_t* out) {
+  const __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(x, low), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  store_bytes8<false>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_setzero_ps()), top)), out);
+}
+
+// Keys of one head of a block: x is token 0's row of the head, `stride` apart per token; one
+// (scale, minimum) per channel over the block's tokens.
+template <typename T>
+KVBANK_AVX2_F16C void kivi_keys(int bits, const T* x, int64_t tokens, int64_t stride, int64_t dim, uint8_t* codes,
+                                int64_t code_stride, uint16_t* scale, uint16_t* low) {
+  alignas(32) uint8_t q[64][128];
+  const __m256 top = _mm256_set1_ps(static_cast<float>((1 << bits) - 1));
+  for (int64_t c = 0; c < dim; c += 8) {
+    __m256 lo = _mm256_set1_ps(std::numeric_limits<float>::infinity()), hi = _mm256_sub_ps(_mm256_setzero_ps(), lo);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const __m256 v = load8(x + t * stride + c);
+      lo = _mm256_min_ps(lo, v);
+      hi = _mm256_max_ps(hi, v);
+    }
+    const __m128i lo16 = _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 lof = _mm256_cvtph_ps(lo16);
+    const __m256 want = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(hi, lof), top), _mm256_set1_ps(kTinyScale));
+    const __m128i s16 = _mm256_cvtps_ph(want, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + c), lo16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(scale + c), s16);
+    const __m256 sf = _mm256_cvtph_ps(s16);
+    for (int64_t t = 0; t < tokens; ++t) kivi_codes8(load8(x + t * stride + c), lof, sf, top, q[t] + c);
+  }
+  for (int64_t t = 0; t < tokens; ++t) pack_planar(bits, q[t], dim, codes + t * code_stride);
+}
+
+// Values of one head of one token: one (scale, minimum) per group of `group` channels.
+template <typename T>
+KVBANK_AVX2_F16C void kivi_values(int bits, const T* x, int64_t dim, int64_t group, uint8_t* codes, uint16_t* scale,
+                                  uint16_t* low) {
+  alignas(32) uint8_t q[128];
+  const float top = static_cast<float>((1 << bits) - 1);
+  for (int64_t g = 0; g * group < dim; ++g) {
+    const T* xg = x + g * group;
+    __m256 lo = load8(xg), hi = lo;
+    for (int64_t c = 8; c < group; c += 8) {
+      const __m256 v = load8(xg + c);
+      lo = _mm256_min_ps(lo, v);
+      hi = _mm256_max_ps(hi, v);
+    }
+    const uint16_t lo16 = _cvtss_sh(hmin8(lo), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const float lof = _cvtsh_ss(lo16);
+    const uint16_t s16 = _cvtss_sh(std::max((hmax8(hi) - lof) / top, kTinyScale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    low[g] = lo16;
+    scale[g] = s16;
+    const __m256 lov = _mm256_set1_ps(lof), sv = _mm256_set1_ps(_cvtsh_ss(s16)), topv = _mm256_set1_ps(top);
+    for (int64_t c = 0; c < group; c += 8) kivi_codes8(load8(xg + c), lov, sv, topv, q + g * group + c);
+  }
+  pack_planar(bits, q, dim, codes);
+}
+
+// One KIVI layer's writes for one step, over raw pointers (checked by check_kivi_*).
+template <typename T>
+struct KiviWrite {
+  int bits;
+  int64_t heads, dim, block_size, code_bytes, group;
+  uint8_t *k_codes, *v_codes;
+  uint16_t *k_scale, *k_min, *v_scale, *v_min;
+  T *res_k, *res_v;          // residual slots [slots, block_size, heads, dim]
+  T *scratch_k, *scratch_v;  // this step's rows [rows, block_size, heads, dim]
+  const int64_t* plan;       // [rows, kPlanFields]
+  const int64_t* scratch_slots;  // per token: row * block_size + its offset in the block
+
+  int64_t block_elems() const { return block_size * heads * dim; }
+
+  // Phase 1: row r's tokens from before the step.
+  void preload(int64_t r) const {
+    const int64_t* p = plan + r * kPlanFields;
+    const int64_t n = p[kPlanHeld] * heads * dim;
+    if (n == 0) return;
+    std::memcpy(scratch_k + r * block_elems(), res_k + p[kPlanSlot] * block_elems(), n * sizeof(T));
+    std::memcpy(scratch_v + r * block_elems(), res_v + p[kPlanSlot] * block_elems(), n * sizeof(T));
+  }
+
+  // Phase 2: token t's K and V ([heads, dim] each).
+  void store(int64_t t, const T* k, const T* v) const {
+    std::memcpy(scratch_k + scratch_slots[t] * heads * dim, k, heads * dim * sizeof(T));
+    std::memcpy(scratch_v + scratch_slots[t] * heads * dim, v, heads * dim * sizeof(T));
+  }
+
+  // Phase 3: row r quantized into its block when full, else its new tokens back to the residual slot.
+  void finish(int64_t r) const {
+    const int64_t* p = plan + r * kPlanFields;
+    const T* sk = scratch_k + r * block_elems();
+    const T* sv = scratch_v + r * block_elems();
+    if (p[kPlanUpto] < block_size) {
+      const int64_t from = p[kPlanHeld] * heads * dim, n = (p[kPlanUpto] - p[kPlanHeld]) * heads * dim;
+      std::memcpy(res_k + p[kPlanSlot] * block_elems() + from, sk + from, n * sizeof(T));
+      std::memcpy(res_v + p[kPlanSlot] * block_elems() + from, sv + from, n * sizeof(T));
+      return;
+    }
+    const int64_t b = p[kPlanBlock], groups = dim / group;
+    for (int64_t h = 0; h < heads; ++h) {
+      kivi_keys(bits, sk + h * dim, block_size, heads * dim, dim, k_codes + (b * block_size * heads + h) * code_bytes,
+                heads * code_bytes, k_scale + (b * heads + h) * dim, k_min + (b * heads + h) * dim);
+      for (int64_t t = 0; t < block_size; ++t) {
+        const int64_t at = (b * block_size + t) * heads + h;
+        kivi_values(bits, sv + (t * heads + h) * dim, dim, group, v_codes + at * code_bytes, v_scale + at * groups,
+                    v_min + at * groups);
+      }
+    }
+  }
+};
+#endif
+
+// The plan's rows and scratch slots against the residual slots they name; returns the row count.
+int64_t check_kivi_plan(const torch::Tensor& plan, const torch::Tensor& scratch_slots, int64_t tokens, int64_t blocks,
+                        int64_t block_size, int64_t residual_slots) {
+  TORCH_CHECK(plan.scalar_type() == torch::kLong && plan.dim() == 2 && plan.size(1) == kPlanFields && plan.is_contiguous(),
+              "the plan must be contiguous int64 [rows, 4], got ", plan.sizes());
+  TORCH_CHECK(scratch_slots.scalar_type() == torch::kLong && scratch_slots.dim() == 1 &&
+                  scratch_slots.size(0) == tokens && scratch_slots.is_contiguous(),
+              "scratch slots must be contiguous int64 [", tokens, "], got ", scratch_slots.sizes());
+  const int64_t rows = plan.size(0);
+  const int64_t* p = plan.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r, p += kPlanFields) {
+    TORCH_CHECK(p[kPlanBlock] >= 0 && p[kPlanBlock] < blocks, "plan row ", r, ": block ", p[kPlanBlock],
+                " is outside the pool's ", blocks, " blocks");
+    TORCH_CHECK(p[kPlanHeld] >= 0 && p[kPlanHeld] < p[kPlanUpto] && p[kPlanUpto] <= block_size, "plan row ", r,
+                ": tokens held ", p[kPlanHeld], " -> ", p[kPlanUpto], " do not fit a block of ", block_size);
+    const bool needs_slot = p[kPlanHeld] > 0 || p[kPlanUpto] < block_size;
+    TORCH_CHECK(!needs_slot || (p[kPlanSlot] >= 0 && p[kPlanSlot] < residual_slots), "plan row ", r,
+                ": residual slot ", p[kPlanSlot], " is outside the ", residual_slots, " slots");
+  }
+  const int64_t* s = scratch_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < rows * block_size, "scratch slot ", s[t], " is outside the step's ",
+                rows * block_size);
+  return rows;
+}
+
+// One KIVI layer's pool tensors and residual slots; names the shapes it expected.
+void check_kivi_layer(int64_t format, int64_t heads, int64_t dim, const torch::Tensor& k_codes, const torch::Tensor& k_scale,
+                      const torch::Tensor& k_min, const torch::Tensor& v_codes, const torch::Tensor& v_scale,
+                      const torch::Tensor& v_min, const torch::Tensor& residual_k, const torch::Tensor& residual_v,
+                      torch::ScalarType dtype) {
+  TORCH_CHECK(format == kInt4 || format == kInt2, "KIVI writes are int4 (4) or int2 (5), got format ", format);
+  TORCH_CHECK(dim % 8 == 0 && dim <= 128, "head dim must be a multiple of 8 up to 128, got ", dim);
+  const int64_t code_bytes = dim * (format == kInt4 ? 4 : 2) / 8;
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.scalar_type() == torch::kByte && k_codes.size(1) <= 64 &&
+                  k_codes.size(2) == heads && k_codes.size(3) == code_bytes && v_codes.sizes() == k_codes.sizes() &&
+                  v_codes.scalar_type() == torch::kByte,
+              "codes must be uint8 [blocks, block_size <= 64, ", heads, ", ", code_bytes, "], got ", k_codes.sizes());
+  const int64_t blocks = k_codes.size(0), block_size = k_codes.size(1);
+  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && k_scale.dim() == 3 && k_scale.size(0) == blocks &&
+                  k_scale.size(1) == heads && k_scale.size(2) == dim && k_min.sizes() == k_scale.sizes() &&
+                  k_min.scalar_type() == torch::kHalf,
+              "key scales and minimums must be float16 [", blocks, ", ", heads, ", ", dim, "], got ", k_scale.sizes());
+  TORCH_CHECK(v_scale.scalar_type() == torch::kHalf && v_scale.dim() == 4 && v_scale.size(0) == blocks &&
+                  v_scale.size(1) == block_size && v_scale.size(2) == heads && v_scale.size(3) >= 1 &&
+                  dim % v_scale.size(3) == 0 && (dim / v_scale.size(3)) % 8 == 0 && v_min.sizes() == v_scale.sizes() &&
+                  v_min.scalar_type() == torch::kHalf,
+              "value scales and minimums must be float16 [", blocks, ", ", block_size, ", ", heads,
+              ", groups of a multiple of 8 channels], got ", v_scale.sizes());
+  TORCH_CHECK(residual_k.scalar_type() == dtype && residual_k.dim() == 4 && residual_k.size(1) == block_size &&
+                  residual_k.size(2) == heads && residual_k.size(3) == dim && residual_v.sizes() == residual_k.sizes() &&
+                  residual_v.scalar_type() == dtype,
+              "residual slots must be [slots, ", block_size, ", ", heads, ", ", dim, "] in the model's dtype, got ",
+              residual_k.sizes());
+  for (const auto* t : {&k_codes, &v_codes, &k_scale, &k_min, &v_scale, &v_min, &residual_k, &residual_v})
+    TORCH_CHECK(t->is_contiguous(), "KIVI caches and residual slots must be contiguous");
+}
+
+#ifdef KVBANK_X86
+template <typename T>
+KiviWrite<T> kivi_pointers(int64_t format, const torch::Tensor& k_codes, const torch::Tensor& k_scale,
+                           const torch::Tensor& k_min, const torch::Tensor& v_codes, const torch::Tensor& v_scale,
+                           const torch::Tensor& v_min, const torch::Tensor& residual_k, const torch::Tensor& residual_v,
+                           T* scratch_k, T* scratch_v, const torch::Tensor& plan, const torch::Tensor& scratch_slots) {
+  const int64_t heads = k_codes.size(2), dim = k_scale.size(2);
+  return KiviWrite<T>{format == kInt4 ? 4 : 2,
+                      heads,
+                      dim,
+                      k_codes.size(1),
+                      k_codes.size(3),
+                      dim / v_scale.size(3),
+                      reinterpret_cast<uint8_t*>(k_codes.data_ptr()),
+                      reinterpret_cast<uint8_t*>(v_codes.data_ptr()),
+                      reinterpret_cast<uint16_t*>(k_scale.data_ptr()),
+                      reinterpret_cast<uint16_t*>(k_min.data_ptr()),
+                      reinterpret_cast<uint16_t*>(v_scale.data_ptr()),
+                      reinterpret_cast<uint16_t*>(v_min.data_ptr()),
+                      residual_k.data_ptr<T>(),
+                      residual_v.data_ptr<T>(),
+                      scratch_k,
+                      scratch_v,
+                      plan.data_ptr<int64_t>(),
+                      scratch_slots.data_ptr<int64_t>()};
 }
 #endif
 
@@ -653,4 +1352,50 @@ void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, to
     quant_write<float>(format, x, codes, scale, slots);
   }
 #endif
+}
+
+std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t format, torch::Tensor k_codes,
+                                      torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_codes,
+                                      torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor residual_k,
+                                      torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots) {
+  TORCH_CHECK(has_quant_decode(), "KIVI writes need an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [tokens, heads, dim], got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == torch::kBFloat16 || k.scalar_type() == torch::kFloat),
+              "k and v must both be bfloat16 or float32");
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  check_kivi_layer(format, heads, dim, k_codes, k_scale, k_min, v_codes, v_scale, v_min, residual_k, residual_v,
+                   k.scalar_type());
+  // Rows may be strided (k and v are views into the fused projection); each token's heads are dense.
+  if (k.stride(2) != 1 || k.stride(1) != dim) k = k.contiguous();
+  if (v.stride(2) != 1 || v.stride(1) != dim) v = v.contiguous();
+  const int64_t block_size = k_codes.size(1);
+  const int64_t rows = check_kivi_plan(plan, scratch_slots, tokens, k_codes.size(0), block_size, residual_k.size(0));
+  // zeros: the reference path attends whole scratch rows under a mask
+  auto scratch_k = torch::zeros({rows, block_size, heads, dim}, k.options().memory_format(torch::MemoryFormat::Contiguous));
+  auto scratch_v = torch::zeros_like(scratch_k);
+#ifdef KVBANK_X86
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const KiviWrite<T> W = kivi_pointers<T>(format, k_codes, k_scale, k_min, v_codes, v_scale, v_min, residual_k,
+                                            residual_v, scratch_k.data_ptr<T>(), scratch_v.data_ptr<T>(), plan,
+                                            scratch_slots);
+    const T* k_p = k.data_ptr<T>();
+    const T* v_p = v.data_ptr<T>();
+    at::parallel_for(0, rows, 1, [&](int64_t from, int64_t to) {
+      for (int64_t r = from; r < to; ++r) W.preload(r);
+    });
+    for (int64_t t = 0; t < tokens; ++t) W.store(t, k_p + t * k.stride(0), v_p + t * v.stride(0));
+    at::parallel_for(0, rows, 1, [&](int64_t from, int64_t to) {
+      for (int64_t r = from; r < to; ++r) W.finish(r);
+    });
+  };
+  if (k.scalar_type() == torch::kBFloat16) {
+    run(static_cast<c10::BFloat16*>(nullptr));
+  } else {
+    run(static_cast<float*>(nullptr));
+  }
+#endif
+  return {scratch_k, scratch_v};
 }

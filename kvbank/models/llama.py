@@ -20,6 +20,9 @@ from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Int4Blocks, Int8Blocks, PackedLinear
 from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, pack_q4, pack_q8, packable
 
+#: StackCache fields that a cache format may have beside its K and V, passed to the stack per layer
+STACK_EXTRAS = ("k_scale", "v_scale", "k_min", "v_min", "residual_k", "residual_v")
+
 
 class RMSNorm(nn.Module):
     #: kvbank's native module (kvbank/kernels) when the model runs its fused CPU ops, else None
@@ -244,23 +247,27 @@ class LlamaForCausalLM(nn.Module):
             input_ids, positions = F.pad(input_ids, (0, rows - T)), F.pad(positions, (0, rows - T))
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        rows_attention = self._stack_attention(rows, kv_caches, meta)
-        if rows_attention is not None:
-            attn = self.layers[0].self_attn
-            formats, ks, vs, k_scales, v_scales = zip(*(c.stack_caches() for c in kv_caches))
+        step = self._stack_attention(rows, kv_caches, meta)
+        if step is not None:
+            caches = [c.stack_caches() for c in kv_caches]
+            # per-layer tensors the format has (scales, minimums, residual slots), by the stack's names
+            extra = {
+                f"{name}s": [getattr(c, name) for c in caches]
+                for name in STACK_EXTRAS
+                if getattr(caches[0], name) is not None
+            }
             hidden = self._stack().forward(
-                x,
-                cos,
-                sin,
-                list(ks),
-                list(vs),
-                meta.slot_mapping,
-                *rows_attention,
-                attn.scale,
-                DECODE_PARTITION,
-                formats[0],
-                list(k_scales) if formats[0] else [],
-                list(v_scales) if formats[0] else [],
+                x=x,
+                cos=cos,
+                sin=sin,
+                k_caches=[c.k for c in caches],
+                v_caches=[c.v for c in caches],
+                slot_mapping=meta.slot_mapping,
+                scale=self.layers[0].self_attn.scale,
+                partition=DECODE_PARTITION,
+                format=caches[0].format,
+                **step,
+                **extra,
             )
             return hidden[:T]
         residual = None
@@ -268,10 +275,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return (x + residual)[:T]
 
-    def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata):
-        """The row attention tables when this step can run as one native call over every layer:
-        all layers on integer kernels for this many rows, caches attended by rows (bfloat16, or
-        int8/fp8 read in place), one format for every layer, no scores."""
+    def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata) -> dict | None:
+        """The step's row attention arguments when this step can run as one native call over every
+        layer: all layers on integer kernels for this many rows, caches attended by rows (bfloat16,
+        or int8/fp8/int4/int2 read in place), one format for every layer, no scores."""
         first = self.layers[0]
         if first.native is None or not first.self_attn.qkv_proj.integer_path(rows):
             return None
@@ -280,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
         if not all(hasattr(c, "row_attention") for c in kv_caches) or len({c.kind for c in kv_caches}) != 1:
             return None
         rows_attention = kv_caches[0].row_attention(meta)
-        if rows_attention is None or len({c.stack_caches()[0] for c in kv_caches}) != 1:
+        caches = [c.stack_caches() for c in kv_caches]
+        if rows_attention is None or None in caches or len({c.format for c in caches}) != 1:
             return None  # one cache format, and one the stack takes, for every layer
         return rows_attention
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -59,6 +59,22 @@ class PoolSpec:
     @property
     def block_shape(self) -> tuple[int, int, int]:
         return self.block_size, self.num_kv_heads, self.head_dim
+
+
+class StackCache(NamedTuple):
+    """One layer's caches as the fused model step (QuantStack.forward) takes them."""
+
+    #: 0 bfloat16; else the quantized format's id (attention.quantized.NATIVE_FORMATS)
+    format: int
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    #: int4/int2: the minimums and the residual slots of open blocks
+    k_min: torch.Tensor | None = None
+    v_min: torch.Tensor | None = None
+    residual_k: torch.Tensor | None = None
+    residual_v: torch.Tensor | None = None
 
 
 class KVLayer(Protocol):

@@ -22,7 +22,7 @@ from kvbank.attention.fast import (
 )
 from kvbank.attention.metadata import AttentionMetadata, additive_mask, write_kv
 from kvbank.attention.rope import apply_rope
-from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
+from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
 from kvbank.cache.quant import CodecPair
 
 
@@ -42,17 +42,17 @@ class DenseLayer:
         write_kv(self.k, self.v, k, v, meta.slot_mapping)
         return k, v  # chunks from position 0 attend to their fresh K/V directly
 
-    def row_attention(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(block tables, context lengths) of every new token when this step attends by rows and
-        keeps no attention scores: a fused model step can then write and attend in native code."""
+    def row_attention(self, meta: AttentionMetadata) -> dict[str, torch.Tensor] | None:
+        """The step's arguments to the fused model step (block tables and context lengths of every
+        new token) when this step attends by rows and keeps no attention scores."""
         step = meta.kinds[self.kind]
         if step.row_block_tables is None or step.score_jobs:
             return None
-        return step.row_block_tables, step.row_context_lens
+        return {"block_tables": step.row_block_tables, "context_lens": step.row_context_lens}
 
-    def stack_caches(self) -> tuple[int, torch.Tensor, torch.Tensor, None, None]:
-        """(format, K, V, K scales, V scales) as the fused model step takes them: 0 is bfloat16, no scales."""
-        return 0, self.k, self.v, None, None
+    def stack_caches(self) -> StackCache:
+        """The layer's caches as the fused model step takes them: bfloat16, no scales."""
+        return StackCache(0, self.k, self.v)
 
     def attend(
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float

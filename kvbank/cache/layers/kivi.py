@@ -15,7 +15,7 @@ import torch
 from kvbank.attention.fast import row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
 from kvbank.attention.quantized import QuantizedView, attend_quantized, pad_visibility
-from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
+from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
 from kvbank.cache.layers.token import CodecLayer
 from kvbank.cache.quant import CodecPair, FullPrecision
 
@@ -97,11 +97,15 @@ class ResidualPlan:
 
     Every block that receives tokens gets a scratch row: its earlier tokens are loaded from its
     residual slot, the new tokens are written in, and then blocks that are now full are quantized
-    into the pool while the others go back to their residual slots.
+    into the pool while the others go back to their residual slots. `table` says so per row for
+    the native writes (kivi_write in kvbank/kernels/quant_decode.cpp): block id, residual slot
+    (-1: none), tokens the block held before the step, tokens it holds after; the index pairs
+    say the same for the PyTorch path.
     """
 
     rows: int
     scratch_slots: torch.Tensor
+    table: torch.Tensor
     preload_rows: torch.Tensor | None
     preload_slots: torch.Tensor | None
     full_rows: torch.Tensor | None
@@ -129,6 +133,24 @@ class KiviLayer(CodecLayer):
         """Store k, v ([T, heads, dim]); returns this step's scratch blocks (K, V)."""
         plan = meta.kinds[self.kind].plan
         stores = (self.residual.k[self.index], self.residual.v[self.index])
+        if self.native is not None and k.dtype == self.dtype:
+            # One native call, bit for bit the codecs' block quantization (tests/test_quant_attention.py).
+            (ks, vs) = self.sides
+            scratch_k, scratch_v = self.native.kivi_write(
+                k,
+                v,
+                self.native_format,
+                ks["codes"],
+                ks["scale"],
+                ks["min"],
+                vs["codes"],
+                vs["scale"],
+                vs["min"],
+                *stores,
+                plan.table,
+                plan.scratch_slots,
+            )
+            return scratch_k, scratch_v
         scratch = []
         for x, store in zip((k, v), stores):
             rows = x.new_zeros(plan.rows, *store.shape[1:])
@@ -144,6 +166,38 @@ class KiviLayer(CodecLayer):
             for rows, store in zip(scratch, stores):
                 store.index_copy_(0, plan.keep_slots, rows.index_select(0, plan.keep_rows))
         return scratch[0], scratch[1]
+
+    def row_attention(self, meta: AttentionMetadata) -> dict[str, torch.Tensor] | None:
+        """The step's arguments to the fused model step when this step attends by rows: every new
+        token's block table, context length and own scratch row, and the write plan."""
+        step = meta.kinds[self.kind]
+        if step.view.row_tables is None or self.native is None or self.dtype != torch.bfloat16:
+            return None  # the fused step is bfloat16
+        return {
+            "block_tables": step.view.row_tables,
+            "context_lens": step.view.row_lens,
+            "kivi_plan": step.plan.table,
+            "scratch_slots": step.plan.scratch_slots,
+            "own_rows": step.view.own_rows,
+        }
+
+    def stack_caches(self) -> StackCache | None:
+        """The layer's codes, scales, minimums and residual slots as the fused model step takes them."""
+        if self.native is None:
+            return None
+        (k, v) = self.sides
+        residual = self.residual
+        return StackCache(
+            self.native_format,
+            k["codes"],
+            v["codes"],
+            k["scale"],
+            v["scale"],
+            k["min"],
+            v["min"],
+            residual.k[self.index],
+            residual.v[self.index],
+        )
 
     def attend(
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
@@ -194,6 +248,7 @@ class KiviKind(KVKind):
         residual = self.residual
         rows = 0
         scratch_slots: list[int] = []
+        table: list[tuple[int, int, int, int]] = []
         preload: tuple[list[int], list[int]] = ([], [])
         full: tuple[list[int], list[int]] = ([], [])
         keep: tuple[list[int], list[int]] = ([], [])
@@ -208,19 +263,22 @@ class KiviKind(KVKind):
             first_row = rows
             for j in range(first_block, last_block + 1):
                 block_id = s.block_table[j]
-                if s.start > j * bs:
+                held, upto, slot = max(s.start - j * bs, 0), min(s.end - j * bs, bs), -1
+                if held:
                     slot = residual.of_block.get(block_id)
                     if slot is None:
-                        raise RuntimeError(f"block {block_id} holds {s.start - j * bs} tokens but has no residual slot")
+                        raise RuntimeError(f"block {block_id} holds {held} tokens but has no residual slot")
                     preload[0].append(rows)
                     preload[1].append(slot)
-                if min(s.end, (j + 1) * bs) == (j + 1) * bs:
+                if upto == bs:
                     full[0].append(rows)
                     full[1].append(block_id)
                     filled.append(block_id)
                 else:
+                    slot = residual.slot(block_id)
                     keep[0].append(rows)
-                    keep[1].append(residual.slot(block_id))
+                    keep[1].append(slot)
+                table.append((block_id, slot, held, upto))
                 rows += 1
             scratch_slots.extend((first_row + p // bs - first_block) * bs + p % bs for p in range(s.start, s.end))
             if self.attend_rows:
@@ -240,7 +298,12 @@ class KiviKind(KVKind):
         for block_id in filled:
             residual.release(block_id)
         plan = ResidualPlan(
-            rows, _tensor(scratch_slots, device), *_pair(preload, device), *_pair(full, device), *_pair(keep, device)
+            rows,
+            _tensor(scratch_slots, device),
+            torch.tensor(table, dtype=torch.long).view(-1, 4),
+            *_pair(preload, device),
+            *_pair(full, device),
+            *_pair(keep, device),
         )
         view = QuantizedView(masks, chunk_rows, _tensor(own_blocks, device) if own_blocks else None)
         if own_rows:

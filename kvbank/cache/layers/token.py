@@ -14,7 +14,7 @@ from kvbank.attention.quantized import (
     native_quant_kernel,
     pad_visibility,
 )
-from kvbank.cache.layers.base import KVKind, PoolSpec, StepSeq
+from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
 from kvbank.cache.quant import CodecPair
 
 #: the formats whose writes are native too (per-token int8 and fp8)
@@ -79,21 +79,20 @@ class TokenLayer(CodecLayer):
             for name, value in codec.quantize(x).items():
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
-    def row_attention(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(block tables, context lengths) of every new token when this step attends by rows in a
-        format whose writes are native: a fused model step can then write and attend in native code."""
+    def row_attention(self, meta: AttentionMetadata) -> dict[str, torch.Tensor] | None:
+        """The step's arguments to the fused model step (block tables and context lengths of every
+        new token) when this step attends by rows in a format whose writes are native."""
         view = meta.kinds[self.kind]
         if view.row_tables is None or self.native_format not in NATIVE_WRITES or self.dtype != torch.bfloat16:
             return None  # the fused step is bfloat16
-        return view.row_tables, view.row_lens
+        return {"block_tables": view.row_tables, "context_lens": view.row_lens}
 
-    def stack_caches(self) -> tuple[int | None, torch.Tensor | None, ...]:
-        """(format, K codes, V codes, K scales, V scales) as the fused model step takes them; the
-        format is None when the step cannot take this layer."""
+    def stack_caches(self) -> StackCache | None:
+        """The layer's codes and scales as the fused model step takes them; None when it cannot."""
         if self.native_format not in NATIVE_WRITES:
-            return None, None, None, None, None
+            return None
         (k, v) = self.sides
-        return self.native_format, k["codes"], v["codes"], k["scale"], v["scale"]
+        return StackCache(self.native_format, k["codes"], v["codes"], k["scale"], v["scale"])
 
     def attend(self, q: torch.Tensor, written: None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return attend_quantized(q, self, TokenKind.name, meta.kinds[self.kind], meta, scale)
