@@ -14,7 +14,7 @@ For every --kv-cache-dtype (bundled model unless --model):
 
     python bench/kv_quant.py --corpus ../shared/data/austen_all.txt
     python bench/kv_quant.py --only int4 --profile int4     # where quantized decode spends its time
-    python bench/kv_quant.py --skip ppl agreement capacity --seqs 4 --context 8192 --tag _4x8k
+    python bench/kv_quant.py --skip ppl agreement capacity --seqs 4 --context 8064 --tag _4x8k
 
 Results also go to bench/results/kv_quant.json.
 """
