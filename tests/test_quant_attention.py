@@ -35,7 +35,7 @@ def _reference(q, keys, values, lens, scale):
     return torch.stack(out)
 
 
-def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed):
+def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed, isa):
     generator = torch.Generator().manual_seed(seed)
     kv_heads, n = 2, len(lens)
     width = -(-max(lens) // block)
@@ -77,6 +77,7 @@ def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed
         0.125,
         DECODE_PARTITION,
         **extra,
+        isa=isa,
     )
     return out, _reference(q, seen_k, seen_v, lens, 0.125)
 
@@ -94,14 +95,17 @@ def test_native_quantized_attention_matches_the_reference_over_shapes(kernel, kv
         (16, 32, 64) if kivi else (None,),  # value group size
         (False, True) if kivi else (False,),  # residual (scratch) blocks
     )
-    for seed, (dim, block, group, dtype, value_group, scratch) in enumerate(shapes):
-        out, expected = _case(kernel, kv, dim, block, group, dtype, value_group or 32, lens, scratch, seed)
+    # every version of the kernel this CPU runs (8 lanes; 16; 16 with int8/fp8 keys by tables)
+    isas = kernel.quant_decode_isas()
+    assert isas[0] == "avx2"
+    for seed, (isa, (dim, block, group, dtype, value_group, scratch)) in enumerate(itertools.product(isas, shapes)):
+        out, expected = _case(kernel, kv, dim, block, group, dtype, value_group or 32, lens, scratch, seed, isa)
         err = (out.double() - expected).abs()
         # float32 sums over hundreds of tokens (a few units in the last place of the row's largest
         # value), and for bfloat16 out the output's own rounding
         largest = expected.abs().amax(dim=-1, keepdim=True)
         bound = expected.abs() * (0 if dtype == torch.float32 else 2**-8) + largest * 1e-5
-        assert (err <= bound).all(), (dim, block, group, dtype, value_group, scratch, err.max().item())
+        assert (err <= bound).all(), (isa, dim, block, group, dtype, value_group, scratch, err.max().item())
 
 
 def test_bad_arguments_are_refused_with_the_numbers(kernel):
@@ -111,6 +115,8 @@ def test_bad_arguments_are_refused_with_the_numbers(kernel):
     q = torch.randn(1, 2, 3, 64)
     args = (stored_k["codes"], stored_k["scale"], None, stored_v["codes"], stored_v["scale"], None)
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="isa must be auto, tables, avx512 or avx2, got avx9"):
+        kernel.quant_decode_attention(q, 1, *args, tables, lens, 0.125, DECODE_PARTITION, isa="avx9")
     with pytest.raises(RuntimeError, match="unknown quantized KV format 9"):
         kernel.quant_decode_attention(q, 9, *args, tables, lens, 0.125, DECODE_PARTITION)
     with pytest.raises(RuntimeError, match="q has 3 KV heads, the cache 2"):
@@ -208,22 +214,24 @@ def test_every_code_is_read_as_the_codec_reads_it(kernel, kv, dtype):
     values = codec.dequantize({k: v[:, :1] for k, v in stored.items()}, torch.float32)[:, 0]
     q = torch.zeros(n, heads, 3, dim, dtype=dtype)
     tables = torch.arange(n).view(n, 1)
-    out = kernel.quant_decode_attention(
-        q,
-        NATIVE_FORMATS[kv],
-        stored["codes"],
-        stored["scale"],
-        None,
-        stored["codes"],
-        stored["scale"],
-        None,
-        tables,
-        torch.ones(n, dtype=torch.long),
-        0.125,
-        DECODE_PARTITION,
-    )
-    expected = values.unsqueeze(2).expand(n, heads, 3, dim).to(dtype)
-    assert torch.equal(out, expected), (out.float() - expected.float()).abs().max()
+    for isa in kernel.quant_decode_isas():
+        out = kernel.quant_decode_attention(
+            q,
+            NATIVE_FORMATS[kv],
+            stored["codes"],
+            stored["scale"],
+            None,
+            stored["codes"],
+            stored["scale"],
+            None,
+            tables,
+            torch.ones(n, dtype=torch.long),
+            0.125,
+            DECODE_PARTITION,
+            isa=isa,
+        )
+        expected = values.unsqueeze(2).expand(n, heads, 3, dim).to(dtype)
+        assert torch.equal(out, expected), (isa, (out.float() - expected.float()).abs().max())
 
 
 def _kivi_pool(kv, dtype, blocks, block, heads, dim, group):

@@ -55,9 +55,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scale"), py::arg("k_min"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_min"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),
         py::arg("scratch_k") = py::none(), py::arg("scratch_v") = py::none(), py::arg("own_rows") = py::none(),
+        py::arg("isa") = "auto",
         "Decode attention read in place from a quantized paged cache (format 0 bfloat16 dense, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
         "4 int4, 5 int2); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
-        "row, or -1)");
+        "row, or -1); isa: auto (the best this CPU runs), tables, avx512 or avx2");
   m.def("quant_write_tokens", &quant_write_tokens, py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"),
         py::arg("slots"),
         "Quantize tokens [n, heads, dim] per token and head (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2) into the cache's "
@@ -68,6 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A step's K/V [tokens, heads, dim] into an int4 (4) / int2 (5) KIVI layer: plan rows [block, residual slot, "
         "held, after] get scratch rows (returned, K and V); full blocks are quantized as the codecs do, the others' "
         "new tokens kept in their residual slots");
+  m.def("quant_decode_isas", &quant_decode_isas, "The versions of the quantized attention this CPU runs, best last");
   m.def("has_quant_decode", &has_quant_decode, "Whether this CPU runs the quantized decode attention (AVX2, FMA, F16C)");
   m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether this CPU runs the AVX-512 bfloat16 path");
 }

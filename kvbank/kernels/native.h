@@ -54,13 +54,14 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      std::optional<torch::Tensor> v_min, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
-                                     std::optional<torch::Tensor> own_rows);
+                                     std::optional<torch::Tensor> own_rows, std::string isa);
 void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots);
 std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t format, torch::Tensor k_codes,
                                       torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_codes,
                                       torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots);
 bool has_quant_decode();
+std::vector<std::string> quant_decode_isas();
 
 // layers.cpp
 torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);

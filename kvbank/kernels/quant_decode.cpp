@@ -352,20 +352,6 @@ template <typename T, int D>
 using QuantRange = void (*)(const QuantLayer&, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                             float, float*, float*, float*);
 
-template <typename T, int D>
-QuantRange<T, D> quant_range_for(int64_t group) {
-  switch (group) {
-    case 1: return quant_range<T, 1, D>;
-    case 2: return quant_range<T, 2, D>;
-    case 3: return quant_range<T, 3, D>;
-    case 4: return quant_range<T, 4, D>;
-    case 5: return quant_range<T, 5, D>;
-    case 6: return quant_range<T, 6, D>;
-    case 7: return quant_range<T, 7, D>;
-    case 8: return quant_range<T, 8, D>;
-    default: return nullptr;
-  }
-}
 
 // --- The same attention with 16 float32 lanes (AVX-512F/BW/DQ/VL), where the CPU has them. ---
 // Keys are decoded once per block into float32 rows in L1; each query head's scores for 16
@@ -792,25 +778,24 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
   }
 }
 
-template <typename T, int G, int D, int F>
+template <typename T, int G, int D, int F, bool Tables>
 void quant_range512_any(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end, int64_t head,
                         int64_t own_block, int64_t own_row, float scale, float* acc_out, float* max_out,
                         float* sum_out) {
-  if constexpr (std::is_same_v<T, c10::BFloat16> && (F == kInt8 || F == kFp8E4M3 || F == kFp8E5M2)) {
-    if (avx512_lut_supported())
-      return quant_range512_lut<G, D, F>(L, q, table, begin, end, head, own_block, own_row, scale, acc_out, max_out,
-                                         sum_out);
+  if constexpr (Tables && std::is_same_v<T, c10::BFloat16> && (F == kInt8 || F == kFp8E4M3 || F == kFp8E5M2)) {
+    quant_range512_lut<G, D, F>(L, q, table, begin, end, head, own_block, own_row, scale, acc_out, max_out, sum_out);
+  } else {
+    quant_range512_f<T, G, D, F>(L, q, table, begin, end, head, own_block, own_row, scale, acc_out, max_out, sum_out);
   }
-  quant_range512_f<T, G, D, F>(L, q, table, begin, end, head, own_block, own_row, scale, acc_out, max_out, sum_out);
 }
 
 // The format is fixed per layer: one switch per work item, none per token.
-template <typename T, int G, int D>
+template <typename T, int G, int D, bool Tables>
 void quant_range512(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end, int64_t head,
                     int64_t own_block, int64_t own_row, float scale, float* acc_out, float* max_out, float* sum_out) {
   auto run = [&](auto format) {
-    quant_range512_any<T, G, D, decltype(format)::value>(L, q, table, begin, end, head, own_block, own_row, scale,
-                                                          acc_out, max_out, sum_out);
+    quant_range512_any<T, G, D, decltype(format)::value, Tables>(L, q, table, begin, end, head, own_block, own_row,
+                                                                  scale, acc_out, max_out, sum_out);
   };
   switch (L.format) {
     case kBf16: return run(std::integral_constant<int, kBf16>());
@@ -822,17 +807,33 @@ void quant_range512(const QuantLayer& L, const T* q, const int64_t* table, int64
   }
 }
 
+// The kernel versions, each run where the CPU has what it needs: 8 lanes (AVX2, FMA, F16C), 16
+// lanes (AVX-512 F/BW/DQ/VL), and 16 lanes with int8/fp8 keys through bfloat16 tables (+ VBMI, BF16).
+enum QuantIsa : int { kQuantAvx2 = 0, kQuantAvx512 = 1, kQuantTables = 2 };
+
+inline int best_quant_isa() {
+  return avx512_lut_supported() ? kQuantTables : avx512_quant_supported() ? kQuantAvx512 : kQuantAvx2;
+}
+
+template <typename T, int D, int G>
+QuantRange<T, D> quant_range_of(int isa) {
+  return isa == kQuantTables ? quant_range512<T, G, D, true>
+         : isa == kQuantAvx512 ? quant_range512<T, G, D, false>
+                               : quant_range<T, G, D>;
+}
+
+// The attention of `group` query heads per KV head, in the given version.
 template <typename T, int D>
-QuantRange<T, D> quant_range512_for(int64_t group) {
+QuantRange<T, D> quant_range_for(int64_t group, int isa) {
   switch (group) {
-    case 1: return quant_range512<T, 1, D>;
-    case 2: return quant_range512<T, 2, D>;
-    case 3: return quant_range512<T, 3, D>;
-    case 4: return quant_range512<T, 4, D>;
-    case 5: return quant_range512<T, 5, D>;
-    case 6: return quant_range512<T, 6, D>;
-    case 7: return quant_range512<T, 7, D>;
-    case 8: return quant_range512<T, 8, D>;
+    case 1: return quant_range_of<T, D, 1>(isa);
+    case 2: return quant_range_of<T, D, 2>(isa);
+    case 3: return quant_range_of<T, D, 3>(isa);
+    case 4: return quant_range_of<T, D, 4>(isa);
+    case 5: return quant_range_of<T, D, 5>(isa);
+    case 6: return quant_range_of<T, D, 6>(isa);
+    case 7: return quant_range_of<T, D, 7>(isa);
+    case 8: return quant_range_of<T, D, 8>(isa);
     default: return nullptr;
   }
 }
@@ -852,12 +853,12 @@ struct QuantJob {
   Partials partials;
 
   QuantJob(const T* q, const int64_t* tables, const int64_t* lens, T* out, int64_t n, int64_t heads_, int64_t group_,
-           int64_t dim_, int64_t block_size_, int64_t width_, double scale, int64_t partition)
+           int64_t dim_, int64_t block_size_, int64_t width_, double scale, int64_t partition,
+           int isa = best_quant_isa())
       : q_p(q), t_p(tables), lens_p(lens), o_p(out), heads(heads_), group(group_), dim(dim_), block_size(block_size_),
         width(width_), s(static_cast<float>(scale)), partials(n, heads_, group_, dim_, lens, partition) {
-    const bool wide = avx512_quant_supported();
-    if (dim == 64) range64 = wide ? quant_range512_for<T, 64>(group) : quant_range_for<T, 64>(group);
-    if (dim == 128) range128 = wide ? quant_range512_for<T, 128>(group) : quant_range_for<T, 128>(group);
+    if (dim == 64) range64 = quant_range_for<T, 64>(group, isa);
+    if (dim == 128) range128 = quant_range_for<T, 128>(group, isa);
   }
 
   int64_t items() const { return partials.items(); }
@@ -885,9 +886,9 @@ struct QuantJob {
 
 template <typename T>
 void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tensor& tables, const torch::Tensor& lens,
-                  double scale, int64_t partition, torch::Tensor& out) {
+                  double scale, int64_t partition, torch::Tensor& out, int isa) {
   QuantJob<T> job(q.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0),
-                  q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition);
+                  q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition, isa);
   at::parallel_for(0, job.items(), 1, [&](int64_t from, int64_t to) {
     for (int64_t item = from; item < to; ++item) job.item(item, L);
   });
@@ -1230,13 +1231,30 @@ bool has_quant_decode() {
 #endif
 }
 
+std::vector<std::string> quant_decode_isas() {
+  std::vector<std::string> names;
+#ifdef KVBANK_X86
+  if (!has_quant_decode()) return names;
+  const int best = best_quant_isa();
+  for (const char* name : {"avx2", "avx512", "tables"})
+    if (static_cast<int>(names.size()) <= best) names.emplace_back(name);
+#endif
+  return names;
+}
+
 torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
                                      std::optional<torch::Tensor> k_min, torch::Tensor v_codes, torch::Tensor v_scale,
                                      std::optional<torch::Tensor> v_min, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
-                                     std::optional<torch::Tensor> own_rows) {
+                                     std::optional<torch::Tensor> own_rows, std::string isa) {
   TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU with AVX2, FMA and F16C");
+  int level = 0;
+#ifdef KVBANK_X86
+  level = isa == "auto" ? best_quant_isa() : isa == "tables" ? kQuantTables : isa == "avx512" ? kQuantAvx512 : isa == "avx2" ? kQuantAvx2 : -1;
+  TORCH_CHECK(level >= 0, "isa must be auto, tables, avx512 or avx2, got ", isa);
+  TORCH_CHECK(level <= best_quant_isa(), "this CPU does not run the ", isa, " version of the quantized kernel");
+#endif
   TORCH_CHECK(format >= kBf16 && format <= kInt2, "unknown quantized KV format ", format);
   TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "q must be bfloat16 or float32");
@@ -1314,9 +1332,9 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                scratch ? sv.data_ptr() : nullptr,
                scratch ? own.data_ptr<int64_t>() : nullptr};
   if (q.scalar_type() == torch::kBFloat16) {
-    quant_decode<c10::BFloat16>(L, q, block_tables, context_lens, scale, partition, out);
+    quant_decode<c10::BFloat16>(L, q, block_tables, context_lens, scale, partition, out, level);
   } else {
-    quant_decode<float>(L, q, block_tables, context_lens, scale, partition, out);
+    quant_decode<float>(L, q, block_tables, context_lens, scale, partition, out, level);
   }
 #endif
   return out;
