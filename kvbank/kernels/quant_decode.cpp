@@ -48,6 +48,32 @@ struct QuantLayer {
   const int64_t* own_rows;  // per batch row: its scratch row, or -1
 };
 
+// The part of one block that a range's loop step reads: which block, from which token, how many,
+// and where its codes (or, for a row's own block, its full-precision scratch rows) lie.
+template <typename T>
+struct BlockSpan {
+  int64_t block, first;
+  int count;
+  bool own;
+  const T *sk = nullptr, *sv = nullptr;
+  const uint8_t *kc, *vc;
+
+  BlockSpan(const QuantLayer& L, const int64_t* table, int64_t start, int64_t end, int64_t head, int64_t own_block,
+            int64_t own_row) {
+    const int64_t bs = L.block_size, j = start / bs, token_codes = L.heads * L.code_bytes;
+    block = table[j];
+    first = start % bs;
+    count = static_cast<int>(std::min(end - start, bs - first));
+    own = own_row >= 0 && j == own_block;
+    if (own) {
+      sk = static_cast<const T*>(L.scratch_k) + ((own_row * bs + first) * L.heads + head) * L.dim;
+      sv = static_cast<const T*>(L.scratch_v) + ((own_row * bs + first) * L.heads + head) * L.dim;
+    }
+    kc = L.k_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+  }
+};
+
 #ifdef KVBANK_X86
 // AVX2 with FMA and F16C: every x86 CPU kvbank's fast paths target has them, AVX-512 ones too.
 #define KVBANK_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
@@ -204,15 +230,12 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
   const int64_t group_size = kivi ? D / L.value_groups : D;
   const int64_t token_codes = L.heads * L.code_bytes;
   for (int64_t start = begin; start < end; start += bs - start % bs) {
-    const int64_t j = start / bs;
-    const int64_t block = table[j];
-    const int64_t first = start % bs;
-    const int count = static_cast<int>(std::min(end - start, bs - first));
-    const bool own = own_row >= 0 && j == own_block;
-    const T* sk = own ? static_cast<const T*>(L.scratch_k) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
-    const T* sv = own ? static_cast<const T*>(L.scratch_v) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
-    const uint8_t* kc = L.k_codes + (block * bs + first) * token_codes + head * L.code_bytes;
-    const uint8_t* vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    const BlockSpan<T> b(L, table, start, end, head, own_block, own_row);
+    const int64_t block = b.block, first = b.first;
+    const int count = b.count;
+    const bool own = b.own;
+    const T *sk = b.sk, *sv = b.sv;
+    const uint8_t *kc = b.kc, *vc = b.vc;
     const int64_t next = start + count;
     if (next < end) {
       // The next block is elsewhere in memory: ask for its rows now, so they arrive while this one computes.
@@ -554,15 +577,12 @@ KVBANK_AVX512_Q void quant_range512_f(const QuantLayer& L, const T* q, const int
       _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
   const int64_t token_codes = L.heads * L.code_bytes;
   for (int64_t start = begin; start < end; start += bs - start % bs) {
-    const int64_t j = start / bs;
-    const int64_t block = table[j];
-    const int64_t first = start % bs;
-    const int count = static_cast<int>(std::min(end - start, bs - first));
-    const bool own = own_row >= 0 && j == own_block;
-    const T* sk = own ? static_cast<const T*>(L.scratch_k) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
-    const T* sv = own ? static_cast<const T*>(L.scratch_v) + ((own_row * bs + first) * L.heads + head) * D : nullptr;
-    const uint8_t* kc = L.k_codes + (block * bs + first) * token_codes + head * L.code_bytes;
-    const uint8_t* vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    const BlockSpan<T> b(L, table, start, end, head, own_block, own_row);
+    const int64_t block = b.block, first = b.first;
+    const int count = b.count;
+    const bool own = b.own;
+    const T *sk = b.sk, *sv = b.sv;
+    const uint8_t *kc = b.kc, *vc = b.vc;
     prefetch_block(L, table, start + count, end, head, token_codes);
     // Keys as float32 rows of codes (int8, fp8: the token's scale comes after the dot product;
     // KIVI: the block's per-channel scale and minimum are folded into the query below).
@@ -708,11 +728,10 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
   alignas(64) float k_scales[kMaxQuantBlock], v_scales[kMaxQuantBlock];
   const int64_t token_codes = L.heads * L.code_bytes;
   for (int64_t start = begin; start < end; start += bs - start % bs) {
-    const int64_t block = table[start / bs];
-    const int64_t first = start % bs;
-    const int count = static_cast<int>(std::min(end - start, bs - first));
-    const uint8_t* kc = L.k_codes + (block * bs + first) * token_codes + head * L.code_bytes;
-    const uint8_t* vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
+    const BlockSpan<c10::BFloat16> b(L, table, start, end, head, own_block, -1);  // per-token codes: no own rows
+    const int64_t block = b.block, first = b.first;
+    const int count = b.count;
+    const uint8_t *kc = b.kc, *vc = b.vc;
     prefetch_block(L, table, start + count, end, head, token_codes);
     for (int t = 0; t < count; ++t) {
       for (int h = 0; h < D / 64; ++h) {
