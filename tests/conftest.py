@@ -1,9 +1,13 @@
-"""Shared fixtures: kvbank in subprocesses, and the native CPU kernels."""
+"""Shared fixtures: kvbank in subprocesses, the native CPU kernels, and the bundled model loaded once."""
 
+import copy
+import dataclasses
+import hashlib
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,3 +33,101 @@ def native():
         pytest.skip(f"native kernels unavailable here: {kernels.failure()}")
     assert module is not None, kernels.failure()
     return module
+
+
+# --- the bundled model, loaded once per session ---------------------------------------------------
+#
+# About fifty tests build an engine on the bundled model, each loading it again: parsing the GGUF
+# and dequantizing every tensor took ~5 s, and packing the 4-bit projections into the native
+# kernels' records another ~6 s, for the same bytes every time. The first load is the real one; later
+# engines get the same read-only tensors (with their own config and tokenizer objects, which engines
+# may change). Nothing may write into them: the session ends with a check that they are unchanged.
+
+
+def _digest(tensors) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        h.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
+    return h.digest()
+
+
+def _tensors_of(value) -> list:
+    """A tensor, or the tensor fields of Int4Blocks / Int8Blocks."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [getattr(value, f.name) for f in dataclasses.fields(value)]
+
+
+class _SharedBundledModel:
+    """`load_model(None)` loaded once; Int4Blocks.cat, pack_q4 and pack_q8 of its tensors computed once."""
+
+    def __init__(self, load_model, cat, pack_q4, pack_q8) -> None:
+        self._load_model, self._cat, self._pack_q4, self._pack_q8 = load_model, cat, pack_q4, pack_q8
+        self.loaded = None
+        self._num_tensors = 0
+        self._ids: set[int] = set()  # the shared objects packing may be asked about
+        self._memo: dict[tuple, tuple] = {}  # key -> (the key's objects, kept alive so ids stay theirs; result)
+        self._digests: list[tuple] = []  # (what yields shared tensors, their digest when first made)
+
+    def load_model(self, path, progress=None):
+        if path is not None:
+            return self._load_model(path, progress)
+        if self.loaded is None:
+            counted = []
+            self.loaded = self._load_model(None, lambda done, total: counted.append(total))
+            self._num_tensors = counted[-1]
+            blocks = (*self.loaded.int4.values(), *self.loaded.int8.values())
+            self._ids = {id(b) for b in blocks}
+            tensors = lambda: [*self.loaded.state_dict.values(), *(t for b in blocks for t in _tensors_of(b))]  # noqa: E731
+            self._digests.append((tensors, _digest(tensors())))
+        if progress:
+            for done in range(1, self._num_tensors + 1):
+                progress(done, self._num_tensors)
+        loaded = self.loaded
+        return dataclasses.replace(
+            loaded,
+            config=copy.deepcopy(loaded.config),
+            state_dict=dict(loaded.state_dict),
+            tokenizer=copy.copy(loaded.tokenizer),
+            int4=dict(loaded.int4),
+            int8=dict(loaded.int8),
+        )
+
+    def _memoized(self, name, fn, args):
+        if not all(id(a) in self._ids for a in args):
+            return fn(*args)
+        key = (name, *map(id, args))
+        if key not in self._memo:
+            result = fn(*args)
+            self._memo[key] = (args, result)
+            self._ids.add(id(result))
+            tensors = lambda: _tensors_of(result)  # noqa: E731
+            self._digests.append((tensors, _digest(tensors())))
+        return self._memo[key][1]
+
+    def cat(self, parts):
+        return self._memoized("cat", lambda *p: self._cat(list(p)), tuple(parts))
+
+    def pack_q4(self, blocks):
+        return self._memoized("pack_q4", self._pack_q4, (blocks,))
+
+    def pack_q8(self, blocks):
+        return self._memoized("pack_q8", self._pack_q8, (blocks,))
+
+    def unchanged(self) -> bool:
+        return all(_digest(tensors()) == digest for tensors, digest in self._digests)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_bundled_model():
+    from kvbank.models import build, llama
+    from kvbank.models.packed import Int4Blocks
+
+    shared = _SharedBundledModel(build.load_model, Int4Blocks.cat, llama.pack_q4, llama.pack_q8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "load_model", shared.load_model)
+        patch.setattr(Int4Blocks, "cat", staticmethod(shared.cat))
+        patch.setattr(llama, "pack_q4", shared.pack_q4)
+        patch.setattr(llama, "pack_q8", shared.pack_q8)
+        yield shared
+    assert shared.unchanged(), "a test or the engine wrote into the shared weights of the bundled model"
