@@ -1,8 +1,8 @@
 """A reference path for long-context policies: one token's forward in plain PyTorch over chosen K/V.
 
 `Recorder` captures, from a real engine run, every computed token's pre-rotation keys and values
-in every layer and the logits of every step. `reference_logits` then recomputes one token's
-logits from scratch: each layer attends over exactly the kept tokens' recorded K/V, rotated at
+in every layer and the logits of every step. `reference_logits` then recomputes tokens' logits
+from scratch: each layer attends over exactly the kept tokens' recorded K/V, rotated at
 the positions a policy is documented to assign, with no paging, no pool and no policy code.
 """
 
@@ -76,42 +76,43 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) ->
 
 
 @torch.inference_mode()
-def reference_logits(
-    recorder: Recorder, token: int, kept: torch.Tensor, kept_positions: torch.Tensor, position: int
-) -> torch.Tensor:
-    """Logits of `token` at RoPE `position`, attending in layer l, KV head h over the recorded
-    tokens `kept[l, h]` placed at `kept_positions[l, h]`, then over itself."""
+def reference_logits(recorder: Recorder, checks: list[tuple[int, torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
+    """Logits, one row per check `(token, kept, kept_positions, position)`: `token` at RoPE
+    `position`, attending in layer l, KV head h over the recorded tokens `kept[l, h]` placed at
+    `kept_positions[l, h]`, then over itself.
+
+    Each check is its own single-token forward; they share only the weight matrices, which every
+    layer applies to all checks' rows at once (a row's result does not depend on the others)."""
     recorder.recording = False
     try:
-        return _reference_logits(recorder, token, kept, kept_positions, position)
+        return _reference_logits(recorder, checks)
     finally:
         recorder.recording = True
 
 
-def _reference_logits(
-    recorder: Recorder, token: int, kept: torch.Tensor, kept_positions: torch.Tensor, position: int
-) -> torch.Tensor:
+def _reference_logits(recorder: Recorder, checks: list[tuple[int, torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
     model, c = recorder.model, recorder.config
     inv_freq = model.rope_inv_freq
     group = c.num_heads // c.num_kv_heads
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    x = model.embed_tokens(torch.tensor([token])).float()
-    here = torch.tensor([position])
+    x = model.embed_tokens(torch.tensor([token for token, _, _, _ in checks])).float()
     for index, layer in enumerate(model.layers):
         attn = layer.self_attn
         qkv = attn.qkv_proj(layer.input_layernorm(x)).float()
-        q = _rotate(qkv[:, :q_size].view(c.num_heads, c.head_dim), here, inv_freq)
-        k = _rotate(qkv[:, q_size : q_size + kv_size].view(c.num_kv_heads, c.head_dim), here, inv_freq)
-        v = qkv[:, q_size + kv_size :].view(c.num_kv_heads, c.head_dim)
         past_k, past_v = recorder.kv(index)
-        out = torch.empty(c.num_heads, c.head_dim)
-        for h in range(c.num_kv_heads):
-            rows = kept[index, h]
-            keys = torch.cat((_rotate(past_k[rows, h], kept_positions[index, h], inv_freq), k[h : h + 1]))
-            values = torch.cat((past_v[rows, h], v[h : h + 1]))
-            heads = slice(h * group, (h + 1) * group)
-            weights = (q[heads] @ keys.T * attn.scale).softmax(dim=-1)
-            out[heads] = weights @ values
-        x = x + attn.o_proj(out.view(1, -1).to(x.dtype)).float()
+        out = torch.empty(len(checks), c.num_heads, c.head_dim)
+        for i, (_, kept, kept_positions, position) in enumerate(checks):
+            here = torch.tensor([position])
+            q = _rotate(qkv[i, :q_size].view(c.num_heads, c.head_dim), here, inv_freq)
+            k = _rotate(qkv[i, q_size : q_size + kv_size].view(c.num_kv_heads, c.head_dim), here, inv_freq)
+            v = qkv[i, q_size + kv_size :].view(c.num_kv_heads, c.head_dim)
+            for h in range(c.num_kv_heads):
+                rows = kept[index, h]
+                keys = torch.cat((_rotate(past_k[rows, h], kept_positions[index, h], inv_freq), k[h : h + 1]))
+                values = torch.cat((past_v[rows, h], v[h : h + 1]))
+                heads = slice(h * group, (h + 1) * group)
+                weights = (q[heads] @ keys.T * attn.scale).softmax(dim=-1)
+                out[i, heads] = weights @ values
+        x = x + attn.o_proj(out.view(len(checks), -1).to(x.dtype)).float()
         x = x + layer.mlp(layer.post_attention_layernorm(x)).float()
-    return recorder.compute_logits(x)[0]
+    return recorder.compute_logits(x)

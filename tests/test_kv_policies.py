@@ -165,19 +165,21 @@ def test_logits_after_eviction_equal_a_fresh_computation_on_the_kept_tokens(llm,
             text_ids[:prompt_len], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, kv_policy=policy)
         )
         seq = request.seqs[0]
-        checked = 0
+        checks, logits = [], []
         while engine.requests:
             # A decode step on a cache the policy has already evicted from.
             check = seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_pending == 1 and seq.num_evicted
             if check:
                 kept, positions, position = _kept_and_positions(engine, seq)
-                token = seq.token_ids[seq.num_computed_tokens]
+                checks.append((seq.token_ids[seq.num_computed_tokens], kept.clone(), positions.clone(), position))
             engine.step()
             if check:
-                expected = reference_logits(recorder, token, kept, positions, position)
-                torch.testing.assert_close(recorder.logits[-1][0], expected, atol=2e-4, rtol=1e-4)
-                checked += 1
-        assert checked >= 40, "the policy evicted too late for the check to mean anything"
+                logits.append(recorder.logits[-1][0])
+        assert len(checks) >= 40, "the policy evicted too late for the check to mean anything"
+        # Every check's reference forward sees only the K/V recorded up to its step: `kept` names those rows.
+        expected = reference_logits(recorder, checks)
+        for i, got in enumerate(logits):
+            torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
     finally:
         recorder.remove()
     assert engine.stats()[f"evicted_tokens_{policy.name}"] > 0
