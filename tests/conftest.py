@@ -42,6 +42,8 @@ def native():
 # kernels' records another ~6 s, for the same bytes every time. The first load is the real one; later
 # engines get the same read-only tensors (with their own config and tokenizer objects, which engines
 # may change). Nothing may write into them: the session ends with a check that they are unchanged.
+# Likewise the file's GGUF header is parsed once (~2.5 s) for everything reading it in this process
+# (planning, tokenizers, transformers); its tensor data is memory-mapped read-only.
 
 
 def _digest(tensors) -> bytes:
@@ -59,22 +61,43 @@ def _tensors_of(value) -> list:
 
 
 class _SharedBundledModel:
-    """`load_model(None)` loaded once; Int4Blocks.cat, pack_q4 and pack_q8 of its tensors computed once."""
+    """Stand-ins for gguf.GGUFReader, load_model, Int4Blocks.cat, pack_q4 and pack_q8 that compute
+    what concerns the bundled model once and hand out the same result after."""
 
-    def __init__(self, load_model, cat, pack_q4, pack_q8) -> None:
-        self._load_model, self._cat, self._pack_q4, self._pack_q8 = load_model, cat, pack_q4, pack_q8
+    def __init__(self, bundled_path: str | None) -> None:
+        import gguf
+
+        from kvbank.models import build, llama
+        from kvbank.models.packed import Int4Blocks
+
+        self._originals = {
+            "gguf_reader": gguf.GGUFReader,
+            "load_model": build.load_model,
+            "cat": Int4Blocks.cat,
+            "pack_q4": llama.pack_q4,
+            "pack_q8": llama.pack_q8,
+        }
+        self._path = bundled_path and os.path.realpath(bundled_path)
+        self._reader = None
         self.loaded = None
         self._num_tensors = 0
         self._ids: set[int] = set()  # the shared objects packing may be asked about
         self._memo: dict[tuple, tuple] = {}  # key -> (the key's objects, kept alive so ids stay theirs; result)
         self._digests: list[tuple] = []  # (what yields shared tensors, their digest when first made)
 
+    def gguf_reader(self, path, mode="r"):
+        if mode != "r" or self._path is None or os.path.realpath(path) != self._path:
+            return self._originals["gguf_reader"](path, mode)
+        if self._reader is None:
+            self._reader = self._originals["gguf_reader"](path, mode)
+        return self._reader
+
     def load_model(self, path, progress=None):
         if path is not None:
-            return self._load_model(path, progress)
+            return self._originals["load_model"](path, progress)
         if self.loaded is None:
             counted = []
-            self.loaded = self._load_model(None, lambda done, total: counted.append(total))
+            self.loaded = self._originals["load_model"](None, lambda done, total: counted.append(total))
             self._num_tensors = counted[-1]
             blocks = (*self.loaded.int4.values(), *self.loaded.int8.values())
             self._ids = {id(b) for b in blocks}
@@ -93,12 +116,14 @@ class _SharedBundledModel:
             int8=dict(loaded.int8),
         )
 
-    def _memoized(self, name, fn, args):
+    def _memoized(self, name, args):
+        fn = self._originals[name]
+        call = (lambda: fn(list(args))) if name == "cat" else (lambda: fn(*args))
         if not all(id(a) in self._ids for a in args):
-            return fn(*args)
+            return call()
         key = (name, *map(id, args))
         if key not in self._memo:
-            result = fn(*args)
+            result = call()
             self._memo[key] = (args, result)
             self._ids.add(id(result))
             tensors = lambda: _tensors_of(result)  # noqa: E731
@@ -106,13 +131,13 @@ class _SharedBundledModel:
         return self._memo[key][1]
 
     def cat(self, parts):
-        return self._memoized("cat", lambda *p: self._cat(list(p)), tuple(parts))
+        return self._memoized("cat", tuple(parts))
 
     def pack_q4(self, blocks):
-        return self._memoized("pack_q4", self._pack_q4, (blocks,))
+        return self._memoized("pack_q4", (blocks,))
 
     def pack_q8(self, blocks):
-        return self._memoized("pack_q8", self._pack_q8, (blocks,))
+        return self._memoized("pack_q8", (blocks,))
 
     def unchanged(self) -> bool:
         return all(_digest(tensors()) == digest for tensors, digest in self._digests)
@@ -120,11 +145,19 @@ class _SharedBundledModel:
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_bundled_model():
+    import gguf
+
     from kvbank.models import build, llama
+    from kvbank.models.loader import bundled_model_path
     from kvbank.models.packed import Int4Blocks
 
-    shared = _SharedBundledModel(build.load_model, Int4Blocks.cat, llama.pack_q4, llama.pack_q8)
+    try:
+        bundled = bundled_model_path()
+    except ValueError:  # not installed: the tests that need it fail saying so
+        bundled = None
+    shared = _SharedBundledModel(bundled)
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", shared.gguf_reader)
         patch.setattr(build, "load_model", shared.load_model)
         patch.setattr(Int4Blocks, "cat", staticmethod(shared.cat))
         patch.setattr(llama, "pack_q4", shared.pack_q4)
