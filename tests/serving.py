@@ -44,7 +44,7 @@ def wait_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
                 if response.status == 200:
                     return
         except OSError:
-            time.sleep(0.5)
+            time.sleep(0.1)
     raise AssertionError(
         f"kvbank serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}"
     )

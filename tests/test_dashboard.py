@@ -246,7 +246,7 @@ def test_tiers_show_on_metrics_and_the_dashboard(kvbank_env, tmp_path):
         deadline = time.monotonic() + 15  # stores are written by a background thread
         while (metrics := _tier_metrics(url))['kvbank:kv_tier_store_bytes_total{tier="disk"}'] == 0:
             assert time.monotonic() < deadline, metrics
-            time.sleep(0.5)
+            time.sleep(0.1)
         state = request(f"{url}/dashboard/state")[1]
         page = _rendered_page(_browser(), f"{url}/dashboard")
     finally:
