@@ -4,10 +4,11 @@ import dataclasses
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbank import LLM, cli
+from kvbank import LLM, cli, kernels
 from kvbank.config import EngineConfig
 from kvbank.engine.params import SamplingParams
 
@@ -21,60 +22,27 @@ def _kvbank(env: dict, *args: str, stdin: str | None = None) -> subprocess.Compl
     )
 
 
-def test_generate_prints_the_completion_and_a_progress_bar(kvbank_env):
-    result = _kvbank(
-        kvbank_env,
-        "generate",
-        "The capital of France is",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--dtype",
-        "float32",
-    )
-    assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
-    assert "Loading model" in result.stderr
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One `python -m kvbank` process: its arguments and what it reads from stdin."""
+
+    args: tuple[str, ...]
+    stdin: str | None = None
 
 
-def test_bad_sampling_flag_is_a_clear_error_before_loading(kvbank_env):
-    result = _kvbank(kvbank_env, "generate", "Hi", "--temperature", "-1")
-    assert result.returncode == 2
-    assert "temperature=-1.0" in result.stderr
-    assert "Loading model" not in result.stderr
-
-
-def test_chat_second_turn_reuses_the_first_turns_cache(kvbank_env):
-    # A story outlasts --max-tokens, so the first reply has exactly that many tokens.
-    max_tokens = 12
-    result = _kvbank(
-        kvbank_env,
-        "chat",
-        "--max-tokens",
-        str(max_tokens),
-        "--temperature",
-        "0",
-        "--dtype",
-        "float32",
-        stdin="Write a long story about a dragon.\nMake it shorter.\n",
-    )
-    assert result.returncode == 0, result.stderr
-    replies = [text.strip() for text in STATUS.split(result.stdout)[::4][:-1]]
-    statuses = [tuple(map(int, match)) for match in STATUS.findall(result.stdout)]
-    assert len(statuses) == 2 and all(replies), result.stdout
-    (cached_1, prompt_1, _), (cached_2, prompt_2, _) = statuses
-    assert cached_1 == 0
-    # Turn 2 continues turn 1's tokens, so all of turn 1's prompt and reply is cached but the
-    # partly filled last block (the reply's last token was never fed back, so its KV is unwritten).
-    assert prompt_2 > prompt_1 + max_tokens
-    assert cached_2 >= prompt_1 + max_tokens - BLOCK_SIZE
-
-
-def test_chat_keeps_going_past_the_context_with_sink_window(kvbank_env):
-    turns = [f"Tell me about the number {n} and why it matters in {n} ways." for n in range(1, 7)]
-    result = _kvbank(
-        kvbank_env,
+GENERATE = Run(
+    ("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--dtype", "float32")
+)
+BAD_SAMPLING_FLAG = Run(("generate", "Hi", "--temperature", "-1"))
+# A story outlasts --max-tokens, so the first reply has exactly that many tokens.
+CHAT_MAX_TOKENS = 12
+CHAT_TWO_TURNS = Run(
+    ("chat", "--max-tokens", str(CHAT_MAX_TOKENS), "--temperature", "0", "--dtype", "float32"),
+    stdin="Write a long story about a dragon.\nMake it shorter.\n",
+)
+SINK_WINDOW_TURNS = [f"Tell me about the number {n} and why it matters in {n} ways." for n in range(1, 7)]
+CHAT_PAST_THE_CONTEXT = Run(
+    (
         "chat",
         "--max-model-len",
         "256",
@@ -86,18 +54,11 @@ def test_chat_keeps_going_past_the_context_with_sink_window(kvbank_env):
         "40",
         "--temperature",
         "0",
-        stdin="\n".join(turns) + "\n",
-    )
-    assert result.returncode == 0, result.stderr
-    statuses = [tuple(map(int, match)) for match in STATUS.findall(result.stdout)]
-    assert len(statuses) == len(turns), result.stdout
-    # The conversation outgrows the 256-token context and every turn still gets its reply.
-    assert statuses[-1][1] > 256 + 40, statuses
-
-
-def test_kv_cache_flags_reach_the_engine(kvbank_env):
-    result = _kvbank(
-        kvbank_env,
+    ),
+    stdin="\n".join(SINK_WINDOW_TURNS) + "\n",
+)
+KV_CACHE_FLAGS = Run(
+    (
         "generate",
         "The capital of France is",
         "--max-tokens",
@@ -111,16 +72,73 @@ def test_kv_cache_flags_reach_the_engine(kvbank_env):
         "--num-gpu-blocks",
         "64",
     )
+)
+BAD_KV_CACHE_DTYPE = [
+    Run((*([command, "Hi"] if command == "generate" else [command]), "--kv-cache-dtype", "int3"))
+    for command in ("generate", "serve", "chat")
+]
+PROCESSES = [GENERATE, BAD_SAMPLING_FLAG, CHAT_TWO_TURNS, CHAT_PAST_THE_CONTEXT, KV_CACHE_FLAGS, *BAD_KV_CACHE_DTYPE]
+
+
+@pytest.fixture(scope="module")
+def kvbank(kvbank_env):
+    """The finished process of a Run in PROCESSES. All of them start with the first test that asks,
+    two at a time: each runs on one core (kvbank_env) and would otherwise leave the other idle."""
+    kernels.native()  # built (or loaded) here, with no timeout, so that the processes only load it
+    pool = ThreadPoolExecutor(max_workers=2)
+    started = {run: pool.submit(_kvbank, kvbank_env, *run.args, stdin=run.stdin) for run in PROCESSES}
+    yield lambda run: started[run].result()
+    pool.shutdown(cancel_futures=True)
+
+
+def test_generate_prints_the_completion_and_a_progress_bar(kvbank):
+    result = kvbank(GENERATE)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "Loading model" in result.stderr
+
+
+def test_bad_sampling_flag_is_a_clear_error_before_loading(kvbank):
+    result = kvbank(BAD_SAMPLING_FLAG)
+    assert result.returncode == 2
+    assert "temperature=-1.0" in result.stderr
+    assert "Loading model" not in result.stderr
+
+
+def test_chat_second_turn_reuses_the_first_turns_cache(kvbank):
+    result = kvbank(CHAT_TWO_TURNS)
+    assert result.returncode == 0, result.stderr
+    replies = [text.strip() for text in STATUS.split(result.stdout)[::4][:-1]]
+    statuses = [tuple(map(int, match)) for match in STATUS.findall(result.stdout)]
+    assert len(statuses) == 2 and all(replies), result.stdout
+    (cached_1, prompt_1, _), (cached_2, prompt_2, _) = statuses
+    assert cached_1 == 0
+    # Turn 2 continues turn 1's tokens, so all of turn 1's prompt and reply is cached but the
+    # partly filled last block (the reply's last token was never fed back, so its KV is unwritten).
+    assert prompt_2 > prompt_1 + CHAT_MAX_TOKENS
+    assert cached_2 >= prompt_1 + CHAT_MAX_TOKENS - BLOCK_SIZE
+
+
+def test_chat_keeps_going_past_the_context_with_sink_window(kvbank):
+    result = kvbank(CHAT_PAST_THE_CONTEXT)
+    assert result.returncode == 0, result.stderr
+    statuses = [tuple(map(int, match)) for match in STATUS.findall(result.stdout)]
+    assert len(statuses) == len(SINK_WINDOW_TURNS), result.stdout
+    # The conversation outgrows the 256-token context and every turn still gets its reply.
+    assert statuses[-1][1] > 256 + 40, statuses
+
+
+def test_kv_cache_flags_reach_the_engine(kvbank):
+    result = kvbank(KV_CACHE_FLAGS)
     assert result.returncode == 0, result.stderr
     # 28 int4 layers (88 bytes per KV head) and 2 bfloat16 layers (256), 3 KV heads each
     assert "KV cache: 64 blocks of 16 tokens, int4, 8928 bytes per token" in result.stderr
     assert result.stdout.strip()
 
 
-def test_bad_kv_cache_dtype_is_refused_by_every_command(kvbank_env):
-    for command in ("generate", "serve", "chat"):
-        args = [command, "Hi"] if command == "generate" else [command]
-        result = _kvbank(kvbank_env, *args, "--kv-cache-dtype", "int3")
+def test_bad_kv_cache_dtype_is_refused_by_every_command(kvbank):
+    for run in BAD_KV_CACHE_DTYPE:
+        result = kvbank(run)
         assert result.returncode == 2
         assert "invalid choice: 'int3'" in result.stderr and "int4" in result.stderr
 
