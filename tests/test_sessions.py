@@ -135,14 +135,12 @@ KEY = "sk-sessions-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _serve(kvbank_env, session_dir, log_path):
-    process, url = start_server(
+def _start(kvbank_env, session_dir, log_path):
+    return start_server(
         ["--dtype", "float32", "--api-key", KEY, "--session-dir", str(session_dir), "--log-level", "warning"],
         kvbank_env,
         log_path,
     )
-    wait_healthy(process, url, log_path)
-    return process, url
 
 
 def _post(url: str, body: dict, headers: dict | None = AUTH) -> tuple[int, dict]:
@@ -150,10 +148,15 @@ def _post(url: str, body: dict, headers: dict | None = AUTH) -> tuple[int, dict]
     return status, response
 
 
-def test_session_saved_on_one_server_is_a_cache_hit_after_a_restart(kvbank_env, tmp_path):
+def test_session_saved_on_one_server_is_a_cache_hit_after_a_restart(kvbank_env, tmp_path, request):
     sessions = tmp_path / "sessions"
-    process, url = _serve(kvbank_env, sessions, tmp_path / "first.log")
+    # The second server loads while the first one serves (a server process loads on one core); it is
+    # asked nothing until the first has stopped, as after a restart.
+    first, second = (_start(kvbank_env, sessions, tmp_path / f"{name}.log") for name in ("first", "second"))
+    request.addfinalizer(lambda: stop_server(second[0]))
+    process, url = first
     try:
+        wait_healthy(process, url, tmp_path / "first.log")
         assert _post(f"{url}/v1/sessions/save", {"session": "doc", "prompt": DOCUMENT}, headers=None)[0] == 401
         status, saved = _post(f"{url}/v1/sessions/save", {"session": "doc", "prompt": DOCUMENT, "cache_salt": "t"})
     finally:
@@ -163,8 +166,9 @@ def test_session_saved_on_one_server_is_a_cache_hit_after_a_restart(kvbank_env, 
     assert saved["bytes"] == (sessions / "doc.kv").stat().st_size
     (sessions / "bad.kv").write_bytes((sessions / "doc.kv").read_bytes()[:-1])
 
-    process, url = _serve(kvbank_env, sessions, tmp_path / "second.log")
+    process, url = second
     try:
+        wait_healthy(process, url, tmp_path / "second.log")
         restore = f"{url}/v1/sessions/restore"
         missing = _post(restore, {"session": "nope"})
         truncated = _post(restore, {"session": "bad", "cache_salt": "t"})
