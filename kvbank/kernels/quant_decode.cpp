@@ -713,9 +713,6 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
   const CodeTables& tables = code_tables();
   const __m512i luts[4] = {_mm512_load_si512(tables.hi[tf]), _mm512_load_si512(tables.hi[tf] + 64),
                            _mm512_load_si512(tables.lo[tf]), _mm512_load_si512(tables.lo[tf] + 64)};
-  // fp8 values go through the tables too, and their bfloat16 words' even and odd halves are
-  // float32 as they stand: the accumulators hold the channels in that order until the end.
-  constexpr bool lut_values = F != kInt8;
   alignas(64) uint16_t qp[G][D];  // the queries in the tables' channel order
   const uint16_t* qbits = reinterpret_cast<const uint16_t*>(q);
   for (int g = 0; g < G; ++g)
@@ -742,8 +739,7 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
       }
       const int64_t at = (block * bs + first + t) * L.heads + head;
       k_scales[t] = _cvtsh_ss(L.k_scale[at]) * scale;
-      // the tables give fp8 values exactly; int8 values are decoded as codes
-      v_scales[t] = _cvtsh_ss(L.v_scale[at]);
+      v_scales[t] = _cvtsh_ss(L.v_scale[at]);  // the tables give every value code exactly
     }
     for (int g = 0; g < G; ++g) {
       __m512bh qv[C];
@@ -761,37 +757,39 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
       }
       softmax_block(H, g, scores[g], count, v_scales);
     }
-    if constexpr (!lut_values) {
-      values_block<c10::BFloat16, G, D, F>(H, L, scores, count, vc, nullptr, block * bs + first, head);
-      continue;
-    }
-    for (int t = 0; t < count; ++t) {
-      __m512 x[D / 16];
+    // Values two tokens at a time: their bfloat16 words interleaved per channel meet the pair of
+    // weights (bfloat16, the value scale folded in) in one pair dot product per 16 channels.
+    alignas(64) uint32_t pairs[G][kMaxQuantBlock / 2];
+    for (int g = 0; g < G; ++g)
+      for (int t0 = 0; t0 < count; t0 += 32) {
+        const __m512 lo = _mm512_load_ps(scores[g] + t0);
+        const __m512 hi = t0 + 16 < count ? _mm512_load_ps(scores[g] + t0 + 16) : _mm512_setzero_ps();
+        _mm512_store_si512(pairs[g] + t0 / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    for (int t = 0; t < count; t += 2) {
+      __m512i w[D / 16];  // interleaved (token t, token t + 1) words: channel pairs
       for (int h = 0; h < D / 64; ++h) {
-        __m512i w[2];
-        codes_to_bf16<F>(luts, vc + t * token_codes + h * 64, w);
+        __m512i a[2], b[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        codes_to_bf16<F>(luts, vc + t * token_codes + h * 64, a);
+        if (t + 1 < count) codes_to_bf16<F>(luts, vc + (t + 1) * token_codes + h * 64, b);
         for (int i = 0; i < 2; ++i) {
-          x[4 * h + 2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(w[i], 16));
-          x[4 * h + 2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(w[i], _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+          w[4 * h + 2 * i] = _mm512_unpacklo_epi16(a[i], b[i]);
+          w[4 * h + 2 * i + 1] = _mm512_unpackhi_epi16(a[i], b[i]);
         }
       }
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g][t]);
-        for (int v = 0; v < D / 16; ++v) H.acc[g][v] = _mm512_fmadd_ps(p, x[v], H.acc[g][v]);
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][t / 2]));
+        for (int v = 0; v < D / 16; ++v) H.acc[g][v] = _mm512_dpbf16_ps(H.acc[g][v], p, (__m512bh)w[v]);
       }
     }
   }
-  if constexpr (!lut_values) {
-    finish_heads(H, acc_out, max_out, sum_out);
-    return;
-  }
-  // accumulator vector 4h + 2i + odd, lane j: channel 64h + lut_channel(i, 2j + odd)
+  // accumulator 4h + 2i + high, lane j: channel 64h + lut_channel(i, 8 (j / 4) + 4 high + j % 4)
   for (int g = 0; g < G; ++g) {
     alignas(64) float lanes[D];
     for (int v = 0; v < D / 16; ++v) _mm512_store_ps(lanes + v * 16, H.acc[g][v]);
     for (int v = 0; v < D / 16; ++v)
       for (int j = 0; j < 16; ++j)
-        acc_out[g * D + 64 * (v / 4) + lut_channel(v / 2 % 2, 2 * j + v % 2)] = lanes[v * 16 + j];
+        acc_out[g * D + 64 * (v / 4) + lut_channel(v / 2 % 2, 8 * (j / 4) + 4 * (v % 2) + j % 4)] = lanes[v * 16 + j];
     max_out[g] = H.m[g];
     sum_out[g] = H.l[g];
   }
