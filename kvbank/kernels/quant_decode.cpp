@@ -483,6 +483,24 @@ KVBANK_INLINE512 void prefetch_block(const QuantLayer& L, const int64_t* table, 
   }
 }
 
+// exp_neg8's arithmetic on 16 lanes (the same operations, so the same bits).
+KVBANK_INLINE512 __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
 // Online softmax of head g over a block's `count` scores (lanes past it masked out); the scores
 // become the weights, times the tokens' value scales when given (the value rows are codes).
 template <int G, int D>
@@ -499,9 +517,8 @@ KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int
   }
   __m512 total = _mm512_setzero_ps();
   for (int t = 0; t < count; t += 16) {
-    const __m256 lo = exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores + t), _mm256_set1_ps(best)));
-    const __m256 hi = exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores + t + 8), _mm256_set1_ps(best)));
-    __m512 p = _mm512_maskz_mov_ps(first16(count - t), _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1));
+    __m512 p = _mm512_maskz_mov_ps(first16(count - t),
+                                   exp_neg16(_mm512_sub_ps(_mm512_load_ps(scores + t), _mm512_set1_ps(best))));
     total = _mm512_add_ps(total, p);
     if (v_scales != nullptr) p = _mm512_mul_ps(p, _mm512_load_ps(v_scales + t));
     _mm512_store_ps(scores + t, p);
