@@ -502,7 +502,8 @@ KVBANK_INLINE512 __m512 exp_neg16(__m512 x) {
 }
 
 // Online softmax of head g over a block's `count` scores (lanes past it masked out); the scores
-// become the weights, times the tokens' value scales when given (the value rows are codes).
+// become the weights, times the tokens' value scales when given (the value rows are codes), and
+// the lanes past `count` up to the next multiple of 16 become exactly zero.
 template <int G, int D>
 KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int count, const float* v_scales) {
   __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -517,10 +518,11 @@ KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int
   }
   __m512 total = _mm512_setzero_ps();
   for (int t = 0; t < count; t += 16) {
-    __m512 p = _mm512_maskz_mov_ps(first16(count - t),
-                                   exp_neg16(_mm512_sub_ps(_mm512_load_ps(scores + t), _mm512_set1_ps(best))));
+    const __mmask16 live = first16(count - t);
+    __m512 p = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_sub_ps(_mm512_load_ps(scores + t), _mm512_set1_ps(best))));
     total = _mm512_add_ps(total, p);
-    if (v_scales != nullptr) p = _mm512_mul_ps(p, _mm512_load_ps(v_scales + t));
+    // lanes past `count` stay exactly zero: their value scales were never written (0 * NaN)
+    if (v_scales != nullptr) p = _mm512_maskz_mul_ps(live, p, _mm512_load_ps(v_scales + t));
     _mm512_store_ps(scores + t, p);
   }
   H.l[g] += _mm512_reduce_add_ps(total);
@@ -779,8 +781,10 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
     alignas(64) uint32_t pairs[G][kMaxQuantBlock / 2];
     for (int g = 0; g < G; ++g)
       for (int t0 = 0; t0 < count; t0 += 32) {
-        const __m512 lo = _mm512_load_ps(scores[g] + t0);
-        const __m512 hi = t0 + 16 < count ? _mm512_load_ps(scores[g] + t0 + 16) : _mm512_setzero_ps();
+        // a token past `count` pairs with weight zero (its codes are zero too)
+        const __m512 lo = _mm512_maskz_load_ps(first16(count - t0), scores[g] + t0);
+        const __m512 hi = t0 + 16 < count ? _mm512_maskz_load_ps(first16(count - t0 - 16), scores[g] + t0 + 16)
+                                          : _mm512_setzero_ps();
         _mm512_store_si512(pairs[g] + t0 / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
     for (int t = 0; t < count; t += 2) {
