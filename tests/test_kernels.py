@@ -1,9 +1,11 @@
 """Tests for building the native kernels: what the build needs from the environment."""
 
 import os
+import select
 import stat
 import subprocess
 import sys
+import time
 
 from kvbank.kernels import path_with_ninja
 
@@ -36,3 +38,60 @@ def test_torch_finds_ninja_on_the_build_path_of_a_process_without_one(tmp_path, 
     env = dict(kvbank_env, PATH=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+_LOAD = (
+    "import sys\n"
+    "from kvbank.kernels import failure, native\n"
+    "assert native() is not None, failure()\n"
+    "print('loaded', flush=True)\n"
+)
+
+
+def _held_build_lock():
+    """The native kernels' build lock, held by this process (no kvbank process builds meanwhile)."""
+    import fcntl
+
+    from kvbank.kernels import build_folder, module_name
+
+    folder = build_folder(module_name())
+    handle = open(folder / "kvbank.lock", "a+")  # noqa: SIM115 (closed by the caller)
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    return folder, handle
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kvbank_env):
+    # torch marks a build in progress with a `lock` file; a process killed mid-build leaves it
+    folder, handle = _held_build_lock()
+    stale = folder / "lock"
+    try:
+        stale.touch()
+    finally:
+        handle.close()  # releases the flock: the `lock` file now belongs to no one
+    result = subprocess.run([sys.executable, "-c", _LOAD], env=kvbank_env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "loaded" in result.stdout, result.stderr[-2000:]
+    assert not stale.exists()
+
+
+def test_a_second_process_waits_for_a_build_in_progress_and_says_so(kvbank_env):
+    folder, handle = _held_build_lock()
+    try:
+        waiting = subprocess.Popen(
+            [sys.executable, "-c", _LOAD], env=kvbank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 120
+        said = ""
+        while "waiting for another process" not in said and time.monotonic() < deadline:
+            ready, _, _ = select.select([waiting.stderr], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            chunk = os.read(waiting.stderr.fileno(), 4096).decode()
+            if not chunk:
+                break
+            said += chunk
+        assert "waiting for another process building the native kernels" in said, said
+        assert waiting.poll() is None  # still waiting while the lock is held
+    finally:
+        handle.close()
+    out, err = waiting.communicate(timeout=600)
+    assert waiting.returncode == 0 and "loaded" in out, err[-2000:]

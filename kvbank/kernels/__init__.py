@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,12 +47,24 @@ def failure() -> str | None:
     return _state.get("failure")
 
 
+def module_name() -> str:
+    """The build's name: the sources' digest, so an edited source builds anew."""
+    digest = hashlib.sha256(b"".join((_SOURCE_DIR / f).read_bytes() for f in SOURCES)).hexdigest()[:12]
+    return f"kvbank_native_{digest}"
+
+
+def build_folder(name: str) -> Path:
+    """Where torch builds and caches `name`: $TORCH_EXTENSIONS_DIR or its per-version cache folder."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
 def _build() -> dict[str, object]:
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(b"".join((_SOURCE_DIR / f).read_bytes() for f in SOURCES)).hexdigest()[:12]
-        name = f"kvbank_native_{digest}"
+        name = module_name()
         if not _cached(name):
             print(
                 "kvbank: compiling the native CPU kernels (once, about a minute on two cores; "
@@ -60,7 +73,7 @@ def _build() -> dict[str, object]:
                 flush=True,
             )
         # parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.
-        with _ninja_on_path():
+        with _ninja_on_path(), _build_lock(name):
             module = load(
                 name=name,
                 sources=[str(_SOURCE_DIR / SOURCES[0])],
@@ -109,9 +122,41 @@ def _ninja_on_path() -> Iterator[None]:
 
 
 def _cached(name: str) -> bool:
-    try:  # where torch keeps builds: $TORCH_EXTENSIONS_DIR or its per-version cache folder
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    try:
+        return (build_folder(name) / f"{name}.so").exists()
     except Exception:
         return False
+
+
+@contextlib.contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Hold an OS lock on the build folder while torch builds or loads the module there.
+
+    torch marks a build in progress with a `lock` file it deletes when done; a process killed
+    mid-build leaves that file behind and every later load waits on it forever, silently. kvbank's
+    processes take this flock first (the OS drops it when its holder dies), so a `lock` file found
+    while holding it is stale and is removed.
+    """
+    try:
+        import fcntl
+
+        folder = build_folder(name)
+    except Exception:  # no flock here (Windows), or torch moved its helper: torch's own baton only
+        yield
+        return
+    with open(folder / "kvbank.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"kvbank: waiting for another process building the native kernels in {folder}", file=sys.stderr)
+            started = time.monotonic()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            logger.info("waited %.0f s for the native kernels' build lock", time.monotonic() - started)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a process that died while building the native kernels", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
