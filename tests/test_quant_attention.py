@@ -63,6 +63,7 @@ def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed
             seen_k[i, j * block : (j + 1) * block] = scratch_k[own[i]].float()
             seen_v[i, j * block : (j + 1) * block] = scratch_v[own[i]].float()
         extra = {"scratch_k": scratch_k, "scratch_v": scratch_v, "own_rows": own}
+    kernel.poison_stacks()  # scratch the kernel reads without writing would be NaN, not old finite values
     out = kernel.quant_decode_attention(
         q,
         NATIVE_FORMATS[kv],
@@ -256,6 +257,7 @@ def _kivi_pool(kv, dtype, blocks, block, heads, dim, group):
 
 def _kivi_write(kernel, kv, k, v, sides, residual, plan, slots):
     ks, vs = sides
+    kernel.poison_stacks()  # scratch the kernel reads without writing would be NaN
     return kernel.kivi_write(
         k,
         v,

@@ -2,10 +2,27 @@
 // headers dominate the build time, so they are parsed once.
 #include "native.h"
 
+#include <alloca.h>
+
 #include "layers.cpp"
 #include "paged_decode.cpp"
 #include "quant_decode.cpp"
 #include "qmatmul.cpp"
+
+// Fills `bytes` of stack below the call on every thread of the kernels' pool with 0xFF bytes (NaN as
+// float32 and bfloat16), so that a kernel called next reads NaN from any scratch it did not write.
+void poison_stacks(int64_t bytes) {
+  TORCH_CHECK(bytes > 0 && bytes <= (1 << 20), "poison_stacks takes 1 to 1048576 bytes, got ", bytes);
+  auto fill = [bytes] {
+    uint8_t* buffer = static_cast<uint8_t*>(alloca(bytes));
+    volatile uint8_t* out = buffer;
+    for (int64_t i = 0; i < bytes; ++i) out[i] = 0xFF;
+  };
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t i = from; i < to; ++i) fill();
+  });
+  fill();
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -69,6 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A step's K/V [tokens, heads, dim] into an int4 (4) / int2 (5) KIVI layer: plan rows [block, residual slot, "
         "held, after] get scratch rows (returned, K and V); full blocks are quantized as the codecs do, the others' "
         "new tokens kept in their residual slots");
+  m.def("poison_stacks", &poison_stacks, py::arg("bytes") = 262144,
+        "Fill stack below the call on every kernel thread with 0xFF bytes (NaN): a test calls it before a kernel to "
+        "make reads of unwritten scratch show");
   m.def("quant_decode_isas", &quant_decode_isas, "The versions of the quantized attention this CPU runs, best last");
   m.def("has_quant_decode", &has_quant_decode, "Whether this CPU runs the quantized decode attention (AVX2, FMA, F16C)");
   m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether this CPU runs the AVX-512 bfloat16 path");
