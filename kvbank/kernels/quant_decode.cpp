@@ -483,24 +483,6 @@ KVBANK_INLINE512 void prefetch_block(const QuantLayer& L, const int64_t* table, 
   }
 }
 
-// exp_neg8's arithmetic on 16 lanes (the same operations, so the same bits).
-KVBANK_INLINE512 __m512 exp_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // Online softmax of head g over a block's `count` scores (lanes past it masked out); the scores
 // become the weights, times the tokens' value scales when given (the value rows are codes), and
 // the lanes past `count` up to the next multiple of 16 become exactly zero.
@@ -519,7 +501,7 @@ KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int
   __m512 total = _mm512_setzero_ps();
   for (int t = 0; t < count; t += 16) {
     const __mmask16 live = first16(count - t);
-    __m512 p = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_sub_ps(_mm512_load_ps(scores + t), _mm512_set1_ps(best))));
+    __m512 p = _mm512_maskz_mov_ps(live, exp_neg_v(_mm512_sub_ps(_mm512_load_ps(scores + t), _mm512_set1_ps(best))));
     total = _mm512_add_ps(total, p);
     // lanes past `count` stay exactly zero: their value scales were never written (0 * NaN)
     if (v_scales != nullptr) p = _mm512_maskz_mul_ps(live, p, _mm512_load_ps(v_scales + t));
@@ -781,10 +763,9 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
     alignas(64) uint32_t pairs[G][kMaxQuantBlock / 2];
     for (int g = 0; g < G; ++g)
       for (int t0 = 0; t0 < count; t0 += 32) {
-        // a token past `count` pairs with weight zero (its codes are zero too)
-        const __m512 lo = _mm512_maskz_load_ps(first16(count - t0), scores[g] + t0);
-        const __m512 hi = t0 + 16 < count ? _mm512_maskz_load_ps(first16(count - t0 - 16), scores[g] + t0 + 16)
-                                          : _mm512_setzero_ps();
+        // a token past `count` pairs with weight zero (softmax_block zeroed its lane; its codes are zero too)
+        const __m512 lo = _mm512_load_ps(scores[g] + t0);
+        const __m512 hi = t0 + 16 < count ? _mm512_load_ps(scores[g] + t0 + 16) : _mm512_setzero_ps();
         _mm512_store_si512(pairs[g] + t0 / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
     for (int t = 0; t < count; t += 2) {
