@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvbank import LLM, SamplingParams  # noqa: E402
 from kvbank.cache.format import KVFormat  # noqa: E402
-from kvbank.cache.quant import KV_CACHE_DTYPES  # noqa: E402
+from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES  # noqa: E402
 from kvbank.cache.storage import plan_pool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-quant-group-size", type=int, default=32)
+    parser.add_argument("--kv-quant-group-size", type=int, default=DEFAULT_GROUP_SIZE)
     parser.add_argument(
         "--only",
         nargs="*",

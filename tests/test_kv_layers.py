@@ -33,7 +33,7 @@ def test_format_names_kinds_codecs_and_cache_namespace():
     assert fmt.kinds(4, torch.bfloat16) == ["dense", "kivi", "kivi", "dense"]
     assert [k.name for k, _ in fmt.codecs(4, torch.bfloat16)] == ["bfloat16", "int4", "int4", "bfloat16"]
     assert KVFormat().namespace == b""
-    assert fmt.namespace == b"|kv=int4/0,-1/16"
+    assert fmt.namespace == b"|kv=int4/0,-1/16/r2"
     assert KVFormat("int4").namespace != KVFormat("int4", group_size=16).namespace
     assert KVFormat("float32").kinds(1, torch.float32) == ["dense"]  # the model's own dtype is dense
     assert KVFormat("float32").kinds(1, torch.bfloat16) == ["token"]

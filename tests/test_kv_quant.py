@@ -77,17 +77,32 @@ def test_kivi_keys_per_channel_and_values_per_token_stay_within_half_a_step(bits
     x = _data()
     keys, values = KiviKeys(bits), KiviValues(bits, group_size=32)
     k = keys.quantize(x)
-    assert k["codes"].shape == (6, 16, 3, 64 * bits // 8) and k["scale"].shape == (6, 3, 64)
+    assert k["codes"].shape == (6, 16, 3, 64 * bits // 8) and k["ranges"].shape == (6, 3, 64)
+    assert k["ranges"].dtype == torch.uint8 and k["grid"].shape == (6, 3, 3) and k["grid"].dtype == torch.float16
+    scale, low = keys.ranges(k)
+    assert (low <= x.amin(dim=1)).all(), "a channel's minimum starts at or below its smallest key"
     err = (keys.dequantize(k, torch.float32) - x).abs()
-    bound = k["scale"].float().unsqueeze(1) / 2 + k["min"].float().abs().unsqueeze(1) * 2**-11 + 1e-6
+    bound = scale.unsqueeze(1) / 2 + low.abs().unsqueeze(1) * 2**-22 + 1e-6
     assert (err <= bound).all()
     # the outlier channel got its own range: its error is no worse than the quiet channels'
     assert err[..., 5].max() < 0.5 * 8 / (2**bits - 1) + 0.01
+    # and the quiet block its own, much smaller ranges
+    assert scale[1].max() < 1e-2 * scale[0].min()
     v = values.quantize(x)
-    assert v["scale"].shape == (6, 16, 3, 2)
+    assert v["scale"].shape == (6, 16, 3, 2) and v["zero"].shape == (6, 16, 3, 2) and v["zero"].dtype == torch.int8
     err = (values.dequantize(v, torch.float32) - x).abs().view(6, 16, 3, 2, 32)
-    bound = v["scale"].float().unsqueeze(-1) / 2 + v["min"].float().abs().unsqueeze(-1) * 2**-11 + 1e-6
-    assert (err <= bound).all()
+    assert (err <= v["scale"].float().unsqueeze(-1) * (0.5 + 1e-5) + 1e-6).all()
+
+
+def test_kivi_values_far_from_zero_keep_their_zero_point_in_a_byte():
+    # a group of values around 100 with a range of 0.01: the scale grows to |minimum| / 127 so the
+    # zero point fits, and no value clips
+    x = 100 + torch.rand(2, 16, 1, 64) * 0.01
+    values = KiviValues(4, group_size=64)
+    v = values.quantize(x)
+    assert (v["zero"] == 127).all()
+    err = (values.dequantize(v, torch.float32) - x).abs()
+    assert err.max() <= v["scale"].float().max() / 2 + 1e-4
 
 
 def test_packing_round_trips_and_really_packs():
@@ -116,8 +131,10 @@ EXPECTED_PER_HEAD = {
     "int8": 2 * (64 + 2),  # codes + one float16 scale per token
     "fp8_e4m3": 2 * (64 + 2),
     "fp8_e5m2": 2 * (64 + 2),
-    "int4": (32 + 64 * 4 / 16) + (32 + 2 * 4),  # keys: codes + per-channel scale/min per block; values: 2 groups
-    "int2": (16 + 64 * 4 / 16) + (16 + 2 * 4),
+    # keys: codes + a range byte per channel and three float16 per block; values: one group of 64,
+    # a float16 scale and an int8 zero point
+    "int4": (32 + 64 / 16 + 3 * 2 / 16) + (32 + 3),
+    "int2": (16 + 64 / 16 + 3 * 2 / 16) + (16 + 3),
 }
 
 
@@ -127,6 +144,12 @@ def test_bytes_per_token_is_what_the_pool_allocates(kv):
     assert plan.bytes_per_token == EXPECTED_PER_HEAD[kv] * 30 * 3
     storage = KVStorage(SMOL, 10, 16, torch.bfloat16, torch.device("cpu"), KVFormat(kv))
     assert storage.nbytes == plan.bytes_per_block * 10 == plan.bytes_per_token * 10 * 16
+
+
+def test_int4_holds_at_most_028x_of_bfloat16_at_the_defaults():
+    int4 = plan_pool(SMOL, torch.bfloat16, 64 * 2**20, 16, KVFormat("int4")).bytes_per_token
+    full = plan_pool(SMOL, torch.bfloat16, 64 * 2**20, 16, KVFormat("auto")).bytes_per_token
+    assert int4 <= 0.28 * full, int4 / full
 
 
 def test_skip_layers_stay_full_precision_and_are_counted():

@@ -35,6 +35,12 @@ def _reference(q, keys, values, lens, scale):
     return torch.stack(out)
 
 
+def _stored_args(k, v):
+    """A quantized layer's stored tensors in the kernels' argument order: key codes, key scales
+    (int4/int2: range bytes), key grids, value codes, value scales, value zero points."""
+    return (k["codes"], k.get("ranges", k.get("scale")), k.get("grid"), v["codes"], v["scale"], v.get("zero"))
+
+
 def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed, isa):
     generator = torch.Generator().manual_seed(seed)
     kv_heads, n = 2, len(lens)
@@ -67,12 +73,7 @@ def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed
     out = kernel.quant_decode_attention(
         q,
         NATIVE_FORMATS[kv],
-        k_stored["codes"],
-        k_stored["scale"],
-        k_stored.get("min"),
-        v_stored["codes"],
-        v_stored["scale"],
-        v_stored.get("min"),
+        *_stored_args(k_stored, v_stored),
         tables,
         torch.tensor(lens),
         0.125,
@@ -94,13 +95,13 @@ def test_native_quantized_attention_matches_the_reference_over_shapes(kernel, kv
         (8, 16, 32),  # block size
         (1, 3),  # query heads per KV head
         (torch.float32, torch.bfloat16),
-        (16, 32, 64) if kivi else (None,),  # value group size
-        (False, True) if kivi else (False,),  # residual (scratch) blocks
+        # value group size (None: per-token scales) and residual (scratch) blocks present
+        ((64, True), (64, False), (32, True), (16, False)) if kivi else ((None, False),),
     )
     # every version of the kernel this CPU runs (8 lanes; 16; 16 with int8/fp8 keys by tables)
     isas = kernel.quant_decode_isas()
     assert isas[0] == "avx2"
-    for seed, (isa, (dim, block, group, dtype, value_group, scratch)) in enumerate(itertools.product(isas, shapes)):
+    for seed, (isa, (dim, block, group, dtype, (value_group, scratch))) in enumerate(itertools.product(isas, shapes)):
         out, expected, magnitude = _case(
             kernel, kv, dim, block, group, dtype, value_group or 32, lens, scratch, seed, isa
         )
@@ -121,7 +122,7 @@ def test_bad_arguments_are_refused_with_the_numbers(kernel):
     stored_k = key_codec.quantize(torch.randn(4, 16, 2, 64))
     stored_v = value_codec.quantize(torch.randn(4, 16, 2, 64))
     q = torch.randn(1, 2, 3, 64)
-    args = (stored_k["codes"], stored_k["scale"], None, stored_v["codes"], stored_v["scale"], None)
+    args = _stored_args(stored_k, stored_v)
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="isa must be auto, tables, avx512 or avx2, got avx9"):
         kernel.quant_decode_attention(q, 1, *args, tables, lens, 0.125, DECODE_PARTITION, isa="avx9")
@@ -134,9 +135,13 @@ def test_bad_arguments_are_refused_with_the_numbers(kernel):
     key_codec, value_codec = codecs_for("int4", torch.float32)
     stored_k = key_codec.quantize(torch.randn(4, 16, 2, 64))
     stored_v = value_codec.quantize(torch.randn(4, 16, 2, 64))
-    args = (stored_k["codes"], stored_k["scale"], None, stored_v["codes"], stored_v["scale"], stored_v["min"])
-    with pytest.raises(RuntimeError, match="int4/int2 need key and value minimums"):
+    args = list(_stored_args(stored_k, stored_v))
+    args[2] = None  # no key grids
+    with pytest.raises(RuntimeError, match="int4/int2 need key grids and value zero points"):
         kernel.quant_decode_attention(q, 4, *args, tables, lens, 0.125, DECODE_PARTITION)
+    args = _stored_args(stored_k, stored_v)
+    with pytest.raises(RuntimeError, match=r"key ranges must be uint8 \[blocks, heads, dim\]"):
+        kernel.quant_decode_attention(q, 4, args[0], args[2], *args[2:], tables, lens, 0.125, DECODE_PARTITION)
 
 
 PER_TOKEN = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -262,12 +267,7 @@ def _kivi_write(kernel, kv, k, v, sides, residual, plan, slots):
         k,
         v,
         NATIVE_FORMATS[kv],
-        ks["codes"],
-        ks["scale"],
-        ks["min"],
-        vs["codes"],
-        vs["scale"],
-        vs["min"],
+        *_stored_args(ks, vs),
         residual[0],
         residual[1],
         torch.tensor(plan).view(-1, 4),
@@ -276,11 +276,7 @@ def _kivi_write(kernel, kv, k, v, sides, residual, plan, slots):
 
 
 def _same_bits(a, b):
-    return (
-        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        if a.dtype == torch.uint8
-        else torch.equal(a.view(torch.int16), b.view(torch.int16))
-    )
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kv", ["int4", "int2"])

@@ -73,7 +73,8 @@ class BlockReader(Protocol):
     #: the native module and this layer's format id in it, when the kernel reads the layer in place
     native: object | None
     native_format: int | None
-    #: per side (K, V): the stored tensors by name ("codes", "scale", and "min" for int4/int2)
+    #: per side (K, V): the stored tensors by name ("codes", "scale"; int4/int2 keys "ranges" and
+    #: "grid" instead of "scale", values also "zero")
     sides: list[dict[str, torch.Tensor]]
 
     def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,11 +122,11 @@ def native_rows(
         q.reshape(n, layer.heads, heads // layer.heads, dim),
         layer.native_format,
         k["codes"],
-        k["scale"],
-        k.get("min"),
+        k["ranges"] if "ranges" in k else k["scale"],
+        k.get("grid"),
         v["codes"],
         v["scale"],
-        v.get("min"),
+        v.get("zero"),
         tables,
         lens,
         scale,

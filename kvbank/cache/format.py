@@ -55,7 +55,9 @@ class KVFormat:
         """Appended to the model fingerprint to start every prefix-cache chain of this format."""
         if self.dtype == "auto":
             return b""
-        return f"|kv={self.dtype}/{','.join(map(str, self.skip_layers))}/{self.group_size}".encode()
+        # "r2": int4/int2 blocks with two-level key ranges and int8 value zero points
+        revision = "/r2" if self.dtype in ("int4", "int2") else ""
+        return f"|kv={self.dtype}/{','.join(map(str, self.skip_layers))}/{self.group_size}{revision}".encode()
 
 
 def layer_kind(codecs: CodecPair, model_dtype: torch.dtype) -> str:

@@ -13,11 +13,13 @@ Codecs:
 - `PerTokenInt8`: symmetric int8, one float16 scale per token per KV head.
 - `PerTokenFP8`: float8 (e4m3 or e5m2) with one dynamic float16 scale per token per KV head,
   stored as uint8 because index_copy_ is not implemented for float8.
-- `KiviKeys` / `KiviValues` (int4, int2): asymmetric, a float16 scale and a float16 minimum
-  ("zero point") per group, codes packed 8/bits to a byte. Keys are grouped per channel along the
-  tokens of one block (outlier channels get their own range); values per token in groups of
-  `group_size` channels. They quantize whole blocks only: the engine keeps a block's tokens in
-  full precision until the block is full (the residual window).
+- `KiviKeys` / `KiviValues` (int4, int2): asymmetric, codes packed 8/bits to a byte. Keys are
+  grouped per channel along the tokens of one block (outlier channels get their own range), the
+  ranges two-level: 4-bit indices into per-(block, head) grids of 16 scales and 16 minimums.
+  Values per token in groups of `group_size` channels, a float16 scale and an int8 zero point
+  each. At head dim 64, 16-token blocks and groups of 64, int4 holds 71.4 bytes per token and KV
+  head (0.279x bfloat16), int2 39.4 (0.154x). They quantize whole blocks only: the engine keeps a
+  block's tokens in full precision until the block is full (the residual window).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-DEFAULT_GROUP_SIZE = 32
+DEFAULT_GROUP_SIZE = 64
 
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
 Stored = dict[str, torch.Tensor]
@@ -153,18 +155,45 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
 
 
-def _asymmetric(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes in [0, 2**bits) along groups reduced over `dim`, with float16 scale and minimum."""
-    top = (1 << bits) - 1
-    x = x.float()
-    low = x.amin(dim=dim, keepdim=True).to(_SCALE_DTYPE)
-    scale = ((x.amax(dim=dim, keepdim=True) - low.float()) / top).clamp_(min=_TINY).to(_SCALE_DTYPE)
-    codes = ((x - low.float()) / scale.float()).round_().clamp_(0, top).to(torch.uint8)
-    return codes, scale.squeeze(dim), low.squeeze(dim)
+def _f16_toward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x as float16, rounded toward +inf (`up`) or -inf, returned as float32 values."""
+    y = x.to(_SCALE_DTYPE)
+    wrong = y.float() < x if up else y.float() > x
+    step = torch.nextafter(y, torch.full_like(y, math.inf if up else -math.inf))
+    return torch.where(wrong, step, y).float()
+
+
+#: 2^(-k/3) for k = 0, 1, 2 as float16 numbers, so a float16 scale times one of them is exact in float32
+_THIRDS = (1.0, 1625 / 2048, 1290 / 2048)
+_GRID_STEPS = 16  # 4-bit range codes
+
+
+def key_scale_grid(top: torch.Tensor) -> torch.Tensor:
+    """The 16 key scales a block and head may use: top * 2^(-q/3) (q = 0..15), exactly in float32.
+
+    `top` [...] float32 (a float16 number); returns [..., 16], largest first.
+    """
+    q = torch.arange(_GRID_STEPS, device=top.device)
+    step = top.new_tensor(_THIRDS)[q % 3] * torch.exp2(-(q // 3).float())
+    return top.unsqueeze(-1) * step
+
+
+def key_min_grid(start: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The 16 key minimums: start + q * step (q = 0..15; the product is exact), [..., 16]."""
+    q = torch.arange(_GRID_STEPS, device=start.device, dtype=torch.float32)
+    return start.unsqueeze(-1) + q * step.unsqueeze(-1)
 
 
 class KiviKeys(Codec):
-    """Keys per channel: one range per (block, head, channel), over the block's tokens."""
+    """Keys per channel over one block's tokens: a range (scale, minimum) per (block, head, channel).
+
+    The ranges are two-level: each block and head stores three float16 numbers (the largest
+    scale, the smallest minimum, a minimum step) and each channel one byte, a 4-bit index into
+    16 scales top * 2^(-q/3) (low nibble) and one into 16 minimums start + q * step (high
+    nibble). A channel's minimum is the grid's largest at or below its smallest key, its scale the
+    grid's smallest that still spans its keys, so no key clips. Outlier channels keep their own
+    range, at 1 byte per channel per block instead of 4.
+    """
 
     kind = "kivi"
 
@@ -177,21 +206,51 @@ class KiviKeys(Codec):
             raise ValueError(f"head_dim={dim} is not a multiple of {8 // self.bits}, needed to pack int{self.bits}")
         return {
             "codes": ((block_size, heads, dim * self.bits // 8), torch.uint8),
-            "scale": ((heads, dim), _SCALE_DTYPE),
-            "min": ((heads, dim), _SCALE_DTYPE),
+            "ranges": ((heads, dim), torch.uint8),
+            "grid": ((heads, 3), _SCALE_DTYPE),
         }
 
     def quantize(self, x: torch.Tensor) -> Stored:
-        codes, scale, low = _asymmetric(x, 1, self.bits)
-        return {"codes": pack(codes, self.bits), "scale": scale, "min": low}
+        top_code = (1 << self.bits) - 1
+        x = x.float()  # [n, block, heads, dim]
+        lo, hi = x.amin(dim=1), x.amax(dim=1)  # [n, heads, dim]
+        start = _f16_toward(lo.amin(dim=-1), up=False)
+        step = _f16_toward((lo.amax(dim=-1) - start) / (_GRID_STEPS - 1), up=True)
+        mins = key_min_grid(start, step)  # [n, heads, 16], ascending
+        q_min = (mins.unsqueeze(-2) <= lo.unsqueeze(-1)).sum(dim=-1) - 1  # the largest at or below lo
+        low = mins.gather(-1, q_min)
+        width = hi - low
+        top = _f16_toward((width.amax(dim=-1) / top_code).clamp(min=_TINY), up=True)
+        scales = key_scale_grid(top)  # descending
+        q_scale = ((scales.unsqueeze(-2) * top_code >= width.unsqueeze(-1)).sum(dim=-1) - 1).clamp(min=0)
+        scale = scales.gather(-1, q_scale)
+        codes = ((x - low.unsqueeze(1)) / scale.unsqueeze(1)).round_().clamp_(0, top_code).to(torch.uint8)
+        ranges = (q_scale | (q_min << 4)).to(torch.uint8)
+        grid = torch.stack((top, start, step), dim=-1).to(_SCALE_DTYPE)
+        return {"codes": pack(codes, self.bits), "ranges": ranges, "grid": grid}
+
+    @staticmethod
+    def ranges(stored: Stored) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every channel's float32 scale and minimum, [n, heads, dim] each."""
+        grid = stored["grid"].float()
+        ranges = stored["ranges"].long()
+        scale = key_scale_grid(grid[..., 0]).gather(-1, ranges & 15)
+        low = key_min_grid(grid[..., 1], grid[..., 2]).gather(-1, ranges >> 4)
+        return scale, low
 
     def dequantize(self, stored: Stored, dtype: torch.dtype) -> torch.Tensor:
         codes = unpack(stored["codes"], self.bits).to(dtype)
-        return torch.addcmul(stored["min"].to(dtype).unsqueeze(1), codes, stored["scale"].to(dtype).unsqueeze(1))
+        scale, low = self.ranges(stored)
+        return torch.addcmul(low.to(dtype).unsqueeze(1), codes, scale.to(dtype).unsqueeze(1))
 
 
 class KiviValues(Codec):
-    """Values per token: one range per (token, head, group of `group_size` channels)."""
+    """Values per token: one range per (token, head, group of `group_size` channels).
+
+    A float16 scale and an int8 zero point: the group's values are (code + zero) * scale. The
+    scale spans the group's values, rounded up, and is at least |minimum| / 127 so the zero point
+    fits its byte.
+    """
 
     kind = "kivi"
 
@@ -209,20 +268,31 @@ class KiviValues(Codec):
         return {
             "codes": ((block_size, heads, dim * self.bits // 8), torch.uint8),
             "scale": ((block_size, heads, groups), _SCALE_DTYPE),
-            "min": ((block_size, heads, groups), _SCALE_DTYPE),
+            "zero": ((block_size, heads, groups), torch.int8),
         }
 
     def quantize(self, x: torch.Tensor) -> Stored:
-        grouped = x.reshape(*x.shape[:-1], -1, self.group_size)
-        codes, scale, low = _asymmetric(grouped, -1, self.bits)
-        return {"codes": pack(codes.flatten(-2), self.bits), "scale": scale, "min": low}
+        top_code = (1 << self.bits) - 1
+        grouped = x.float().reshape(*x.shape[:-1], -1, self.group_size)
+        lo, hi = grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
+        want = torch.maximum((hi - lo) / top_code, lo.abs() / 127).clamp_(min=_TINY)
+        scale = _f16_toward(want, up=True)
+        zero = (lo / scale).round_().clamp_(-128, 127)
+        codes = (grouped / scale - zero).round_().clamp_(0, top_code).to(torch.uint8)
+        return {
+            "codes": pack(codes.flatten(-2), self.bits),
+            "scale": scale.squeeze(-1).to(_SCALE_DTYPE),
+            "zero": zero.squeeze(-1).to(torch.int8),
+        }
 
     def dequantize(self, stored: Stored, dtype: torch.dtype) -> torch.Tensor:
-        # Spreading the group scales over their channels first keeps addcmul on its fast path
-        # (no broadcast along the innermost axis).
+        # Codes plus zero points are small integers, exact in any float dtype. Spreading the group
+        # scales over their channels first keeps the multiply on its fast path (no broadcast
+        # along the innermost axis).
         codes = unpack(stored["codes"], self.bits).to(dtype)
+        zero = stored["zero"].to(dtype).repeat_interleave(self.group_size, dim=-1)
         scale = stored["scale"].to(dtype).repeat_interleave(self.group_size, dim=-1)
-        return torch.addcmul(stored["min"].to(dtype).repeat_interleave(self.group_size, dim=-1), codes, scale)
+        return (codes + zero).mul_(scale)
 
 
 CodecPair = tuple[Codec, Codec]

@@ -61,27 +61,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
            py::arg("scale"), py::arg("partition"), py::arg("format") = 0,
            py::arg("k_scales") = std::vector<torch::Tensor>(), py::arg("v_scales") = std::vector<torch::Tensor>(),
-           py::arg("k_mins") = std::vector<torch::Tensor>(), py::arg("v_mins") = std::vector<torch::Tensor>(),
+           py::arg("k_grids") = std::vector<torch::Tensor>(), py::arg("v_zeros") = std::vector<torch::Tensor>(),
            py::arg("residual_ks") = std::vector<torch::Tensor>(), py::arg("residual_vs") = std::vector<torch::Tensor>(),
            py::arg("kivi_plan") = py::none(), py::arg("scratch_slots") = py::none(), py::arg("own_rows") = py::none(),
            "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual. "
            "format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: codes as k/v caches with their float16 scales; "
-           "4 int4, 5 int2 (KIVI): also minimums, residual slots, the step's plan and scratch slots (kivi_write) and "
+           "4 int4, 5 int2 (KIVI): key range bytes as k_scales, key grids, value zero points, residual slots, the step's plan and scratch slots (kivi_write) and "
            "each row's own scratch row");
   m.def("quant_decode_attention", &quant_decode_attention, py::arg("q"), py::arg("format"), py::arg("k_codes"),
-        py::arg("k_scale"), py::arg("k_min"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_min"),
+        py::arg("k_scale"), py::arg("k_grid"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_zero"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),
         py::arg("scratch_k") = py::none(), py::arg("scratch_v") = py::none(), py::arg("own_rows") = py::none(),
         py::arg("isa") = "auto",
         "Decode attention read in place from a quantized paged cache (format 0 bfloat16 dense, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
-        "4 int4, 5 int2); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
+        "4 int4, 5 int2: k_scale holds the key range bytes); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
         "row, or -1); isa: auto (the best this CPU runs), tables, avx512 or avx2");
   m.def("quant_write_tokens", &quant_write_tokens, py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"),
         py::arg("slots"),
         "Quantize tokens [n, heads, dim] per token and head (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2) into the cache's "
         "codes and float16 scales at their slots, bit for bit as the codecs do");
   m.def("kivi_write", &kivi_write, py::arg("k"), py::arg("v"), py::arg("format"), py::arg("k_codes"),
-        py::arg("k_scale"), py::arg("k_min"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_min"),
+        py::arg("k_ranges"), py::arg("k_grid"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_zero"),
         py::arg("residual_k"), py::arg("residual_v"), py::arg("plan"), py::arg("scratch_slots"),
         "A step's K/V [tokens, heads, dim] into an int4 (4) / int2 (5) KIVI layer: plan rows [block, residual slot, "
         "held, after] get scratch rows (returned, K and V); full blocks are quantized as the codecs do, the others' "

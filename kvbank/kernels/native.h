@@ -52,15 +52,15 @@ bool has_bf16_fast_path();
 
 // quant_decode.cpp
 torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
-                                     std::optional<torch::Tensor> k_min, torch::Tensor v_codes, torch::Tensor v_scale,
-                                     std::optional<torch::Tensor> v_min, torch::Tensor block_tables,
+                                     std::optional<torch::Tensor> k_grid, torch::Tensor v_codes, torch::Tensor v_scale,
+                                     std::optional<torch::Tensor> v_zero, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
                                      std::optional<torch::Tensor> own_rows, std::string isa);
 void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots);
 std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t format, torch::Tensor k_codes,
-                                      torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_codes,
-                                      torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor residual_k,
+                                      torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
+                                      torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots);
 bool has_quant_decode();
 std::vector<std::string> quant_decode_isas();
@@ -92,7 +92,7 @@ class QuantStack {
                         std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor context_lens, double scale, int64_t partition, int64_t format,
                         std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales,
-                        std::vector<torch::Tensor> k_mins, std::vector<torch::Tensor> v_mins,
+                        std::vector<torch::Tensor> k_grids, std::vector<torch::Tensor> v_zeros,
                         std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
                         std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
                         std::optional<torch::Tensor> own_rows);

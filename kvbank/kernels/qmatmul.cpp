@@ -708,7 +708,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                                   std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
                                   torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t partition,
                                   int64_t format, std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales,
-                                  std::vector<torch::Tensor> k_mins, std::vector<torch::Tensor> v_mins,
+                                  std::vector<torch::Tensor> k_grids, std::vector<torch::Tensor> v_zeros,
                                   std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
                                   std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
                                   std::optional<torch::Tensor> own_rows) {
@@ -753,17 +753,17 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
               "quantized caches need one K and one V scale tensor per layer: ", layers);
   int64_t scratch_rows = 0;
   if (kivi) {
-    TORCH_CHECK(static_cast<int64_t>(k_mins.size()) == layers && static_cast<int64_t>(v_mins.size()) == layers &&
+    TORCH_CHECK(static_cast<int64_t>(k_grids.size()) == layers && static_cast<int64_t>(v_zeros.size()) == layers &&
                     static_cast<int64_t>(residual_ks.size()) == layers && static_cast<int64_t>(residual_vs.size()) == layers,
-                "int4/int2 caches need one K and V minimum and residual slot tensor per layer: ", layers);
+                "int4/int2 caches need one key grid, value zero point and residual slot tensor per layer: ", layers);
     TORCH_CHECK(kivi_plan.has_value() && scratch_slots.has_value() && own_rows.has_value(),
                 "int4/int2 caches need the step's plan, scratch slots and own rows");
     TORCH_CHECK(own_rows->scalar_type() == torch::kLong && own_rows->dim() == 1 && own_rows->size(0) == tokens &&
                     own_rows->is_contiguous(),
                 "own rows must be contiguous int64 [", tokens, "]");
     for (int64_t l = 0; l < layers; ++l)
-      check_kivi_layer(format, num_kv_heads_, head_dim_, k_caches[l], k_scales[l], k_mins[l], v_caches[l], v_scales[l],
-                       v_mins[l], residual_ks[l], residual_vs[l], torch::kBFloat16);
+      check_kivi_layer(format, num_kv_heads_, head_dim_, k_caches[l], k_scales[l], k_grids[l], v_caches[l], v_scales[l],
+                       v_zeros[l], residual_ks[l], residual_vs[l], torch::kBFloat16);
     TORCH_CHECK(k_caches[0].size(1) <= 64 && partition % k_caches[0].size(1) == 0,
                 "the partition must be a multiple of the block size");
     scratch_rows = check_kivi_plan(*kivi_plan, *scratch_slots, tokens, k_caches[0].size(0), k_caches[0].size(1),
@@ -833,17 +833,17 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                                     partition));
     for (int64_t l = 0; l < layers; ++l) {
       if (kivi) {
-        kivi_writes.push_back(kivi_pointers<T>(format, k_caches[l], k_scales[l], k_mins[l], v_caches[l], v_scales[l],
-                                               v_mins[l], residual_ks[l], residual_vs[l], scratch_k.data(),
+        kivi_writes.push_back(kivi_pointers<T>(format, k_caches[l], k_scales[l], k_grids[l], v_caches[l], v_scales[l],
+                                               v_zeros[l], residual_ks[l], residual_vs[l], scratch_k.data(),
                                                scratch_v.data(), *kivi_plan, *scratch_slots));
         const KiviWrite<T>& W = kivi_writes.back();
-        quant_layers.push_back(QuantLayer{format, W.k_codes, W.k_scale, W.k_min, W.v_codes, W.v_scale, W.v_min,
+        quant_layers.push_back(QuantLayer{format, W.k_codes, nullptr, W.k_ranges, W.k_grid, W.v_codes, W.v_scale, W.v_zero,
                                           num_kv_heads_, head_dim_, block_size, W.code_bytes, head_dim_ / W.group,
                                           scratch_k.data(), scratch_v.data(), own_rows->data_ptr<int64_t>()});
         continue;
       }
       quant_layers.push_back(QuantLayer{format, reinterpret_cast<const uint8_t*>(k_caches[l].data_ptr()),
-                                        reinterpret_cast<const uint16_t*>(k_scales[l].data_ptr()), nullptr,
+                                        reinterpret_cast<const uint16_t*>(k_scales[l].data_ptr()), nullptr, nullptr,
                                         reinterpret_cast<const uint8_t*>(v_caches[l].data_ptr()),
                                         reinterpret_cast<const uint16_t*>(v_scales[l].data_ptr()), nullptr,
                                         num_kv_heads_, head_dim_, block_size, head_dim_, 1, nullptr, nullptr, nullptr});

@@ -6,9 +6,12 @@
 //   decodes on CPUs without the AVX-512 BF16 kernel of paged_decode.cpp).
 // - int8, fp8 e4m3 / e5m2: codes [blocks, block_size, heads, dim] with one float16 scale per
 //   token and KV head; the key scale multiplies the token's score.
-// - int4 / int2 (KIVI): keys per channel over one block (scale and minimum [blocks, heads, dim]),
-//   folded into the query once per block: q.k = (q * scale) . codes + q . minimum. Values per
-//   token in groups of channels (scale and minimum [blocks, block_size, heads, groups]).
+// - int4 / int2 (KIVI): keys per channel over one block, folded into the query once per block:
+//   q.k = (q * scale) . codes + q . minimum. The channel's scale and minimum are two-level: a
+//   range byte [blocks, heads, dim] indexes (low nibble) 16 scales top * 2^(-i/3) and (high
+//   nibble) 16 minimums start + i * step, from the block's float16 grid (top, start, step)
+//   [blocks, heads, 3] (kivi_key_ranges). Values per token in groups of channels: a float16
+//   scale and an int8 zero point [blocks, block_size, heads, groups], value (code + zero) * scale.
 //   A row's own block (the one holding its newest tokens) is read in full precision from the
 //   step's scratch blocks, as the reference path does.
 //
@@ -37,11 +40,12 @@ enum KiviPlanField : int64_t { kPlanBlock = 0, kPlanSlot = 1, kPlanHeld = 2, kPl
 struct QuantLayer {
   int64_t format;
   const uint8_t* k_codes;
-  const uint16_t* k_scale;
-  const uint16_t* k_min;
+  const uint16_t* k_scale;   // int8, fp8: float16 per token and head
+  const uint8_t* k_ranges;   // KIVI: a range byte per block, head and channel
+  const uint16_t* k_grid;    // KIVI: float16 (top scale, first minimum, minimum step) per block and head
   const uint8_t* v_codes;
-  const uint16_t* v_scale;
-  const uint16_t* v_min;
+  const uint16_t* v_scale;   // int8, fp8: per token and head; KIVI: per token, head and group
+  const int8_t* v_zero;      // KIVI: the groups' zero points
   int64_t heads, dim, block_size, code_bytes, value_groups;
   const void* scratch_k;  // [rows, block_size, heads, dim] in the query's dtype, or null
   const void* scratch_v;
@@ -73,6 +77,36 @@ struct BlockSpan {
     vc = L.v_codes + (block * bs + first) * token_codes + head * L.code_bytes;
   }
 };
+
+// The key scale grid's steps 2^(-i/3), i = 0..15, each 2^(-i/3 rounded down) times 1, 2^(-1/3) or
+// 2^(-2/3) rounded to a float16 number, so a float16 scale times one is exact in float32 (the
+// grid of KiviKeys in kvbank/cache/quant.py, which these products match bit for bit).
+constexpr float kKeyScaleSteps[16] = {
+    1.0f,          1625.0f / 2048,  1290.0f / 2048,  1.0f / 2,        1625.0f / 4096,   1290.0f / 4096,
+    1.0f / 4,      1625.0f / 8192,  1290.0f / 8192,  1.0f / 8,        1625.0f / 16384,  1290.0f / 16384,
+    1.0f / 16,     1625.0f / 32768, 1290.0f / 32768, 1.0f / 32};
+
+inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// A KIVI block's 16 key scales (largest first) and 16 key minimums (smallest first), from its grid.
+inline void kivi_key_grids(float top, float start, float step, float* scales, float* mins) {
+  for (int i = 0; i < 16; ++i) {
+    scales[i] = top * kKeyScaleSteps[i];
+    mins[i] = start + static_cast<float>(i) * step;  // the product is exact: no fused rounding differs
+  }
+}
+
+// Every channel's key scale and minimum (float32) of one block and head.
+inline void kivi_key_ranges(const QuantLayer& L, int64_t block, int64_t head, int64_t dim, float* scale, float* low) {
+  const uint16_t* grid = L.k_grid + (block * L.heads + head) * 3;
+  const uint8_t* ranges = L.k_ranges + (block * L.heads + head) * dim;
+  float scales[16], mins[16];
+  kivi_key_grids(half_value(grid[0]), half_value(grid[1]), half_value(grid[2]), scales, mins);
+  for (int64_t c = 0; c < dim; ++c) {
+    scale[c] = scales[ranges[c] & 15];
+    low[c] = mins[ranges[c] >> 4];
+  }
+}
 
 #ifdef KVBANK_X86
 // AVX2 with FMA and F16C: every x86 CPU kvbank's fast paths target has them, AVX-512 ones too.
@@ -269,8 +303,8 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
       }
     }
     const bool folded = kivi && !own;
-    const uint16_t* ks = folded ? L.k_scale + (block * L.heads + head) * D : nullptr;
-    const uint16_t* km = folded ? L.k_min + (block * L.heads + head) * D : nullptr;
+    alignas(32) float ks[D], km[D];
+    if (folded) kivi_key_ranges(L, block, head, D, ks, km);
     for (int g = 0; g < G; ++g) {
       __m256 qv[V];
       float bias = 0.0f;
@@ -278,8 +312,8 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
         __m256 b = _mm256_setzero_ps();
         for (int v = 0; v < V; ++v) {
           const __m256 x = _mm256_load_ps(qs[g] + v * 8);
-          qv[v] = _mm256_mul_ps(x, halves(ks + v * 8));
-          b = _mm256_fmadd_ps(x, halves(km + v * 8), b);
+          qv[v] = _mm256_mul_ps(x, _mm256_load_ps(ks + v * 8));
+          b = _mm256_fmadd_ps(x, _mm256_load_ps(km + v * 8), b);
         }
         bias = hsum8(b);
       } else {
@@ -324,7 +358,8 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
           const int64_t meta = ((block * bs + first + t) * L.heads + head) * L.value_groups;
           for (int v = 0; v < V; ++v) {
             const int64_t c = meta + v * 8 / group_size;
-            x[v] = _mm256_fmadd_ps(x[v], _mm256_set1_ps(_cvtsh_ss(L.v_scale[c])), _mm256_set1_ps(_cvtsh_ss(L.v_min[c])));
+            const float sc = _cvtsh_ss(L.v_scale[c]);  // times the zero point: exact
+            x[v] = _mm256_fmadd_ps(x[v], _mm256_set1_ps(sc), _mm256_set1_ps(static_cast<float>(L.v_zero[c]) * sc));
           }
         }
       }
@@ -528,7 +563,8 @@ KVBANK_INLINE512 void values_block(Heads512<G, D>& H, const QuantLayer& L, const
         const int64_t meta = ((meta_first + t) * L.heads + head) * L.value_groups;
         for (int v = 0; v < V; ++v) {
           const int64_t c = meta + v * 16 / group_size;
-          x[v] = _mm512_fmadd_ps(x[v], _mm512_set1_ps(_cvtsh_ss(L.v_scale[c])), _mm512_set1_ps(_cvtsh_ss(L.v_min[c])));
+          const float sc = _cvtsh_ss(L.v_scale[c]);  // times the zero point: exact
+          x[v] = _mm512_fmadd_ps(x[v], _mm512_set1_ps(sc), _mm512_set1_ps(static_cast<float>(L.v_zero[c]) * sc));
         }
       }
     }
@@ -605,17 +641,17 @@ KVBANK_AVX512_Q void quant_range512_f(const QuantLayer& L, const T* q, const int
       }
     }
     const bool folded = kivi && !own;
+    alignas(64) float ks[D], km[D];
+    if (folded) kivi_key_ranges(L, block, head, D, ks, km);
     for (int g = 0; g < G; ++g) {
       __m512 qv[V];
       float bias = 0.0f;
       if (folded) {
-        const uint16_t* ks = L.k_scale + (block * L.heads + head) * D;
-        const uint16_t* km = L.k_min + (block * L.heads + head) * D;
         __m512 b = _mm512_setzero_ps();
         for (int v = 0; v < V; ++v) {
           const __m512 x = _mm512_load_ps(qs[g] + v * 16);
-          qv[v] = _mm512_mul_ps(x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + v * 16))));
-          b = _mm512_fmadd_ps(x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(km + v * 16))), b);
+          qv[v] = _mm512_mul_ps(x, _mm512_load_ps(ks + v * 16));
+          b = _mm512_fmadd_ps(x, _mm512_load_ps(km + v * 16), b);
         }
         bias = _mm512_reduce_add_ps(b);
       } else {
@@ -1017,9 +1053,9 @@ void quant_write(int64_t format, const torch::Tensor& x, torch::Tensor& codes, t
 // pool and any other row's new tokens go back to its residual slot. KiviLayer.write
 // (kvbank/cache/layers/kivi.py) runs these three phases through kivi_write, the fused stack
 // (qmatmul.cpp) inside its layer loop; the scratch rows are what attention reads a row's own
-// block from. Quantization is bit for bit KiviKeys / KiviValues.quantize: the group's minimum in
-// float16, the float16 scale (max - minimum) / top (at least 2^-24), codes (x - minimum) / scale
-// rounded to nearest even and clamped, packed planar (quant.pack).
+// block from. Quantization is bit for bit KiviKeys / KiviValues.quantize (kvbank/cache/quant.py):
+// the same float32 operations in the same order, float16 roundings toward the side that keeps
+// every value inside its range, codes rounded to nearest even and clamped, packed planar.
 constexpr float kTinyScale = 0x1p-24f;
 
 KVBANK_AVX2_F16C inline float hmin8(__m256 v) {
@@ -1045,36 +1081,76 @@ KVBANK_AVX2_F16C inline void kivi_codes8(__m256 x, __m256 low, __m256 scale, __m
   store_bytes8<false>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_setzero_ps()), top)), out);
 }
 
-// Keys of one head of a block: x is token 0's row of the head, `stride` apart per token; one
-// (scale, minimum) per channel over the block's tokens.
+// x as float16 bits, rounded toward +inf (up) or -inf, as torch.nextafter after rounding to nearest.
+inline uint16_t half_toward(float x, bool up) {
+  const uint16_t h = c10::Half(x).x;
+  const float y = half_value(h);
+  if (up ? !(y < x) : !(y > x)) return h;
+  if ((h & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
+  const bool negative = h & 0x8000;
+  return static_cast<uint16_t>(up != negative ? h + 1 : h - 1);
+}
+
+// Keys of one head of a block: x is token 0's row of the head, `stride` apart per token. The
+// block's grid (top scale, first minimum, minimum step) and each channel's range byte: the
+// largest grid minimum at or below the channel's smallest key, the smallest grid scale that
+// spans its keys from there (KiviKeys.quantize).
 template <typename T>
 KVBANK_AVX2_F16C void kivi_keys(int bits, const T* x, int64_t tokens, int64_t stride, int64_t dim, uint8_t* codes,
-                                int64_t code_stride, uint16_t* scale, uint16_t* low) {
+                                int64_t code_stride, uint8_t* ranges, uint16_t* grid) {
   alignas(32) uint8_t q[64][128];
-  const __m256 top = _mm256_set1_ps(static_cast<float>((1 << bits) - 1));
+  alignas(32) float lo[128], hi[128], low[128], scale[128];
+  const float top_code = static_cast<float>((1 << bits) - 1);
   for (int64_t c = 0; c < dim; c += 8) {
-    __m256 lo = _mm256_set1_ps(std::numeric_limits<float>::infinity()), hi = _mm256_sub_ps(_mm256_setzero_ps(), lo);
+    __m256 l = _mm256_set1_ps(std::numeric_limits<float>::infinity()), h = _mm256_sub_ps(_mm256_setzero_ps(), l);
     for (int64_t t = 0; t < tokens; ++t) {
       const __m256 v = load8(x + t * stride + c);
-      lo = _mm256_min_ps(lo, v);
-      hi = _mm256_max_ps(hi, v);
+      l = _mm256_min_ps(l, v);
+      h = _mm256_max_ps(h, v);
     }
-    const __m128i lo16 = _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 lof = _mm256_cvtph_ps(lo16);
-    const __m256 want = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(hi, lof), top), _mm256_set1_ps(kTinyScale));
-    const __m128i s16 = _mm256_cvtps_ph(want, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + c), lo16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(scale + c), s16);
-    const __m256 sf = _mm256_cvtph_ps(s16);
-    for (int64_t t = 0; t < tokens; ++t) kivi_codes8(load8(x + t * stride + c), lof, sf, top, q[t] + c);
+    _mm256_store_ps(lo + c, l);
+    _mm256_store_ps(hi + c, h);
   }
+  const float lo_min = *std::min_element(lo, lo + dim), lo_max = *std::max_element(lo, lo + dim);
+  const uint16_t start16 = half_toward(lo_min, false);
+  const float start = half_value(start16);
+  const uint16_t step16 = half_toward((lo_max - start) / 15.0f, true);
+  float scales[16], mins[16];
+  kivi_key_grids(0.0f, start, half_value(step16), scales, mins);
+  uint8_t min_index[128];
+  float widest = 0.0f;
+  for (int64_t c = 0; c < dim; ++c) {
+    int i = 0;
+    for (int j = 1; j < 16; ++j) i += mins[j] <= lo[c];  // the grid ascends
+    min_index[c] = static_cast<uint8_t>(i);
+    low[c] = mins[i];
+    hi[c] -= low[c];  // the channel's width from its minimum
+    widest = std::max(widest, hi[c]);
+  }
+  const uint16_t top16 = half_toward(std::max(widest / top_code, kTinyScale), true);
+  kivi_key_grids(half_value(top16), start, half_value(step16), scales, mins);
+  for (int64_t c = 0; c < dim; ++c) {
+    int i = 0;
+    for (int j = 1; j < 16; ++j) i += scales[j] * top_code >= hi[c];  // the grid descends
+    scale[c] = scales[i];
+    ranges[c] = static_cast<uint8_t>(i | (min_index[c] << 4));
+  }
+  grid[0] = top16;
+  grid[1] = start16;
+  grid[2] = step16;
+  const __m256 top = _mm256_set1_ps(top_code);
+  for (int64_t c = 0; c < dim; c += 8)
+    for (int64_t t = 0; t < tokens; ++t)
+      kivi_codes8(load8(x + t * stride + c), _mm256_load_ps(low + c), _mm256_load_ps(scale + c), top, q[t] + c);
   for (int64_t t = 0; t < tokens; ++t) pack_planar(bits, q[t], dim, codes + t * code_stride);
 }
 
-// Values of one head of one token: one (scale, minimum) per group of `group` channels.
+// Values of one head of one token: per group of `group` channels a float16 scale (the group's
+// width / top, at least |minimum| / 127, rounded up) and an int8 zero point (minimum / scale,
+// rounded); codes x / scale - zero, rounded and clamped (KiviValues.quantize).
 template <typename T>
 KVBANK_AVX2_F16C void kivi_values(int bits, const T* x, int64_t dim, int64_t group, uint8_t* codes, uint16_t* scale,
-                                  uint16_t* low) {
+                                  int8_t* zero) {
   alignas(32) uint8_t q[128];
   const float top = static_cast<float>((1 << bits) - 1);
   for (int64_t g = 0; g * group < dim; ++g) {
@@ -1085,13 +1161,20 @@ KVBANK_AVX2_F16C void kivi_values(int bits, const T* x, int64_t dim, int64_t gro
       lo = _mm256_min_ps(lo, v);
       hi = _mm256_max_ps(hi, v);
     }
-    const uint16_t lo16 = _cvtss_sh(hmin8(lo), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const float lof = _cvtsh_ss(lo16);
-    const uint16_t s16 = _cvtss_sh(std::max((hmax8(hi) - lof) / top, kTinyScale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    low[g] = lo16;
+    const float lof = hmin8(lo);
+    const float want = std::max(std::max((hmax8(hi) - lof) / top, std::fabs(lof) / 127.0f), kTinyScale);
+    const uint16_t s16 = half_toward(want, true);
+    const float sf = half_value(s16);
+    const float z = std::min(std::max(std::nearbyint(lof / sf), -128.0f), 127.0f);
     scale[g] = s16;
-    const __m256 lov = _mm256_set1_ps(lof), sv = _mm256_set1_ps(_cvtsh_ss(s16)), topv = _mm256_set1_ps(top);
-    for (int64_t c = 0; c < group; c += 8) kivi_codes8(load8(xg + c), lov, sv, topv, q + g * group + c);
+    zero[g] = static_cast<int8_t>(z);
+    const __m256 sv = _mm256_set1_ps(sf), zv = _mm256_set1_ps(z), topv = _mm256_set1_ps(top);
+    for (int64_t c = 0; c < group; c += 8) {
+      const __m256 y = _mm256_round_ps(_mm256_sub_ps(_mm256_div_ps(load8(xg + c), sv), zv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      store_bytes8<false>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_setzero_ps()), topv)),
+                          q + g * group + c);
+    }
   }
   pack_planar(bits, q, dim, codes);
 }
@@ -1101,8 +1184,9 @@ template <typename T>
 struct KiviWrite {
   int bits;
   int64_t heads, dim, block_size, code_bytes, group;
-  uint8_t *k_codes, *v_codes;
-  uint16_t *k_scale, *k_min, *v_scale, *v_min;
+  uint8_t *k_codes, *v_codes, *k_ranges;
+  uint16_t *k_grid, *v_scale;
+  int8_t* v_zero;
   T *res_k, *res_v;          // residual slots [slots, block_size, heads, dim]
   T *scratch_k, *scratch_v;  // this step's rows [rows, block_size, heads, dim]
   const int64_t* plan;       // [rows, kPlanFields]
@@ -1139,11 +1223,11 @@ struct KiviWrite {
     const int64_t b = p[kPlanBlock], groups = dim / group;
     for (int64_t h = 0; h < heads; ++h) {
       kivi_keys(bits, sk + h * dim, block_size, heads * dim, dim, k_codes + (b * block_size * heads + h) * code_bytes,
-                heads * code_bytes, k_scale + (b * heads + h) * dim, k_min + (b * heads + h) * dim);
+                heads * code_bytes, k_ranges + (b * heads + h) * dim, k_grid + (b * heads + h) * 3);
       for (int64_t t = 0; t < block_size; ++t) {
         const int64_t at = (b * block_size + t) * heads + h;
         kivi_values(bits, sv + (t * heads + h) * dim, dim, group, v_codes + at * code_bytes, v_scale + at * groups,
-                    v_min + at * groups);
+                    v_zero + at * groups);
       }
     }
   }
@@ -1177,9 +1261,9 @@ int64_t check_kivi_plan(const torch::Tensor& plan, const torch::Tensor& scratch_
 }
 
 // One KIVI layer's pool tensors and residual slots; names the shapes it expected.
-void check_kivi_layer(int64_t format, int64_t heads, int64_t dim, const torch::Tensor& k_codes, const torch::Tensor& k_scale,
-                      const torch::Tensor& k_min, const torch::Tensor& v_codes, const torch::Tensor& v_scale,
-                      const torch::Tensor& v_min, const torch::Tensor& residual_k, const torch::Tensor& residual_v,
+void check_kivi_layer(int64_t format, int64_t heads, int64_t dim, const torch::Tensor& k_codes, const torch::Tensor& k_ranges,
+                      const torch::Tensor& k_grid, const torch::Tensor& v_codes, const torch::Tensor& v_scale,
+                      const torch::Tensor& v_zero, const torch::Tensor& residual_k, const torch::Tensor& residual_v,
                       torch::ScalarType dtype) {
   TORCH_CHECK(format == kInt4 || format == kInt2, "KIVI writes are int4 (4) or int2 (5), got format ", format);
   TORCH_CHECK(dim % 8 == 0 && dim <= 128, "head dim must be a multiple of 8 up to 128, got ", dim);
@@ -1189,32 +1273,34 @@ void check_kivi_layer(int64_t format, int64_t heads, int64_t dim, const torch::T
                   v_codes.scalar_type() == torch::kByte,
               "codes must be uint8 [blocks, block_size <= 64, ", heads, ", ", code_bytes, "], got ", k_codes.sizes());
   const int64_t blocks = k_codes.size(0), block_size = k_codes.size(1);
-  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && k_scale.dim() == 3 && k_scale.size(0) == blocks &&
-                  k_scale.size(1) == heads && k_scale.size(2) == dim && k_min.sizes() == k_scale.sizes() &&
-                  k_min.scalar_type() == torch::kHalf,
-              "key scales and minimums must be float16 [", blocks, ", ", heads, ", ", dim, "], got ", k_scale.sizes());
+  TORCH_CHECK(k_ranges.scalar_type() == torch::kByte && k_ranges.dim() == 3 && k_ranges.size(0) == blocks &&
+                  k_ranges.size(1) == heads && k_ranges.size(2) == dim,
+              "key ranges must be uint8 [", blocks, ", ", heads, ", ", dim, "], got ", k_ranges.sizes());
+  TORCH_CHECK(k_grid.scalar_type() == torch::kHalf && k_grid.dim() == 3 && k_grid.size(0) == blocks &&
+                  k_grid.size(1) == heads && k_grid.size(2) == 3,
+              "key grids must be float16 [", blocks, ", ", heads, ", 3], got ", k_grid.sizes());
   TORCH_CHECK(v_scale.scalar_type() == torch::kHalf && v_scale.dim() == 4 && v_scale.size(0) == blocks &&
                   v_scale.size(1) == block_size && v_scale.size(2) == heads && v_scale.size(3) >= 1 &&
-                  dim % v_scale.size(3) == 0 && (dim / v_scale.size(3)) % 8 == 0 && v_min.sizes() == v_scale.sizes() &&
-                  v_min.scalar_type() == torch::kHalf,
-              "value scales and minimums must be float16 [", blocks, ", ", block_size, ", ", heads,
-              ", groups of a multiple of 8 channels], got ", v_scale.sizes());
+                  dim % v_scale.size(3) == 0 && (dim / v_scale.size(3)) % 8 == 0 && v_zero.sizes() == v_scale.sizes() &&
+                  v_zero.scalar_type() == torch::kChar,
+              "value scales (float16) and zero points (int8) must be [", blocks, ", ", block_size, ", ", heads,
+              ", groups of a multiple of 8 channels], got ", v_scale.sizes(), " and ", v_zero.sizes());
   TORCH_CHECK(residual_k.scalar_type() == dtype && residual_k.dim() == 4 && residual_k.size(1) == block_size &&
                   residual_k.size(2) == heads && residual_k.size(3) == dim && residual_v.sizes() == residual_k.sizes() &&
                   residual_v.scalar_type() == dtype,
               "residual slots must be [slots, ", block_size, ", ", heads, ", ", dim, "] in the model's dtype, got ",
               residual_k.sizes());
-  for (const auto* t : {&k_codes, &v_codes, &k_scale, &k_min, &v_scale, &v_min, &residual_k, &residual_v})
+  for (const auto* t : {&k_codes, &v_codes, &k_ranges, &k_grid, &v_scale, &v_zero, &residual_k, &residual_v})
     TORCH_CHECK(t->is_contiguous(), "KIVI caches and residual slots must be contiguous");
 }
 
 #ifdef KVBANK_X86
 template <typename T>
-KiviWrite<T> kivi_pointers(int64_t format, const torch::Tensor& k_codes, const torch::Tensor& k_scale,
-                           const torch::Tensor& k_min, const torch::Tensor& v_codes, const torch::Tensor& v_scale,
-                           const torch::Tensor& v_min, const torch::Tensor& residual_k, const torch::Tensor& residual_v,
+KiviWrite<T> kivi_pointers(int64_t format, const torch::Tensor& k_codes, const torch::Tensor& k_ranges,
+                           const torch::Tensor& k_grid, const torch::Tensor& v_codes, const torch::Tensor& v_scale,
+                           const torch::Tensor& v_zero, const torch::Tensor& residual_k, const torch::Tensor& residual_v,
                            T* scratch_k, T* scratch_v, const torch::Tensor& plan, const torch::Tensor& scratch_slots) {
-  const int64_t heads = k_codes.size(2), dim = k_scale.size(2);
+  const int64_t heads = k_codes.size(2), dim = k_ranges.size(2);
   return KiviWrite<T>{format == kInt4 ? 4 : 2,
                       heads,
                       dim,
@@ -1223,10 +1309,10 @@ KiviWrite<T> kivi_pointers(int64_t format, const torch::Tensor& k_codes, const t
                       dim / v_scale.size(3),
                       reinterpret_cast<uint8_t*>(k_codes.data_ptr()),
                       reinterpret_cast<uint8_t*>(v_codes.data_ptr()),
-                      reinterpret_cast<uint16_t*>(k_scale.data_ptr()),
-                      reinterpret_cast<uint16_t*>(k_min.data_ptr()),
+                      reinterpret_cast<uint8_t*>(k_ranges.data_ptr()),
+                      reinterpret_cast<uint16_t*>(k_grid.data_ptr()),
                       reinterpret_cast<uint16_t*>(v_scale.data_ptr()),
-                      reinterpret_cast<uint16_t*>(v_min.data_ptr()),
+                      reinterpret_cast<int8_t*>(v_zero.data_ptr()),
                       residual_k.data_ptr<T>(),
                       residual_v.data_ptr<T>(),
                       scratch_k,
@@ -1236,9 +1322,6 @@ KiviWrite<T> kivi_pointers(int64_t format, const torch::Tensor& k_codes, const t
 }
 #endif
 
-const uint16_t* halves_ptr(const std::optional<torch::Tensor>& t) {
-  return t.has_value() ? reinterpret_cast<const uint16_t*>(t->data_ptr()) : nullptr;
-}
 
 }  // namespace
 
@@ -1262,8 +1345,8 @@ std::vector<std::string> quant_decode_isas() {
 }
 
 torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
-                                     std::optional<torch::Tensor> k_min, torch::Tensor v_codes, torch::Tensor v_scale,
-                                     std::optional<torch::Tensor> v_min, torch::Tensor block_tables,
+                                     std::optional<torch::Tensor> k_grid, torch::Tensor v_codes, torch::Tensor v_scale,
+                                     std::optional<torch::Tensor> v_zero, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
                                      std::optional<torch::Tensor> own_rows, std::string isa) {
@@ -1292,17 +1375,25 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
               k_codes.size(3) * k_codes.element_size(), " bytes per head, expected ", code_bytes);
   TORCH_CHECK(!dense || (k_codes.scalar_type() == torch::kBFloat16 && v_codes.scalar_type() == torch::kBFloat16),
               "a dense cache must be bfloat16");
-  TORCH_CHECK(dense || (k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf),
+  TORCH_CHECK(dense || ((kivi || k_scale.scalar_type() == torch::kHalf) && v_scale.scalar_type() == torch::kHalf),
               "scales must be float16");
   int64_t value_groups = 1;
   if (dense) {
     // no scales
   } else if (kivi) {
-    TORCH_CHECK(k_min.has_value() && v_min.has_value(), "int4/int2 need key and value minimums");
-    TORCH_CHECK(k_scale.dim() == 3 && k_scale.size(1) == heads && k_scale.size(2) == dim, "key scales must be [blocks, heads, dim]");
-    TORCH_CHECK(k_min->sizes() == k_scale.sizes() && v_min->sizes() == v_scale.sizes(), "minimums must match scales");
-    TORCH_CHECK(v_scale.dim() == 4 && v_scale.size(1) == block_size && v_scale.size(2) == heads,
+    // k_scale holds the key range bytes
+    TORCH_CHECK(k_grid.has_value() && v_zero.has_value(), "int4/int2 need key grids and value zero points");
+    TORCH_CHECK(k_scale.scalar_type() == torch::kByte && k_scale.dim() == 3 && k_scale.size(0) == k_codes.size(0) &&
+                    k_scale.size(1) == heads && k_scale.size(2) == dim,
+                "key ranges must be uint8 [blocks, heads, dim]");
+    TORCH_CHECK(k_grid->scalar_type() == torch::kHalf && k_grid->dim() == 3 && k_grid->size(0) == k_codes.size(0) &&
+                    k_grid->size(1) == heads && k_grid->size(2) == 3 && k_grid->is_contiguous(),
+                "key grids must be contiguous float16 [blocks, heads, 3]");
+    TORCH_CHECK(v_scale.dim() == 4 && v_scale.size(0) == k_codes.size(0) && v_scale.size(1) == block_size &&
+                    v_scale.size(2) == heads,
                 "value scales must be [blocks, block_size, heads, groups]");
+    TORCH_CHECK(v_zero->scalar_type() == torch::kChar && v_zero->sizes() == v_scale.sizes() && v_zero->is_contiguous(),
+                "value zero points must be contiguous int8 like the value scales");
     value_groups = v_scale.size(3);
     TORCH_CHECK(value_groups >= 1 && dim % value_groups == 0 && (dim / value_groups) % 16 == 0,
                 "value groups must be whole multiples of 16 channels, got ", value_groups, " groups of dim ", dim);
@@ -1337,11 +1428,12 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
 #ifdef KVBANK_X86
   QuantLayer L{format,
                reinterpret_cast<const uint8_t*>(k_codes.data_ptr()),
-               reinterpret_cast<const uint16_t*>(k_scale.data_ptr()),
-               halves_ptr(k_min),
+               kivi ? nullptr : reinterpret_cast<const uint16_t*>(k_scale.data_ptr()),
+               kivi ? reinterpret_cast<const uint8_t*>(k_scale.data_ptr()) : nullptr,
+               kivi ? reinterpret_cast<const uint16_t*>(k_grid->data_ptr()) : nullptr,
                reinterpret_cast<const uint8_t*>(v_codes.data_ptr()),
                reinterpret_cast<const uint16_t*>(v_scale.data_ptr()),
-               halves_ptr(v_min),
+               kivi ? reinterpret_cast<const int8_t*>(v_zero->data_ptr()) : nullptr,
                heads,
                dim,
                block_size,
@@ -1392,8 +1484,8 @@ void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, to
 }
 
 std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t format, torch::Tensor k_codes,
-                                      torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_codes,
-                                      torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor residual_k,
+                                      torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
+                                      torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots) {
   TORCH_CHECK(has_quant_decode(), "KIVI writes need an x86 CPU with AVX2, FMA and F16C");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [tokens, heads, dim], got ", k.sizes(), " and ",
@@ -1402,7 +1494,7 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
                   (k.scalar_type() == torch::kBFloat16 || k.scalar_type() == torch::kFloat),
               "k and v must both be bfloat16 or float32");
   const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
-  check_kivi_layer(format, heads, dim, k_codes, k_scale, k_min, v_codes, v_scale, v_min, residual_k, residual_v,
+  check_kivi_layer(format, heads, dim, k_codes, k_ranges, k_grid, v_codes, v_scale, v_zero, residual_k, residual_v,
                    k.scalar_type());
   // Rows may be strided (k and v are views into the fused projection); each token's heads are dense.
   if (k.stride(2) != 1 || k.stride(1) != dim) k = k.contiguous();
@@ -1415,7 +1507,7 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
 #ifdef KVBANK_X86
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    const KiviWrite<T> W = kivi_pointers<T>(format, k_codes, k_scale, k_min, v_codes, v_scale, v_min, residual_k,
+    const KiviWrite<T> W = kivi_pointers<T>(format, k_codes, k_ranges, k_grid, v_codes, v_scale, v_zero, residual_k,
                                             residual_v, scratch_k.data_ptr<T>(), scratch_v.data_ptr<T>(), plan,
                                             scratch_slots);
     const T* k_p = k.data_ptr<T>();

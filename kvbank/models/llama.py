@@ -21,7 +21,7 @@ from kvbank.models.packed import Int4Blocks, Int8Blocks, PackedLinear
 from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, pack_q4, pack_q8, packable
 
 #: StackCache fields that a cache format may have beside its K and V, passed to the stack per layer
-STACK_EXTRAS = ("k_scale", "v_scale", "k_min", "v_min", "residual_k", "residual_v")
+STACK_EXTRAS = ("k_scale", "v_scale", "k_grid", "v_zero", "residual_k", "residual_v")
 
 
 class RMSNorm(nn.Module):
@@ -250,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         step = self._stack_attention(rows, kv_caches, meta)
         if step is not None:
             caches = [c.stack_caches() for c in kv_caches]
-            # per-layer tensors the format has (scales, minimums, residual slots), by the stack's names
+            # per-layer tensors the format has (scales, grids, zero points, residual slots), by the stack's names
             extra = {
                 f"{name}s": [getattr(c, name) for c in caches]
                 for name in STACK_EXTRAS

@@ -68,11 +68,12 @@ class StackCache(NamedTuple):
     format: int
     k: torch.Tensor
     v: torch.Tensor
+    #: int8/fp8: per-token scales; int4/int2: the keys' range bytes and the values' scales
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-    #: int4/int2: the minimums and the residual slots of open blocks
-    k_min: torch.Tensor | None = None
-    v_min: torch.Tensor | None = None
+    #: int4/int2: the keys' grids, the values' zero points and the residual slots of open blocks
+    k_grid: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
     residual_k: torch.Tensor | None = None
     residual_v: torch.Tensor | None = None
 

@@ -141,11 +141,11 @@ class KiviLayer(CodecLayer):
                 v,
                 self.native_format,
                 ks["codes"],
-                ks["scale"],
-                ks["min"],
+                ks["ranges"],
+                ks["grid"],
                 vs["codes"],
                 vs["scale"],
-                vs["min"],
+                vs["zero"],
                 *stores,
                 plan.table,
                 plan.scratch_slots,
@@ -182,7 +182,7 @@ class KiviLayer(CodecLayer):
         }
 
     def stack_caches(self) -> StackCache | None:
-        """The layer's codes, scales, minimums and residual slots as the fused model step takes them."""
+        """The layer's codes, ranges, scales and residual slots as the fused model step takes them."""
         if self.native is None:
             return None
         (k, v) = self.sides
@@ -191,10 +191,10 @@ class KiviLayer(CodecLayer):
             self.native_format,
             k["codes"],
             v["codes"],
-            k["scale"],
+            k["ranges"],
             v["scale"],
-            k["min"],
-            v["min"],
+            k["grid"],
+            v["zero"],
             residual.k[self.index],
             residual.v[self.index],
         )
