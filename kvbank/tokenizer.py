@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Engine
 
 if TYPE_CHECKING:
-    import gguf
+    from kvbank.models.gguf_file import GGUFFile
 
 # llama.cpp's token types, numbered like SentencePiece's piece types.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -94,7 +94,7 @@ class Tokenizer:
         self._anchor_text = engine.decode(self._anchor_ids, skip_special_tokens=False)
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, reader: GGUFFile) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
         model = _gguf_value(reader, "tokenizer.ggml.model")
         if model is None:
@@ -334,9 +334,8 @@ class IncrementalDetokenizer:
         self._sent = 0
 
 
-def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def _byte_level_engine(tokens: list[str], merges: list[str], pre: str) -> _Engine:

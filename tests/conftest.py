@@ -42,8 +42,9 @@ def native():
 # kernels' records another ~6 s, for the same bytes every time. The first load is the real one; later
 # engines get the same read-only tensors (with their own config and tokenizer objects, which engines
 # may change). Nothing may write into them: the session ends with a check that they are unchanged.
-# Likewise the file's GGUF header is parsed once (~2.5 s) for everything reading it in this process
-# (planning, tokenizers, transformers); its tensor data is memory-mapped read-only.
+# Likewise gguf-py's GGUFReader parses the file's header once (~2.5 s) for transformers, which reads
+# the bundled model through it (kvbank's own GGUFFile takes tens of milliseconds); its tensor data
+# is memory-mapped read-only.
 
 
 def _digest(tensors) -> bytes:

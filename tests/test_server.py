@@ -578,14 +578,14 @@ CHATML = (
 @pytest.fixture(scope="module")
 def bos_adding_checkpoint(tmp_path_factory):
     """A tiny random Llama whose tokenizer prepends BOS to text while its chat template writes none."""
-    import gguf
     import transformers
 
+    from kvbank.models.gguf_file import GGUFFile
     from kvbank.models.loader import bundled_model_path
     from kvbank.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("bos-model")
-    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(bundled_model_path()))
+    tokenizer = Tokenizer.from_gguf(GGUFFile(bundled_model_path()))
     tokenizer.save(folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())

@@ -11,6 +11,7 @@ import gguf
 import pytest
 from tokenizers import pre_tokenizers
 
+from kvbank.models.gguf_file import GGUFFile
 from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,7 +53,7 @@ def smollm_folder() -> Path:
 
 @pytest.fixture(scope="module")
 def smollm() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(smollm_folder() / SMOLLM_GGUF))
+    return Tokenizer.from_gguf(GGUFFile(str(smollm_folder() / SMOLLM_GGUF)))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def reference():
     return transformers.AutoTokenizer.from_pretrained(smollm_folder(), gguf_file=SMOLLM_GGUF)
 
 
-def write_gguf(path: Path, model: str | None, tokens: list[str], **keys) -> gguf.GGUFReader:
+def write_gguf(path: Path, model: str | None, tokens: list[str], **keys) -> GGUFFile:
     """A GGUF holding only tokenizer metadata; `keys` name GGUFWriter.add_* methods (without add_)."""
     writer = gguf.GGUFWriter(str(path), arch="llama")
     if model is not None:
@@ -75,7 +76,7 @@ def write_gguf(path: Path, model: str | None, tokens: list[str], **keys) -> gguf
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(str(path))
 
 
 # --- SmolLM2 (byte-level BPE) -------------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvbank.models.config import ModelConfig
+from kvbank.models.gguf_file import GGUFFile
 from kvbank.models.packed import Q4_BLOCK_BYTES, Int4Blocks, Int8Blocks
 from kvbank.tokenizer import Tokenizer
 
@@ -94,10 +95,8 @@ def describe_model(path: str | None) -> ModelInfo:
         return ModelInfo(config, params, sum(f.stat().st_size for f in files), path)
     if not path.endswith(".gguf"):
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model folder")
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    params = sum(int(t.n_elements) for t in reader.tensors)
+    reader = GGUFFile(path)
+    params = sum(t.n_elements for t in reader.tensors)
     return ModelInfo(_gguf_config(reader, path), params, os.path.getsize(path), path)
 
 
@@ -114,12 +113,10 @@ def keeps_int8(gguf_type: str, hf_name: str) -> bool:
 def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], set[str]]:
     """From a GGUF header: Hugging Face name -> shape of every tensor loading keeps, and the names
     whose 4-bit blocks and whose 8-bit blocks it keeps too."""
-    import gguf
-
     shapes: dict[str, tuple[int, ...]] = {}
     int4: set[str] = set()
     int8: set[str] = set()
-    for tensor in gguf.GGUFReader(path).tensors:
+    for tensor in GGUFFile(path).tensors:
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is not None:
             shapes[hf_name] = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
@@ -153,21 +150,19 @@ def _fingerprint(kind: str, files: list[Path]) -> bytes:
 
 
 def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)
     return _load_gguf_tensors(reader, path, _gguf_config(reader, path), progress)
 
 
 def _gguf_config(reader, path: str) -> ModelConfig:
-    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
+    meta = {name: value for name, value in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
     names = {t.name for t in reader.tensors}
     num_heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
-    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
@@ -212,13 +207,6 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
         if progress:
             progress(i + 1, len(reader.tensors))
     return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path, int4, int8)
-
-
-def _field_value(field) -> object:
-    try:
-        return field.contents()
-    except Exception:  # noqa: BLE001 - metadata we do not read may have types this gguf cannot decode
-        return None
 
 
 def _gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
