@@ -197,13 +197,22 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             )
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is not None:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            state_dict[hf_name] = _unpermute_gguf(hf_name, torch.from_numpy(np.array(array, dtype=np.float32)), config)
-            if keeps_int4(tensor.tensor_type.name, hf_name):
-                blocks = Int4Blocks.from_gguf(tensor.data, tensor.tensor_type.name, array.shape[0])
-                int4[hf_name] = blocks.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
-            if keeps_int8(tensor.tensor_type.name, hf_name):
-                int8[hf_name] = Int8Blocks.from_gguf(tensor.data, array.shape[0])
+            kind, rows = tensor.tensor_type.name, tensor.data.shape[0]
+            wanted4 = kind == "Q4_1" or keeps_int4(kind, hf_name)
+            blocks4 = Int4Blocks.from_gguf(tensor.data, kind, rows) if wanted4 else None
+            blocks8 = Int8Blocks.from_gguf(tensor.data, rows) if kind == "Q8_0" else None
+            if kind == "Q4_1":  # gguf's arithmetic (d * q + m, float32) as whole-tensor torch ops: same bits
+                weight = blocks4.dequantize()
+            elif blocks8 is not None:
+                weight = blocks8.dequantize()
+            else:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+                weight = torch.from_numpy(np.array(array, dtype=np.float32))
+            state_dict[hf_name] = _unpermute_gguf(hf_name, weight, config)
+            if keeps_int4(kind, hf_name):
+                int4[hf_name] = blocks4.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
+            if keeps_int8(kind, hf_name):
+                int8[hf_name] = blocks8
         if progress:
             progress(i + 1, len(reader.tensors))
     return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path, int4, int8)

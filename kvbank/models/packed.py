@@ -53,6 +53,12 @@ class Int4Blocks:
         q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
         return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: scale * q + minimum per group, in that order (GGUF's Q4_1 arithmetic)."""
+        rows = self.q.shape[0]
+        weight = self.q.view(rows, -1, GROUP_SIZE).float()  # in place from here: no second copy held
+        return weight.mul_(self.scale.unsqueeze(-1)).add_(self.minimum.unsqueeze(-1)).view(rows, -1)
+
     def map_rows(self, fn) -> Int4Blocks:
         return Int4Blocks(fn(self.q), fn(self.scale), fn(self.minimum))
 
@@ -74,6 +80,11 @@ class Int8Blocks:
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
         return cls(torch.from_numpy(q), torch.from_numpy(d))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: scale * q per group (GGUF's Q8_0 arithmetic)."""
+        rows = self.q.shape[0]
+        return self.q.view(rows, -1, GROUP_SIZE).float().mul_(self.scale.unsqueeze(-1)).view(rows, -1)
 
 
 def packed_matmul_available(device: torch.device) -> bool:
