@@ -10,7 +10,7 @@
 //   q.k = (q * scale) . codes + q . minimum. The channel's scale and minimum are two-level: a
 //   range byte [blocks, heads, dim] indexes (low nibble) 16 scales top * 2^(-i/3) and (high
 //   nibble) 16 minimums start + i * step, from the block's float16 grid (top, start, step)
-//   [blocks, heads, 3] (kivi_key_ranges). Values per token in groups of channels: a float16
+//   [blocks, heads, 3] (kivi_key_ranges8/16). Values per token in groups of channels: a float16
 //   scale and an int8 zero point [blocks, block_size, heads, groups], value (code + zero) * scale.
 //   A row's own block (the one holding its newest tokens) is read in full precision from the
 //   step's scratch blocks, as the reference path does.
@@ -81,7 +81,7 @@ struct BlockSpan {
 // The key scale grid's steps 2^(-i/3), i = 0..15, each 2^(-i/3 rounded down) times 1, 2^(-1/3) or
 // 2^(-2/3) rounded to a float16 number, so a float16 scale times one is exact in float32 (the
 // grid of KiviKeys in kvbank/cache/quant.py, which these products match bit for bit).
-constexpr float kKeyScaleSteps[16] = {
+alignas(64) constexpr float kKeyScaleSteps[16] = {
     1.0f,          1625.0f / 2048,  1290.0f / 2048,  1.0f / 2,        1625.0f / 4096,   1290.0f / 4096,
     1.0f / 4,      1625.0f / 8192,  1290.0f / 8192,  1.0f / 8,        1625.0f / 16384,  1290.0f / 16384,
     1.0f / 16,     1625.0f / 32768, 1290.0f / 32768, 1.0f / 32};
@@ -96,21 +96,46 @@ inline void kivi_key_grids(float top, float start, float step, float* scales, fl
   }
 }
 
-// Every channel's key scale and minimum (float32) of one block and head.
-inline void kivi_key_ranges(const QuantLayer& L, int64_t block, int64_t head, int64_t dim, float* scale, float* low) {
-  const uint16_t* grid = L.k_grid + (block * L.heads + head) * 3;
-  const uint8_t* ranges = L.k_ranges + (block * L.heads + head) * dim;
-  float scales[16], mins[16];
-  kivi_key_grids(half_value(grid[0]), half_value(grid[1]), half_value(grid[2]), scales, mins);
-  for (int64_t c = 0; c < dim; ++c) {
-    scale[c] = scales[ranges[c] & 15];
-    low[c] = mins[ranges[c] >> 4];
-  }
-}
-
 #ifdef KVBANK_X86
 // AVX2 with FMA and F16C: every x86 CPU kvbank's fast paths target has them, AVX-512 ones too.
 #define KVBANK_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+
+// The block's grids of one head as vectors: 16 scales (top * step, exact) and 16 minimums
+// (start + i * step; the product is exact, so a fused multiply-add rounds the same).
+struct KeyGrids8 {
+  __m256 scales[2], mins[2];
+};
+
+KVBANK_AVX2_F16C inline KeyGrids8 key_grids8(const QuantLayer& L, int64_t block, int64_t head) {
+  const uint16_t* grid = L.k_grid + (block * L.heads + head) * 3;
+  const __m256 top = _mm256_set1_ps(half_value(grid[0])), start = _mm256_set1_ps(half_value(grid[1]));
+  const __m256 step = _mm256_set1_ps(half_value(grid[2]));
+  KeyGrids8 g;
+  for (int h = 0; h < 2; ++h) {
+    g.scales[h] = _mm256_mul_ps(top, _mm256_load_ps(kKeyScaleSteps + 8 * h));
+    const __m256 i = _mm256_setr_ps(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3, 8 * h + 4, 8 * h + 5, 8 * h + 6, 8 * h + 7);
+    g.mins[h] = _mm256_add_ps(start, _mm256_mul_ps(i, step));
+  }
+  return g;
+}
+
+// 8 lanes of a 16-entry table: indices 0..15 (bit 3 picks the half).
+KVBANK_AVX2_F16C inline __m256 lookup16(const __m256* table, __m256i index) {
+  const __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(table[0], index), _mm256_permutevar8x32_ps(table[1], index), high);
+}
+
+// Every channel's key scale and minimum (float32) of one block and head, from the range bytes.
+KVBANK_AVX2_F16C inline void kivi_key_ranges8(const QuantLayer& L, int64_t block, int64_t head, int64_t dim,
+                                              float* scale, float* low) {
+  const KeyGrids8 g = key_grids8(L, block, head);
+  const uint8_t* ranges = L.k_ranges + (block * L.heads + head) * dim;
+  for (int64_t c = 0; c < dim; c += 8) {
+    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ranges + c)));
+    _mm256_store_ps(scale + c, lookup16(g.scales, _mm256_and_si256(r, _mm256_set1_epi32(15))));
+    _mm256_store_ps(low + c, lookup16(g.mins, _mm256_srli_epi32(r, 4)));
+  }
+}
 
 inline bool avx2_f16c_supported() {
   static const bool supported =
@@ -304,7 +329,7 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
     }
     const bool folded = kivi && !own;
     alignas(32) float ks[D], km[D];
-    if (folded) kivi_key_ranges(L, block, head, D, ks, km);
+    if (folded) kivi_key_ranges8(L, block, head, D, ks, km);
     for (int g = 0; g < G; ++g) {
       __m256 qv[V];
       float bias = 0.0f;
@@ -503,6 +528,23 @@ struct Heads512 {
 
 #define KVBANK_INLINE512 KVBANK_AVX512_Q inline __attribute__((always_inline))
 
+// Every channel's key scale and minimum (float32) of one block and head: the range bytes index
+// the block's grids (16 scales top * step, 16 minimums start + i * step) held in one vector each.
+KVBANK_INLINE512 void kivi_key_ranges16(const QuantLayer& L, int64_t block, int64_t head, int64_t dim, float* scale,
+                                        float* low) {
+  const uint16_t* grid = L.k_grid + (block * L.heads + head) * 3;
+  const __m512 scales = _mm512_mul_ps(_mm512_set1_ps(half_value(grid[0])), _mm512_load_ps(kKeyScaleSteps));
+  const __m512 index = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 mins =
+      _mm512_add_ps(_mm512_set1_ps(half_value(grid[1])), _mm512_mul_ps(index, _mm512_set1_ps(half_value(grid[2]))));
+  const uint8_t* ranges = L.k_ranges + (block * L.heads + head) * dim;
+  for (int64_t c = 0; c < dim; c += 16) {
+    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ranges + c)));
+    _mm512_store_ps(scale + c, _mm512_permutexvar_ps(_mm512_and_si512(r, _mm512_set1_epi32(15)), scales));
+    _mm512_store_ps(low + c, _mm512_permutexvar_ps(_mm512_srli_epi32(r, 4), mins));
+  }
+}
+
 KVBANK_INLINE512 void prefetch_block(const QuantLayer& L, const int64_t* table, int64_t next, int64_t end,
                                      int64_t head, int64_t token_codes) {
   // The next block is elsewhere in memory: ask for its rows now, so they arrive while this one computes.
@@ -642,7 +684,7 @@ KVBANK_AVX512_Q void quant_range512_f(const QuantLayer& L, const T* q, const int
     }
     const bool folded = kivi && !own;
     alignas(64) float ks[D], km[D];
-    if (folded) kivi_key_ranges(L, block, head, D, ks, km);
+    if (folded) kivi_key_ranges16(L, block, head, D, ks, km);
     for (int g = 0; g < G; ++g) {
       __m512 qv[V];
       float bias = 0.0f;
