@@ -79,7 +79,7 @@ def test_prompt_logprobs_match_transformers(llm, hf_model):
 def _mixed_prompts(llm) -> list[list[int]]:
     tok = llm.get_tokenizer()
     base = tok.encode(" ".join(TEXTS))
-    return [base[: 3 + (i * 37) % len(base)] + tok.encode(f" Item {i}:") for i in range(16)]
+    return [base[: 3 + (i * 37) % len(base)] + tok.encode(f" Item {i}:") for i in range(10)]
 
 
 @pytest.mark.slow
