@@ -10,6 +10,8 @@ K/V, so nothing is left on the layer for a later call to pick up.
 
 from __future__ import annotations
 
+import math
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
@@ -18,6 +20,17 @@ import torch
 
 from kvbank.attention.metadata import AttentionMetadata
 from kvbank.cache.quant import CodecPair
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled pool tensor. On the CPU its memory is an anonymous mapping: the OS hands out
+    zero pages as they are first touched, so a pool costs no time at start (torch.zeros writes
+    every byte, about a second per GiB here) and resident memory grows with the blocks in use."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # page-aligned; the tensor keeps the mapping alive
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from kvbank.attention.fast import (
 )
 from kvbank.attention.metadata import AttentionMetadata, additive_mask, write_kv
 from kvbank.attention.rope import apply_rope
-from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
+from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, zeroed
 from kvbank.cache.quant import CodecPair
 
 
@@ -34,8 +34,8 @@ class DenseLayer:
         self.kind = kind
         #: the layer's place among the kind's layers (its row in score buffers)
         self.index = index
-        self.k = torch.zeros(spec.num_blocks, *spec.block_shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros_like(self.k)
+        self.k = zeroed((spec.num_blocks, *spec.block_shape), spec.dtype, spec.device)
+        self.v = zeroed((spec.num_blocks, *spec.block_shape), spec.dtype, spec.device)
         self.tensors = [self.k, self.v]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from kvbank.attention.quantized import (
     native_quant_kernel,
     pad_visibility,
 )
-from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
+from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, zeroed
 from kvbank.cache.quant import CodecPair
 
 #: the formats whose writes are native too (per-token int8 and fp8)
@@ -33,7 +33,7 @@ class CodecLayer:
         self.heads = spec.num_kv_heads
         self.sides = [
             {
-                name: torch.zeros(spec.num_blocks, *shape, dtype=cdtype, device=spec.device)
+                name: zeroed((spec.num_blocks, *shape), cdtype, spec.device)
                 for name, (shape, cdtype) in codec.components(*spec.block_shape).items()
             }
             for codec in codecs
