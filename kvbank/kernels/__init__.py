@@ -2,8 +2,8 @@
 
 `native()` returns the compiled module, or None where it cannot be had: no C++ compiler, a
 failed build, or KVBANK_NATIVE_KERNELS=0. Callers keep their PyTorch path for None, so a machine
-without a compiler runs the same engine, only slower. The first build takes about a minute on two
-cores; later processes load the cached library (under $TORCH_EXTENSIONS_DIR or ~/.cache).
+without a compiler runs the same engine, only slower. The first build takes two to three minutes on
+two cores; later processes load the cached library (under $TORCH_EXTENSIONS_DIR or ~/.cache).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _build() -> dict[str, object]:
         name = module_name()
         if not _cached(name):
             print(
-                "kvbank: compiling the native CPU kernels (once, about a minute on two cores; "
+                "kvbank: compiling the native CPU kernels (once, two to three minutes on two cores; "
                 "KVBANK_NATIVE_KERNELS=0 skips them)",
                 file=sys.stderr,
                 flush=True,
