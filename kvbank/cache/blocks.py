@@ -2,7 +2,9 @@
 
 Free blocks live in two places: `empty` (no useful content) and `cached` (content still valid
 and findable by hash, kept in LRU order). Allocation drains `empty` first so that cached prefixes
-survive as long as the pool allows.
+survive as long as the pool allows, and takes the most recently freed empty block first: a pool
+whose pages are mapped on first touch (cache/layers/base.py) then stays as resident as the most
+blocks ever in use, not the whole pool, however long a sequence keeps freeing and taking blocks.
 
 A cached block is found by its chained hash, but a hit also compares the block's own token ids
 and the identity of its parent (the root hash for a chain's first block, else the `serial` of the
@@ -124,7 +126,7 @@ class BlockPool:
         if block.hash is not None:
             self.cached[block.block_id] = None
         else:
-            self.empty.append(block.block_id)
+            self.empty.appendleft(block.block_id)
             if self.on_empty is not None:
                 self.on_empty(block.block_id)
 
