@@ -3,6 +3,7 @@
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvbank.engine.params import SamplingParams
+from kvbank.engine.streams import FrameInfo, StreamSession
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StreamSession", "FrameInfo"]
 __version__ = "0.1.0"

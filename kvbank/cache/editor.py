@@ -154,6 +154,75 @@ class KVEditor:
         if copies:
             self.storage.copy_blocks(copies)
 
+    # --- removing a span of tokens (a stream's frames) ------------------------------------------
+
+    def remove_tokens(self, seq: PolicySeq, first: int, count: int, keep: int) -> None:
+        """Tokens [first, first + count) leave the sequence and its cache (whose slots equal token
+        indices); later slots move down unrotated, so new positions rise by `count` and the first
+        `keep` slots (kept for good) are rotated forward from unrotated copies to match."""
+        bs, slots = self.limits.block_size, seq.num_slots
+        assert seq.num_evicted == 0 and keep <= first and first + count <= slots
+        self._make_private(seq, range(first // bs, len(seq.block_table)))
+        moved = slots - first - count
+        if moved:
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            src, dst = torch.arange(first + count, slots), torch.arange(first, first + moved)
+            self._move(table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs)
+        needed = blocks_for(slots - count, bs)
+        pool = self.manager.pool
+        for block_id in reversed(seq.block_table[needed:]):
+            pool.release(pool.blocks[block_id])
+        del seq.block_table[needed:]
+        del seq.token_ids[first : first + count]
+        seq.num_computed_tokens -= count
+        seq.rope_offset += count
+        self._rotate_kept(seq, keep)
+        if self.needs_rebase(seq, self.limits.chunk_tokens):
+            self.rebase_tokens(seq, keep)
+
+    def rebase_tokens(self, seq: PolicySeq, keep: int) -> None:
+        """`rebase` for a sequence whose kept leading span is `keep` tokens rather than whole blocks."""
+        if seq.rope_offset == 0:
+            return
+        indices = range(keep // self.limits.block_size, len(seq.block_table))
+        self._make_private(seq, indices)
+        blocks = [seq.block_table[i] for i in indices]
+        self.storage.rotate_keys(blocks, blocks, self._rotation(-seq.rope_offset))
+        seq.rope_offset = 0
+        self._rotate_kept(seq, keep)
+
+    def _rotate_kept(self, seq: PolicySeq, keep: int) -> None:
+        if not keep:
+            return
+        bs, pool = self.limits.block_size, self.manager.pool
+        whole, part = divmod(keep, bs)
+        count = whole + (part > 0)
+        if not seq.pristine_blocks:
+            # Before the first removal every key sits at its slot: these blocks are the unrotated copies.
+            copies = []
+            for i in range(count):
+                fresh = pool.take()
+                copies.append((seq.block_table[i], fresh.block_id))
+                seq.pristine_blocks.append(seq.block_table[i])
+                seq.block_table[i] = fresh.block_id
+            self.storage.copy_blocks(copies)
+        else:
+            self._make_private(seq, range(count))
+        rotation = self._rotation(seq.rope_offset)
+        if whole:
+            self.storage.rotate_keys(seq.pristine_blocks[:whole], seq.block_table[:whole], rotation)
+        if part:
+            # The last kept block also holds frames: rotate a scratch copy, then move only the kept slots.
+            scratch = pool.take()
+            self.storage.copy_blocks([(seq.pristine_blocks[whole], scratch.block_id)])  # values move too
+            self.storage.rotate_keys([seq.pristine_blocks[whole]], [scratch.block_id], rotation)
+            offsets = torch.arange(part)
+            self._move(scratch.block_id * bs + offsets, seq.block_table[whole] * bs + offsets)
+            pool.release(scratch)
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.storage.move_tokens(src, dst)
+
     # --- compacting ---------------------------------------------------------------------------
 
     def compact(self, seq: PolicySeq, keep: torch.Tensor) -> int:

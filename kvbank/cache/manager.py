@@ -35,6 +35,9 @@ class Sequence(Protocol):
     def num_slots(self) -> int: ...
 
     @property
+    def num_cacheable_tokens(self) -> int: ...
+
+    @property
     def max_slots(self) -> int | None: ...
 
     @property
@@ -168,7 +171,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.no_prefix_cache or seq.num_evicted:
             return  # after an eviction, blocks no longer hold the full computation of their tokens
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        full = seq.num_cacheable_tokens // bs
         self._hash_blocks(seq, full)
         while len(seq.chain_serials) < full:
             i = len(seq.chain_serials)

@@ -13,7 +13,8 @@ blocks and tensors for it. Two families:
 
 Policies are spelled as strings everywhere: `full`, `sink_window(sinks=4,window=1024)`,
 `h2o(heavy=256,recent=256)`, `snapkv(budget=1024,window=64,kernel=5)` (or
-`snapkv(compression_ratio=0.75)`, kvpress's fraction removed), `context_shift(keep=256)`.
+`snapkv(compression_ratio=0.75)`, kvpress's fraction removed), `context_shift(keep=256)`, and for
+streaming sessions only (kvbank/engine/streams.py) `frame_window(frames=64,sinks=4)`.
 """
 
 from __future__ import annotations
@@ -239,6 +240,44 @@ class ContextShift(ShiftingPolicy):
         return max(1, movable // 2 // limits.block_size)
 
 
+@dataclass(frozen=True)
+class FrameWindow(KVPolicy):
+    """A stream's policy: its system prompt, its leading frames up to `sinks` tokens in all (whole
+    frames; none when the system prompt has that many), and the last `frames` frames.
+
+    A frame is the unit: it is kept or evicted whole, however many blocks it spans, so slots move
+    rather than blocks leave (`KVEditor.remove_tokens`). Positions are assigned in the cache as
+    with sink_window. A sequence forked from a stream to answer a question keeps everything.
+    """
+
+    name: ClassVar[str] = "frame_window"
+    unbounded: ClassVar[bool] = True
+    frames: int = 64
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self, "frames", self.frames, minimum=1)
+        _require(self, "sinks", self.sinks, minimum=0)
+
+    def peak_slots(self, prompt_len: int, max_tokens: int, limits: Limits) -> int:
+        return prompt_len + max_tokens  # a stream's frames vary in length: it is checked frame by frame
+
+    def pristine_blocks(self, block_size: int) -> int:
+        return 0  # the kept leading tokens are known only once the stream has its frames
+
+    def after_step(self, seq: PolicySeq, editor: KVEditor) -> int:
+        log = getattr(seq, "frames", None)
+        if log is None:
+            return 0
+        victims = log.evictable(seq.num_computed_tokens, self.frames)
+        if not victims:
+            return 0
+        first, count = victims[0].start, sum(frame.length for frame in victims)
+        editor.remove_tokens(seq, first, count, keep=log.keep_tokens)
+        log.evicted(victims)
+        return count
+
+
 # --- compressing policies ----------------------------------------------------------------------
 
 
@@ -365,12 +404,24 @@ def keep_top(ranked: torch.Tensor, top: int, recent: int) -> torch.Tensor:
 
 # --- spelling ----------------------------------------------------------------------------------
 
-POLICIES: dict[str, type[KVPolicy]] = {p.name: p for p in (Full, SinkWindow, H2O, SnapKV, ContextShift)}
+POLICIES: dict[str, type[KVPolicy]] = {p.name: p for p in (Full, SinkWindow, H2O, SnapKV, ContextShift, FrameWindow)}
 _SPEC = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\((.*)\))?\s*$", re.S)
 
 
-def parse_policy(spec: str | KVPolicy) -> KVPolicy:
-    """A policy from its spelling (e.g. "sink_window(sinks=4,window=1024)"), or the policy itself."""
+def parse_policy(spec: str | KVPolicy, stream: bool = False) -> KVPolicy:
+    """A policy from its spelling (e.g. "sink_window(sinks=4,window=1024)"), or the policy itself.
+
+    `frame_window` is a stream's policy (`stream=True`) and the only one a stream takes.
+    """
+    policy = _parse(spec)
+    if stream and not isinstance(policy, FrameWindow):
+        raise ValueError(f"a stream's policy={str(policy)!r} must be frame_window(frames=N,sinks=S)")
+    if not stream and isinstance(policy, FrameWindow):
+        raise ValueError(f"kv_policy={str(policy)!r} is a streaming session's policy: pass it to open_stream")
+    return policy
+
+
+def _parse(spec: str | KVPolicy) -> KVPolicy:
     if isinstance(spec, KVPolicy):
         return spec
     if not isinstance(spec, str):

@@ -191,6 +191,11 @@ class KVStorage:
         assert self.all_dense
         self.kinds[0].move_slots(src, dst)
 
+    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """K/V of pool slots `src` -> slots `dst` ([n] flat slot ids), the same in every layer and head."""
+        assert self.all_dense
+        self.kinds[0].move_tokens(src, dst)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V, anything a kind keeps beside them) from source to destination."""
         src = torch.tensor([s for s, _ in copies], device=self.device)

@@ -7,11 +7,14 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from kvbank.cache.session import PrefixNotCached
 from kvbank.config import EngineConfig
 from kvbank.engine.llm_engine import LLMEngine, PromptType
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
+from kvbank.engine.streams import StreamSession
 from kvbank.tokenizer import Tokenizer
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
@@ -79,7 +82,43 @@ class LLM:
 
         Stopping the iteration early aborts the request and frees its blocks.
         """
-        request_id = self.engine.add_request(prompt, sampling_params).request_id
+        yield from self._follow(self.engine.add_request(prompt, sampling_params).request_id)
+
+    def open_stream(
+        self,
+        system: PromptType,
+        policy: str = "frame_window(frames=64,sinks=4)",
+        separator: str = "\n",
+        chat: bool = True,
+    ) -> StreamSession:
+        """Open a streaming session: compute `system` (text, token ids, or a dict with "cache_salt")
+        once, then `append` frames and `ask` questions of what the cache holds.
+
+        `policy` is `frame_window(frames=N,sinks=S)`: the system prompt, leading frames up to S
+        tokens in all, and the last N frames are kept; frames are evicted whole. `separator` is
+        appended to every text frame. With `chat` (and a text system prompt) the chat template frames
+        the stream: frames fill a user turn and a text question ends it and opens the answer.
+        """
+        request = self.engine.open_stream(system, policy, separator, chat=chat)
+        try:
+            self._run_until(request.request_id)
+        except BaseException:
+            self.engine.close_stream(request.stream.stream_id)
+            raise
+        return StreamSession(self, request.stream.stream_id)
+
+    def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        """The model's input embeddings of `token_ids` [tokens, hidden]: the form of `prompt_embeds`."""
+        return self.engine.embed_tokens(token_ids)
+
+    def _run_until(self, request_id: str) -> RequestOutput:
+        """Step the engine until request `request_id` finishes; its final (cumulative) output."""
+        output = None
+        for output in self._follow(request_id):  # noqa: B007 -- the last one is the final output
+            pass
+        return output
+
+    def _follow(self, request_id: str) -> Iterator[RequestOutput]:
         try:
             while True:
                 for output in self.engine.step():

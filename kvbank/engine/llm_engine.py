@@ -12,6 +12,7 @@ import torch
 
 from kvbank import memory
 from kvbank.cache.editor import KVEditor, ScoreState
+from kvbank.cache.frames import FrameLog, frame_digest
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
 from kvbank.cache.policies import POLICIES, Full, KVPolicy, Limits, parse_policy
@@ -22,13 +23,14 @@ from kvbank.cache.swap import Swapper
 from kvbank.cache.tiers import build_offload, entry_format_for
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
-from kvbank.engine.outputs import RequestOutput
+from kvbank.engine.outputs import RequestMetrics, RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import ParsedPrompt, PromptType, parse_prompt
 from kvbank.engine.runner import ModelRunner, StepLogits
 from kvbank.engine.sampler import Sampled, Sampler, token_logprobs
 from kvbank.engine.scheduler import ScheduledSeq, Scheduler
-from kvbank.engine.sequence import Request, Sequence
+from kvbank.engine.sequence import Request, Sequence, SequenceStatus
+from kvbank.engine.streams import FrameRequest, FrameType, Stream
 from kvbank.kernels.allocator import keep_freed_memory
 from kvbank.models.build import build_model
 from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -96,6 +98,11 @@ class LLMEngine:
         token_text = self.tokenizer.token_text if self.tokenizer else str
         self.sampler = Sampler(self.eos_token_ids, token_text, torch.Generator(self.device).manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
+        #: streaming sessions by id, and their frames not computed yet by request id
+        self.streams: dict[str, Stream] = {}
+        self.frame_requests: dict[str, FrameRequest] = {}
+        #: outputs settled between steps (a skipped repeat frame, a closed stream's frames), sent by the next step
+        self._ready: list[RequestOutput] = []
         self._ids = itertools.count()
         self.counters = {
             "prompt_tokens": 0,
@@ -141,11 +148,15 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raises ValueError for anything that could never run."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        parsed = self._parse(prompt)
-        root = root_hash(self.cache_namespace, parsed.salt)
+        request_id = self._new_request_id(request_id)
+        parsed = self._parse(prompt, embeds=True)
+        namespace = self.cache_namespace
+        if parsed.embeds is not None:
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be given for prompt_embeds: the prompt has no token ids")
+            # Placeholder ids say nothing of the rows: the chain starts from their content instead.
+            namespace += b"|embeds|" + frame_digest([], parsed.embeds)
+        root = root_hash(namespace, parsed.salt)
         policy = params.kv_policy or self.kv_policy
         if policy is not self.kv_policy:
             policy.check(self.limits)
@@ -167,6 +178,7 @@ class LLMEngine:
             shape = (self.model_config.num_layers, self.model_config.num_kv_heads)
             capacity = len(parsed.token_ids) + params.max_tokens
             request.new_score_state = lambda: ScoreState.empty(*shape, capacity, self.device)
+        request.prompt_embeds = parsed.embeds
         first = Sequence(request, 0, parsed.token_ids, self._generator(params, 0))
         first.kv_state = request.new_score_state()
         self._attach_detokenizer(first)
@@ -177,8 +189,20 @@ class LLMEngine:
             self.offload.request_load(first)
         return request
 
+    def _new_request_id(self, request_id: str | None) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests or request_id in self.frame_requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return request_id
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its last state, or None if unknown."""
+        """Stop a request now and free its blocks; returns its last state, or None if unknown.
+
+        A frame sent to a stream is part of the stream once accepted: aborting its request only
+        stops waiting for it.
+        """
+        if self.frame_requests.pop(request_id, None) is not None:
+            return None
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -283,10 +307,284 @@ class LLMEngine:
         return self.install_session(self.read_session(path, cache_salt))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.frame_requests or self._ready)
 
-    def _parse(self, prompt: PromptType) -> ParsedPrompt:
-        return parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+    def _parse(self, prompt: PromptType, embeds: bool = False) -> ParsedPrompt:
+        hidden = self.model_config.hidden_size if embeds else None
+        return parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, hidden)
+
+    def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        """The model's own input embeddings of `token_ids` ([tokens, hidden], model dtype, CPU): what
+        `prompt_embeds` or an embedding frame must look like."""
+        ids = self._parse(list(token_ids)).token_ids
+        with torch.inference_mode():
+            return self.runner.model.embed_tokens(torch.tensor(ids, device=self.device)).cpu().clone()
+
+    # --- streams ----------------------------------------------------------------------------------
+
+    def open_stream(
+        self,
+        system: PromptType,
+        policy: str | KVPolicy = "frame_window",
+        separator: str = "\n",
+        stream_id: str | None = None,
+        request_id: str | None = None,
+        chat: bool = True,
+    ) -> FrameRequest:
+        """Start a stream: queue its system prompt (text, ids, or a dict with "cache_salt"), which
+        may come from the prefix cache. The returned request finishes once it is computed.
+
+        With `chat` and a text system prompt, the model's chat template frames the stream: the
+        system message, then a user turn that the frames fill; a text question closes that turn
+        and opens the assistant's (only in the question's fork: the stream's turn stays open).
+        """
+        policy = parse_policy(policy, stream=True)
+        policy.check(self.limits)
+        stream_id = stream_id if stream_id is not None else f"stream-{next(self._ids)}"
+        if not isinstance(stream_id, str) or not stream_id:
+            raise ValueError(f"stream_id={stream_id!r} must be a non-empty string")
+        if stream_id in self.streams:
+            raise ValueError(f"stream_id {stream_id!r} is already in use")
+        if not isinstance(separator, str):
+            raise ValueError(f"separator={separator!r} must be a string")
+        request_id = self._new_request_id(request_id)
+        suffix = ""
+        if chat and isinstance(system, str) and self.tokenizer is not None and self.tokenizer.chat_template:
+            system, suffix = self._chat_frame(system)
+        parsed = self._parse(system)
+        if len(parsed.token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the system prompt has {len(parsed.token_ids)} tokens; max_model_len={self.max_model_len} "
+                "leaves no room for frames"
+            )
+        needed = blocks_for(len(parsed.token_ids), self.block_size) * 2
+        if needed > self.num_blocks:
+            raise ValueError(f"the system prompt needs {needed} KV blocks but the pool has only {self.num_blocks}")
+        root = root_hash(self.cache_namespace, parsed.salt)
+        now = time.time()
+        request = Request(stream_id, parsed.text, parsed.token_ids, SamplingParams(max_tokens=1), root, now, policy)
+        request.stream_id = stream_id
+        seq = Sequence(request, 0, parsed.token_ids, None)
+        seq.frames = FrameLog(len(parsed.token_ids), policy.sinks)
+        request.seqs.append(seq)
+        stream = Stream(stream_id, seq, policy, separator, suffix)
+        self.streams[stream_id] = stream
+        opened = FrameRequest(request_id, stream, None, parsed.text, parsed.token_ids, RequestMetrics(now))
+        stream.pending.append(opened)
+        self.frame_requests[request_id] = opened
+        self.scheduler.add(seq)
+        if self.offload is not None:
+            self.offload.request_load(seq)
+        return opened
+
+    def _chat_frame(self, system: str) -> tuple[str, str]:
+        """(the text before a user message's content, the text after it up to the assistant's turn)."""
+        mark = "\x00frames\x00"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": mark}]
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        before, found, after = rendered.partition(mark)
+        if not found:
+            raise ValueError("the model's chat template does not show a user message's content; pass chat=False")
+        return before, after
+
+    def stream(self, stream_id: str) -> Stream:
+        """The open stream `stream_id`; KeyError naming it otherwise."""
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            raise KeyError(f"no open stream {stream_id!r}")
+        return stream
+
+    def append_frame(
+        self, stream_id: str, frame: FrameType, skip_repeat: bool = False, request_id: str | None = None
+    ) -> FrameRequest:
+        """Queue one frame after the stream's others: text (the stream's separator is added), token
+        ids, embedding rows [tokens, hidden], or a prompt dict of one of them. The request finishes
+        once the frame is computed; with `skip_repeat`, a frame identical to one the stream holds
+        finishes at once, uncomputed."""
+        stream = self.stream(stream_id)
+        if isinstance(frame, str):
+            frame = frame + stream.separator
+        elif isinstance(frame, torch.Tensor):
+            frame = {"prompt_embeds": frame}
+        parsed = self._parse(frame, embeds=True)
+        if parsed.salt is not None:
+            raise ValueError("a frame cannot carry a cache_salt: give it to open_stream")
+        request_id = self._new_request_id(request_id)
+        seq, log = stream.seq, stream.seq.frames
+        self._check_frame(stream, len(parsed.token_ids))
+        digest = frame_digest(parsed.token_ids, parsed.embeds)
+        repeat = log.repeat_of(digest)
+        metrics = RequestMetrics(time.time())
+        stream.last_used = time.monotonic()
+        if skip_repeat and repeat is not None:
+            held = next(f for f in log.frames if f.index == repeat)
+            skipped = FrameRequest(request_id, stream, held, parsed.text, parsed.token_ids, metrics, repeat, True)
+            skipped.finished, metrics.finished_time = True, metrics.arrival_time
+            self._ready.append(skipped.output())
+            return skipped
+        added = log.add(seq.num_tokens, len(parsed.token_ids), digest, parsed.embeds)
+        seq.token_ids.extend(parsed.token_ids)
+        request = FrameRequest(request_id, stream, added, parsed.text, parsed.token_ids, metrics, repeat)
+        stream.pending.append(request)
+        self.frame_requests[request_id] = request
+        if seq.status is SequenceStatus.PARKED:
+            self.scheduler.add_running(seq)
+        return request
+
+    def _check_frame(self, stream: Stream, num_tokens: int) -> None:
+        # What the stream holds once this frame is in and the window has evicted: it must fit the
+        # model's positions (with a question's first token) and the pool.
+        log, window = stream.seq.frames, stream.policy.frames
+        recent = [f.length for f in log.frames if not f.sink][-(window - 1) :] if window > 1 else []
+        held = log.keep_tokens + sum(recent) + num_tokens
+        limit = self.max_model_len - 1
+        if held > limit:
+            raise ValueError(
+                f"a frame of {num_tokens} tokens would make the stream hold {held} tokens "
+                f"({log.keep_tokens} kept for good, the last {len(recent)} frames and this one), "
+                f"over max_model_len={self.max_model_len} less one for a question: send shorter frames "
+                "or open the stream with fewer frames"
+            )
+        needed = 2 * blocks_for(held, self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(f"the stream would need {needed} KV blocks but the pool has only {self.num_blocks}")
+
+    def ask_stream(
+        self,
+        stream_id: str,
+        question: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """A request answering `question` from the stream's cached frames, once every frame sent
+        before it is computed: it forks the stream's blocks and frees its own when done."""
+        stream = self.stream(stream_id)
+        params = params or SamplingParams()
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be given for a stream question: its frames are cached")
+        if params.kv_policy is not None:
+            raise ValueError("a stream question takes no kv_policy: it runs on the stream's cache")
+        if isinstance(question, str):
+            question = question + stream.question_suffix
+        parsed = self._parse(question)
+        if parsed.salt is not None:
+            raise ValueError("a question cannot carry a cache_salt: give it to open_stream")
+        params.check_token_ids(self.model_config.vocab_size)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is more sequences than max_num_seqs={self.config.max_num_seqs}")
+        kept = stream.seq.num_tokens
+        room = self.max_model_len - kept - len(parsed.token_ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(room, 1))
+        if params.max_tokens > room:
+            raise ValueError(
+                f"the stream holds {kept} tokens and the question has {len(parsed.token_ids)}: "
+                f"max_tokens={params.max_tokens} exceeds max_model_len={self.max_model_len}"
+            )
+        request_id = self._new_request_id(request_id)
+        request = Request(
+            request_id, parsed.text, parsed.token_ids, params, stream.seq.root_hash, time.time(), stream.policy
+        )
+        request.stream_id = stream_id
+        request.no_prefix_cache = True  # the forked blocks are the stream's, rotated and compacted
+        self.requests[request_id] = request
+        stream.last_used = time.monotonic()
+        if stream.seq.status is SequenceStatus.PARKED:
+            self._launch_ask(stream, request)
+        else:
+            stream.waiting_asks.append(request)
+        return request
+
+    def _launch_ask(self, stream: Stream, request: Request) -> None:
+        source, question, params = stream.seq, request.prompt_token_ids, request.params
+        kept = source.num_computed_tokens
+        if kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:
+            self.editor.rebase_tokens(source, source.frames.keep_tokens)
+        request.prompt_token_ids = source.token_ids + question
+        room = self.max_model_len - len(request.prompt_token_ids)
+        if params.max_tokens > room:  # frames longer than those the question was checked against
+            request.params = dataclasses.replace(params, max_tokens=max(room, 1))
+        seq = Sequence(request, 0, request.prompt_token_ids, self._generator(request.params, 0))
+        seq.num_computed_tokens, seq.rope_offset = kept, source.rope_offset
+        self.manager.fork(source, seq)
+        self._attach_detokenizer(seq)
+        request.seqs.append(seq)
+        self.scheduler.add_running(seq)
+
+    def fork_stream(self, stream_id: str, new_id: str | None = None) -> Stream:
+        """A new stream sharing every block of `stream_id` (copy-on-write) from here on."""
+        source = self.stream(stream_id)
+        if source.seq.status is not SequenceStatus.PARKED:
+            raise ValueError(f"stream {stream_id!r} has frames still computing; fork it once they are in")
+        new_id = new_id if new_id is not None else f"stream-{next(self._ids)}"
+        if new_id in self.streams:
+            raise ValueError(f"stream_id {new_id!r} is already in use")
+        old = source.seq
+        request = Request(
+            new_id,
+            old.request.prompt,
+            old.request.prompt_token_ids,
+            old.params,
+            old.root_hash,
+            time.time(),
+            old.kv_policy,
+        )
+        request.stream_id = new_id
+        seq = Sequence(request, 0, old.token_ids, None)
+        seq.num_computed_tokens, seq.rope_offset = old.num_computed_tokens, old.rope_offset
+        seq.block_hashes, seq.chain_serials = list(old.block_hashes), list(old.chain_serials)
+        seq.frames = old.frames.copy()
+        seq.status = SequenceStatus.PARKED
+        self.manager.fork(old, seq)
+        request.seqs.append(seq)
+        stream = Stream(new_id, seq, source.policy, source.separator, source.question_suffix)
+        self.streams[new_id] = stream
+        return stream
+
+    def close_stream(self, stream_id: str) -> list[str]:
+        """Free a stream's blocks. Frames and questions still waiting for it end (as aborted);
+        returns their request ids. Questions already answering keep their own copies and finish."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is None:
+            raise KeyError(f"no open stream {stream_id!r}")
+        ended = []
+        for pending in stream.pending:
+            if self.frame_requests.pop(pending.request_id, None) is not None:
+                pending.finished = True
+                self._ready.append(pending.output())
+                ended.append(pending.request_id)
+        for request in stream.waiting_asks:
+            output = self.abort_request(request.request_id)
+            if output is not None:
+                self._ready.append(output)
+                ended.append(request.request_id)
+        self.scheduler.finish(stream.seq)
+        return ended
+
+    def _stream_progress(self, stream: Stream, now: float) -> list[RequestOutput]:
+        """Finish the frame requests a step completed; park the stream once it has no frame left to compute."""
+        seq, outputs = stream.seq, []
+        seq.frames.computed(seq.num_computed_tokens)
+        while stream.pending:
+            first = stream.pending[0]
+            done = first.frame.done if first.frame is not None else seq.num_computed_tokens >= seq.frames.system_len
+            if not done:
+                break
+            stream.pending.popleft()
+            if first.frame is None:
+                first.num_cached_tokens = seq.request.num_cached_tokens
+            first.finished, first.metrics.finished_time = True, now
+            if self.frame_requests.pop(first.request_id, None) is not None:
+                outputs.append(first.output())
+        if seq.num_pending == 0 and seq.status is SequenceStatus.RUNNING:
+            self.scheduler.park(seq)
+            waiting, stream.waiting_asks = stream.waiting_asks, []
+            for request in waiting:
+                if request.request_id in self.requests:
+                    self._launch_ask(stream, request)
+        return outputs
 
     def _resolve_max_tokens(
         self, params: SamplingParams, token_ids: list[int], root: bytes, policy: KVPolicy
@@ -346,15 +644,19 @@ class LLMEngine:
         """Run one batch; returns the (cumulative) outputs of requests that made progress."""
         if self.offload is not None:
             self.offload.poll(len(self.scheduler.running))
+        ready, self._ready = self._ready, []
         batch = self.scheduler.schedule()
         if not batch:
+            if ready:
+                return ready
             if self.offload is not None and self.offload.loading:
                 self.offload.wait(timeout=0.01)  # only loading sequences wait: nothing else to do
                 return []
-            if self.scheduler.waiting:
+            if self.scheduler.waiting or self.scheduler.running:
                 # Admission checks make this unreachable; failing beats a caller spinning on step().
                 raise RuntimeError(
-                    f"{len(self.scheduler.waiting)} sequences wait but none can be scheduled "
+                    f"{len(self.scheduler.waiting)} sequences wait and {len(self.scheduler.running)} run "
+                    "(streams and their questions are never preempted) but none can be scheduled "
                     f"({self.manager.num_free_blocks} of {self.num_blocks} blocks free, "
                     f"{len(self.manager.pinned_blocks)} pinned)"
                 )
@@ -372,11 +674,17 @@ class LLMEngine:
             self.offload.observe_prefill(prompt_tokens, time.perf_counter() - started)
         now = time.time()
         touched: dict[str, Request] = {}
+        streams: list[Stream] = []
         for i, item in enumerate(batch):
             self._record_progress(item, result, i, now)
-            touched[item.seq.request.request_id] = item.seq.request
+            if item.seq.frames is not None:
+                streams.append(self.streams[item.seq.request.stream_id])
+            else:
+                touched[item.seq.request.request_id] = item.seq.request
         self._sample(batch, result, now)
-        outputs = []
+        outputs = ready
+        for stream in streams:
+            outputs.extend(self._stream_progress(stream, now))
         for request in touched.values():
             outputs.append(request.output())
             if request.finished:

@@ -5,11 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvbank.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"}
+#: dtypes accepted for embeddings; they are computed in the model's dtype
+EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the token id standing for each embedding row in a sequence's token ids (as vLLM does)
+EMBED_PLACEHOLDER = 0
 
 
 @dataclass(slots=True)
@@ -19,23 +25,50 @@ class ParsedPrompt:
     text: str | None
     token_ids: list[int]
     salt: str | None
+    #: the prompt as embedding rows, when given so (`token_ids` are then placeholders)
+    embeds: torch.Tensor | None = None
 
 
-def parse_prompt(prompt: PromptType, tokenizer: Tokenizer | None, vocab_size: int) -> ParsedPrompt:
+def check_embeds(embeds: Any, hidden_size: int, name: str = "prompt_embeds") -> torch.Tensor:
+    """`embeds` as a [tokens, hidden_size] float tensor on the CPU; ValueError naming what is wrong."""
+    if not isinstance(embeds, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor [tokens, {hidden_size}], not {type(embeds).__name__}")
+    if embeds.dtype not in EMBED_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in EMBED_DTYPES)
+        raise ValueError(f"{name} has dtype {str(embeds.dtype).removeprefix('torch.')}; allowed: {allowed}")
+    if embeds.dim() != 2 or embeds.shape[1] != hidden_size:
+        raise ValueError(f"{name} has shape {list(embeds.shape)}; the model takes [tokens, {hidden_size}]")
+    if embeds.shape[0] == 0:
+        raise ValueError(f"{name} is empty: it must have at least one row")
+    if not bool(torch.isfinite(embeds).all()):
+        raise ValueError(f"{name} holds NaN or infinite values")
+    return embeds.detach().cpu()
+
+
+def parse_prompt(
+    prompt: PromptType, tokenizer: Tokenizer | None, vocab_size: int, hidden_size: int | None = None
+) -> ParsedPrompt:
     """Token ids of `prompt`, checked against the vocabulary; raises ValueError naming what is wrong.
 
-    A dict takes "prompt" (text) or "prompt_token_ids", and optionally "cache_salt"; when it has
-    both, the ids are what runs and the text is kept for display.
+    A dict takes "prompt" (text), "prompt_token_ids" or "prompt_embeds" (a [tokens, hidden_size]
+    float tensor, when `hidden_size` is given), and optionally "cache_salt"; when it has text and
+    ids, the ids are what runs and the text is kept for display.
     """
     salt = None
     text = None
     if isinstance(prompt, dict):
-        unknown = set(prompt) - _PROMPT_KEYS
+        allowed = _PROMPT_KEYS if hidden_size is not None else _PROMPT_KEYS - {"prompt_embeds"}
+        unknown = set(prompt) - allowed
         if unknown:
-            raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}")
+            raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
         salt = prompt.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"cache_salt={salt!r} must be a string")
+        if "prompt_embeds" in prompt:
+            if "prompt_token_ids" in prompt or prompt.get("prompt") is not None:
+                raise ValueError("give prompt_embeds alone, not with prompt or prompt_token_ids")
+            embeds = check_embeds(prompt["prompt_embeds"], hidden_size)
+            return ParsedPrompt(None, [EMBED_PLACEHOLDER] * embeds.shape[0], salt, embeds)
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
             prompt = prompt["prompt_token_ids"]

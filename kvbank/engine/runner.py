@@ -42,7 +42,7 @@ class ModelRunner:
         if copies:
             self.storage.copy_blocks(copies)
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.storage.layers, meta)
+        hidden = self.model(input_ids, positions, self.storage.layers, meta, self._embeds(batch))
         rows, sample_rows, prompt_rows = self._logit_rows(batch)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         return StepLogits(logits, sample_rows, prompt_rows)
@@ -90,6 +90,20 @@ class ModelRunner:
         self.storage.prepare(steps, meta)
         return self._tensor(input_ids), self._tensor(positions), meta
 
+    def _embeds(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, values) of the step's inputs given as embeddings rather than token ids, if any."""
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        offset = 0
+        for item in batch:
+            for first, part in item.seq.input_embeds(item.seq.num_computed_tokens, item.num_tokens):
+                rows.append(torch.arange(offset + first, offset + first + part.shape[0]))
+                values.append(part)
+            offset += item.num_tokens
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(values).to(self.device, self.dtype)
+
     @staticmethod
     def _step_seq(seq, first: int, end: int) -> StepSeq:
         wanted = seq.kv_policy.score_range(seq) if seq.kv_state is not None else None
@@ -118,7 +132,7 @@ class ModelRunner:
                     wanted = (len(rows), len(rows) + last - first)
                     rows.extend(range(offset + first - start, offset + last - start))
             prompt_rows.append(wanted)
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and seq.frames is None:  # a stream's frames are computed, not answered
                 sample_rows.append(len(rows))
                 rows.append(offset + item.num_tokens - 1)
             else:

@@ -5,8 +5,9 @@ waiting ones are admitted FCFS while the token budget, `max_num_seqs` and the po
 whose prefix is still loading from a tier is passed over until it lands). A
 request with `n > 1` runs as one sequence until its prompt is done and then forks, so it is
 admitted only with room for all n. When a running sequence cannot grow, the newest running
-sequence is preempted: its full computed blocks are swapped to host RAM when a `Swapper` is given and
-wants it (they are written back on re-admission), else it is recomputed from its prefix-cache hits.
+sequence is preempted (never a stream's, engine/streams.py): its full computed blocks are swapped
+to host RAM when a `Swapper` is given and wants it (they are written back on re-admission), else it
+is recomputed from its prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -68,17 +69,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.manager.can_append(seq, num_new):
-                preempted = True
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
+            room, preempted_some = self._make_room(i, num_new)
+            preempted = preempted or preempted_some
+            if room:
                 self.manager.append_slots(seq, num_new)
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
+            elif seq.status is SequenceStatus.RUNNING:
+                i += 1  # nothing it may preempt: it waits until blocks are freed
         slots = self.num_seq_slots
         for seq in list(self.waiting) if not preempted else []:
             if budget <= 0:
@@ -100,6 +99,25 @@ class Scheduler:
         # Decodes first keeps their single-token attention in one batched call.
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return scheduled
+
+    def park(self, seq: Sequence) -> None:
+        """Take a stream's sequence out of the running set between frames; it keeps its blocks."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+
+    def _make_room(self, i: int, num_new: int) -> tuple[bool, bool]:
+        """(whether running sequence i can grow by `num_new` now, whether anything was preempted for
+        it); victims are the newest preemptible sequences not scheduled yet this step, itself included."""
+        seq, preempted = self.running[i], False
+        while not self.manager.can_append(seq, num_new):
+            victim = next((s for s in reversed(self.running[i:]) if s.preemptible), None)
+            if victim is None:
+                return False, preempted
+            self._preempt(victim)
+            preempted = True
+            if victim is seq:
+                return False, preempted
+        return True, preempted
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""

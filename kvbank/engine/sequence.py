@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kvbank.cache.editor import ScoreState
+from kvbank.cache.frames import FrameLog
 from kvbank.cache.policies import Full, KVPolicy
 from kvbank.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, TokenLogprobs
 from kvbank.engine.params import SamplingParams
@@ -19,6 +20,8 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    #: a stream's sequence between frames: it holds its blocks but is not scheduled
+    PARKED = "parked"
     FINISHED = "finished"
 
 
@@ -42,6 +45,8 @@ class Sequence:
         self.rope_offset = 0
         self.pristine_blocks: list[int] = []
         self.kv_state: ScoreState | None = None
+        #: a streaming session's frames (engine/streams.py); its sequence never samples
+        self.frames: FrameLog | None = None
         #: a tier load is under way; the scheduler admits the sequence once it lands or times out
         self.loading = False
         self.status = SequenceStatus.WAITING
@@ -85,6 +90,27 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Computed tokens the prefix index may list: a stream's system prompt, never its frames."""
+        if self.frames is not None:
+            return min(self.num_computed_tokens, self.frames.system_len)
+        return self.num_computed_tokens
+
+    @property
+    def preemptible(self) -> bool:
+        """A stream's sequence and the questions forked from it cannot be recomputed from their tokens."""
+        return self.request.stream_id is None
+
+    def input_embeds(self, start: int, count: int) -> list[tuple[int, torch.Tensor]]:
+        """(row offset, rows) of given embeddings among tokens [start, start + count)."""
+        if self.frames is not None:
+            return self.frames.input_embeds(start, count)
+        embeds = self.request.prompt_embeds
+        if embeds is None or start >= embeds.shape[0]:
+            return []
+        return [(0, embeds[start : min(start + count, embeds.shape[0])])]
 
     @property
     def num_slots(self) -> int:
@@ -209,6 +235,10 @@ class Request:
         peak_slots: int | None = None,
     ) -> None:
         self.request_id = request_id
+        #: the prompt as embedding rows [tokens, hidden] (its token ids are placeholders), if so given
+        self.prompt_embeds: torch.Tensor | None = None
+        #: the streaming session the request computes frames of or asks a question of
+        self.stream_id: str | None = None
         #: what the request's sequences keep in the cache, and the most slots one holds at once
         self.kv_policy: KVPolicy = kv_policy or Full()
         self.peak_slots = peak_slots

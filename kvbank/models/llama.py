@@ -242,14 +242,22 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the new tokens (before the final norm)."""
+        """Hidden states [T, hidden] of the new tokens (before the final norm); `embeds` = (rows,
+        values) replaces those rows' token embeddings (a prompt or frame given as embeddings)."""
         T = input_ids.shape[0]
         rows = self._rows(T)
         if rows > T:
             input_ids, positions = F.pad(input_ids, (0, rows - T)), F.pad(positions, (0, rows - T))
         x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         step = self._stack_attention(rows, kv_caches, meta)
         if step is not None:

@@ -124,6 +124,15 @@ class DenseKind(KVKind):
             keys = layer.k.index_select(0, src_ids).float()
             layer.k.index_copy_(0, dst_ids, apply_rope(keys, cos, sin).to(layer.k.dtype))
 
+    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's and head's K/V of slots `src` -> slots `dst` (flat slot ids, [n] each)."""
+        device = self.spec.device
+        src, dst = src.to(device), dst.to(device)
+        for layer in self.layers:
+            for cache in (layer.k, layer.v):
+                flat = cache.view(-1, cache.shape[2] * cache.shape[3])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         device = self.spec.device
         heads = torch.arange(self.spec.num_kv_heads, device=device).unsqueeze(1)

@@ -1,0 +1,195 @@
+"""Streaming sessions: endless inputs (video frames, a transcript, a log) through a bounded KV cache.
+
+A stream is one sequence that never samples and never finishes: its system prompt is computed
+once, each appended frame computes only its own tokens, and between frames the sequence is
+parked (it keeps its blocks but is not scheduled). Its policy, `frame_window` (cache/policies.py),
+keeps the system prompt, the sink frames and the last N frames, evicting whole frames.
+
+A question forks the stream: a new sequence shares every block (copy-on-write), computes the
+question's tokens after the kept frames, generates its answer and is freed, so the stream itself
+is never touched and any number of questions, from any number of users, share its frames. A
+question or frame sent while earlier frames are still computing waits for them.
+
+The engine does this on its own thread (kvbank/engine/llm_engine.py); `StreamSession` is the
+blocking Python handle `LLM.open_stream` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvbank.cache.frames import Frame
+from kvbank.cache.policies import FrameWindow
+from kvbank.engine.outputs import RequestMetrics, RequestOutput
+from kvbank.engine.params import SamplingParams
+from kvbank.engine.sequence import Request, Sequence
+
+if TYPE_CHECKING:
+    from kvbank.engine.llm import LLM
+
+#: what a frame may be: text, token ids, embedding rows [tokens, hidden], or a prompt dict of one of them
+FrameType = str | list[int] | torch.Tensor | dict[str, Any]
+
+
+@dataclass(slots=True)
+class FrameInfo:
+    """What an append did: the frame's index and tokens, an identical earlier frame still held
+    (`repeat_of`), whether it was skipped as such a repeat, and what the stream keeps now."""
+
+    index: int
+    num_tokens: int
+    repeat_of: int | None
+    skipped: bool
+    kept_frames: int
+    kept_tokens: int
+    evicted_frames: int
+
+
+@dataclass
+class FrameOutput(RequestOutput):
+    """A frame request's only output, once the frame is computed (or skipped)."""
+
+    frame: FrameInfo | None = None
+
+
+@dataclass(eq=False)
+class FrameRequest:
+    """An appended frame (or a stream's system prompt, `frame=None`), finished once computed."""
+
+    request_id: str
+    stream: Stream
+    frame: Frame | None
+    text: str | None
+    token_ids: list[int]
+    metrics: RequestMetrics
+    repeat_of: int | None = None
+    skipped: bool = False
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+    def output(self) -> FrameOutput:
+        seq, log = self.stream.seq, self.stream.seq.frames
+        info = None
+        if self.frame is not None:
+            info = FrameInfo(
+                self.frame.index,
+                self.frame.length,
+                self.repeat_of,
+                self.skipped,
+                log.kept_frames,
+                seq.num_computed_tokens,
+                log.num_evicted,
+            )
+        return FrameOutput(
+            self.request_id,
+            self.text,
+            self.token_ids,
+            None,
+            [],
+            self.finished,
+            self.metrics,
+            self.num_cached_tokens,
+            frame=info,
+        )
+
+
+@dataclass(eq=False)
+class Stream:
+    """A stream inside the engine: its sequence, its frames still computing, its waiting questions."""
+
+    stream_id: str
+    seq: Sequence
+    policy: FrameWindow
+    #: appended to each text frame, so that frames do not run into each other
+    separator: str
+    #: appended to each text question (the chat template's end of turn and the assistant's start)
+    question_suffix: str = ""
+    pending: deque[FrameRequest] = field(default_factory=deque)
+    waiting_asks: list[Request] = field(default_factory=list)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def ready(self) -> bool:
+        """Every frame sent so far is in the cache."""
+        return self.seq.num_pending == 0 and self.seq.block_table != []
+
+    def stats(self) -> dict[str, int]:
+        """Frames appended, kept and evicted, tokens kept, and the KV blocks the stream holds."""
+        log = self.seq.frames
+        return {
+            "frames": log.num_appended,
+            "kept_frames": log.kept_frames,
+            "evicted_frames": log.num_evicted,
+            "kept_tokens": self.seq.num_computed_tokens,
+            "system_tokens": log.system_len,
+            "sink_tokens": log.keep_tokens,
+            "blocks": len(self.seq.block_table) + len(self.seq.pristine_blocks),
+            "rope_offset": self.seq.rope_offset,
+        }
+
+
+class StreamSession:
+    """A streaming session over `LLM` (blocking): append frames, ask questions, close.
+
+    Made by `LLM.open_stream`; also a context manager that closes the stream.
+    """
+
+    def __init__(self, llm: LLM, stream_id: str) -> None:
+        self._llm = llm
+        self.stream_id = stream_id
+        self._closed = False
+
+    def append(self, frame: FrameType, skip_repeat: bool = False) -> FrameInfo:
+        """Compute one frame (text, token ids, or embeddings [tokens, hidden]) after the kept ones;
+        returns what the stream keeps afterwards. With `skip_repeat`, a frame identical to one the
+        stream still holds (a static camera) is recognised and not computed again."""
+        engine = self._engine()
+        request = engine.append_frame(self.stream_id, frame, skip_repeat=skip_repeat)
+        return self._llm._run_until(request.request_id).frame
+
+    def ask(self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Answer from the cached frames; the question's and answer's tokens are dropped afterwards."""
+        request = self._engine().ask_stream(self.stream_id, question, sampling_params)
+        return self._llm._run_until(request.request_id)
+
+    def ask_stream(
+        self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """`ask`, yielding the cumulative output after every step; stopping early aborts the answer only."""
+        request = self._engine().ask_stream(self.stream_id, question, sampling_params)
+        yield from self._llm._follow(request.request_id)
+
+    def fork(self) -> StreamSession:
+        """A second stream sharing every block of this one (copy-on-write), to diverge from here."""
+        return StreamSession(self._llm, self._engine().fork_stream(self.stream_id).stream_id)
+
+    def kept_token_ids(self) -> list[int]:
+        """The tokens the cache holds now: the system prompt, then the kept frames (placeholders for embeddings)."""
+        return list(self._engine().stream(self.stream_id).seq.token_ids)
+
+    def stats(self) -> dict[str, int]:
+        """Frames appended, kept and evicted, tokens kept, KV blocks held (see `Stream.stats`)."""
+        return self._engine().stream(self.stream_id).stats()
+
+    def close(self) -> None:
+        """Free the stream's blocks; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._llm.engine.close_stream(self.stream_id)
+
+    def _engine(self):
+        if self._closed:
+            raise ValueError(f"stream {self.stream_id!r} is closed")
+        return self._llm.engine
+
+    def __enter__(self) -> StreamSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

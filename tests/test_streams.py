@@ -1,0 +1,266 @@
+"""Streaming sessions: frames through a bounded cache, questions answered from it, prompt_embeds."""
+
+import pytest
+import torch
+from policy_reference import Recorder, reference_logits
+
+from kvbank import LLM, SamplingParams
+from kvbank.cache.policies import FrameWindow, parse_policy
+
+SYSTEM = "You watch a video of moving objects and answer questions about it briefly."
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A small context so that frame windows rebase their positions within a few dozen frames.
+    return LLM(dtype="float32", max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
+
+
+def _frame(i: int) -> str:
+    # Frames of varied length, so that frames straddle blocks and evictions move partial blocks.
+    extra = "; id 7 entered left; id 9 left right" if i % 3 == 0 else ""
+    return f"t={i * 0.4:.1f}s: id {i % 5} at ({20 + 7 * i},{40 + i}) moving right{extra}"
+
+
+def _assert_all_free(llm):
+    manager = llm.engine.manager
+    assert manager.num_free_blocks == llm.engine.num_blocks
+    assert all(block.ref_count == 0 for block in manager.pool.blocks)
+
+
+def _greedy(max_tokens=8, logprobs=None):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+
+
+def test_frame_window_spelling_and_where_it_is_refused():
+    assert parse_policy("frame_window(frames=8,sinks=0)", stream=True) == FrameWindow(frames=8, sinks=0)
+    assert str(FrameWindow()) == "frame_window(frames=64,sinks=4)"
+    with pytest.raises(ValueError, match="streaming session's policy"):
+        parse_policy("frame_window(frames=8)")
+    with pytest.raises(ValueError, match="must be frame_window"):
+        parse_policy("sink_window(sinks=4,window=64)", stream=True)
+    with pytest.raises(ValueError, match="frames=0 must be an integer >= 1"):
+        FrameWindow(frames=0)
+    with pytest.raises(ValueError, match="streaming session's policy"):
+        SamplingParams(kv_policy="frame_window(frames=4)")
+
+
+def test_asking_without_eviction_equals_computing_the_frames_and_question_fresh(llm):
+    with llm.open_stream(SYSTEM, policy="frame_window(frames=64,sinks=4)") as session:
+        for i in range(6):
+            info = session.append(_frame(i))
+            assert (info.index, info.evicted_frames, info.kept_frames) == (i, 0, i + 1)
+        asked = session.ask("Which ids are in view?", _greedy(logprobs=3))
+        assert asked.num_cached_tokens == len(session.kept_token_ids())
+    llm.reset_prefix_cache()
+    fresh = llm.generate([asked.prompt_token_ids], _greedy(logprobs=3))[0]
+    assert fresh.num_cached_tokens == 0
+    assert asked.outputs[0].token_ids == fresh.outputs[0].token_ids
+    for got, want in zip(asked.outputs[0].logprobs, fresh.outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        for token in got:
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)
+    _assert_all_free(llm)
+
+
+def test_after_evictions_an_answer_equals_a_fresh_computation_on_the_kept_frames(llm):
+    """The cache after many evictions and rebases: system prompt and the last 3 frames, at the
+    positions of their slots; every answer token's logits match a reference forward over exactly those."""
+    engine = llm.engine
+    llm.reset_prefix_cache()  # the recorder must see every token computed
+    recorder = Recorder(engine)
+    try:
+        session = llm.open_stream(SYSTEM, policy="frame_window(frames=3,sinks=4)")
+        system_len = len(session.kept_token_ids())
+        tokens = [list(range(system_len))]  # recorded row indices of each frame, computed in order
+        computed = system_len
+        for i in range(40):
+            info = session.append(_frame(i))
+            tokens.append(list(range(computed, computed + info.num_tokens)))
+            computed += info.num_tokens
+            kept = [tokens[0]] + tokens[-min(3, i + 1) :]
+            assert info.kept_tokens == sum(map(len, kept)), "frames are kept or evicted whole"
+        stream = engine.stream(session.stream_id)
+        assert stream.seq.frames.num_evicted == 37 and stream.seq.pristine_blocks
+        request = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy(max_tokens=10))
+        seq = request.seqs[0]
+        rows = [row for frame in kept for row in frame]
+        checks, logits = [], []
+        while engine.requests:
+            check = seq.num_pending == 1 and seq.num_computed_tokens > len(rows)
+            if check:
+                done = seq.num_computed_tokens
+                # the kept frames, then the question and the answer so far, in computation order
+                held = rows + list(range(computed, computed + done - len(rows)))
+                c = engine.model_config
+                kept_rows = torch.tensor(held).expand(c.num_layers, c.num_kv_heads, len(held))
+                positions = torch.arange(len(held)).expand_as(kept_rows)
+                checks.append((seq.token_ids[done], kept_rows.clone(), positions.clone(), len(held)))
+            engine.step()
+            if check:
+                logits.append(recorder.logits[-1][0])
+        assert len(checks) == 9
+        expected = reference_logits(recorder, checks)
+        for i, got in enumerate(logits):
+            torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
+        assert session.stats()["rope_offset"] >= 0
+        session.close()
+    finally:
+        recorder.remove()
+    _assert_all_free(llm)
+
+
+@pytest.mark.slow
+def test_memory_is_constant_over_2000_frames_and_asking_leaves_it_unchanged():
+    # The default configuration (bfloat16, packed weights); frames arrive ten at a time, as they do
+    # when a camera is faster than the model: each step computes them together, then evicts.
+    llm = LLM(kv_cache_memory_gb=0.05, max_model_len=1024)
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    frames = [tokenizer.encode(f" {i % 97} at {i % 13}") for i in range(2000)]
+    session = llm.open_stream(SYSTEM, policy="frame_window(frames=16,sinks=4)")
+    blocks, free = [], []
+    for i in range(0, 2000, 10):
+        for frame in frames[i : i + 10]:
+            engine.append_frame(session.stream_id, frame)
+        while engine.has_unfinished_requests():
+            engine.step()
+        if i >= 100:  # the window is full
+            blocks.append(session.stats()["blocks"])
+            free.append(engine.manager.num_free_blocks)
+        if i % 500 == 490:
+            before = (session.stats()["blocks"], engine.manager.num_free_blocks, session.kept_token_ids())
+            answer = session.ask("What was the last position?", _greedy(max_tokens=6))
+            assert len(answer.outputs[0].token_ids) == 6
+            after = (session.stats()["blocks"], engine.manager.num_free_blocks, session.kept_token_ids())
+            assert after == before, "a question leaves the stream and the pool as they were"
+    assert max(blocks) - min(blocks) <= 1 and max(free) - min(free) <= 1
+    stats = session.stats()
+    assert stats["frames"] == 2000 and stats["kept_frames"] == 16 and stats["evicted_frames"] == 1984
+    assert len(session.kept_token_ids()) == stats["kept_tokens"] < 200
+    assert stats["rope_offset"] < 1024, "positions were rebased into the model's context"
+    session.close()
+    _assert_all_free(llm)
+
+
+def test_two_questions_and_a_fork_share_the_stream_blocks(llm):
+    session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
+    for i in range(8):
+        session.append(_frame(i))
+    kept = session.kept_token_ids()
+    engine = llm.engine
+    first = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy())
+    second = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy())
+    shared = set(engine.stream(session.stream_id).seq.block_table)
+    assert shared <= set(first.seqs[0].block_table) | {first.seqs[0].block_table[-1]}
+    outputs = {}
+    while engine.requests:
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    assert outputs[first.request_id].outputs[0].token_ids == outputs[second.request_id].outputs[0].token_ids
+    fork = session.fork()
+    fork.append("t=9.9s: id 42 entered right")
+    assert session.kept_token_ids() == kept, "appending to a fork leaves the original as it was"
+    assert fork.kept_token_ids()[: len(kept)] != kept or len(fork.kept_token_ids()) > len(kept)
+    again = session.ask("Which ids are in view?", _greedy())
+    assert again.outputs[0].token_ids == outputs[first.request_id].outputs[0].token_ids
+    fork.close()
+    session.close()
+    _assert_all_free(llm)
+
+
+def test_frames_queued_before_a_question_are_computed_before_it(llm):
+    session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
+    engine = llm.engine
+    frames = [engine.append_frame(session.stream_id, _frame(i)) for i in range(6)]
+    question = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy(max_tokens=4))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished[:6] == [f.request_id for f in frames] and finished[-1] == question.request_id
+    assert session.stats()["kept_frames"] == 4
+    assert question.prompt_token_ids[: len(session.kept_token_ids())] == session.kept_token_ids()
+    session.close()
+    _assert_all_free(llm)
+
+
+def test_stream_errors_name_the_value_and_the_limit(llm):
+    with pytest.raises(ValueError, match="must be frame_window"):
+        llm.open_stream(SYSTEM, policy="h2o(heavy=8,recent=8)")
+    session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
+    with pytest.raises(ValueError, match="would make the stream hold"):
+        session.append(list(range(1, 250)))
+    with pytest.raises(ValueError, match="out of range"):
+        session.append([10**9])
+    with pytest.raises(ValueError, match="max_tokens=500 exceeds max_model_len=256"):
+        session.ask("Hi?", SamplingParams(max_tokens=500))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        session.ask("Hi?", SamplingParams(max_tokens=2, prompt_logprobs=1))
+    session.close()
+    with pytest.raises(ValueError, match="is closed"):
+        session.append("late")
+    with pytest.raises(KeyError, match="no open stream"):
+        llm.engine.append_frame("nope", "x")
+    _assert_all_free(llm)
+
+
+# --- prompt_embeds -------------------------------------------------------------------------------
+
+
+def test_prompt_embeds_of_the_token_embeddings_give_the_text_path_exactly(llm):
+    ids = llm.get_tokenizer().encode(SYSTEM + " " + _frame(3) + " The three primary colours are")
+    params = _greedy(max_tokens=8, logprobs=2)
+    llm.reset_prefix_cache()
+    text = llm.generate([ids], params)[0]
+    embeds = llm.generate([{"prompt_embeds": llm.embed_tokens(ids)}], params)[0]
+    assert embeds.outputs[0].token_ids == text.outputs[0].token_ids
+    assert embeds.outputs[0].logprobs == text.outputs[0].logprobs
+    # Hashed by content: the same rows again reuse the cached blocks, other rows do not.
+    again = llm.generate([{"prompt_embeds": llm.embed_tokens(ids)}], params)[0]
+    assert again.num_cached_tokens == len(ids) // 16 * 16 > 0
+    other = llm.generate([{"prompt_embeds": llm.embed_tokens(ids) * 1.01}], params)[0]
+    assert other.num_cached_tokens == 0
+    _assert_all_free(llm)
+
+
+def test_embedding_frames_equal_token_frames_and_repeats_are_recognised(llm):
+    tokenizer = llm.get_tokenizer()
+    answers, infos = [], []
+    for as_embeds in (False, True):
+        session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
+        for i in [0, 1, 2, 2, 3, 4, 5]:
+            ids = tokenizer.encode(_frame(i) + "\n")
+            infos.append(session.append(llm.embed_tokens(ids) if as_embeds else ids))
+        answers.append(session.ask("Which ids are in view?", _greedy(logprobs=2)).outputs[0])
+        ids = tokenizer.encode(_frame(5) + "\n")
+        skipped = session.append(llm.embed_tokens(ids) if as_embeds else ids, skip_repeat=True)
+        assert skipped.skipped and skipped.repeat_of == 6 and session.stats()["frames"] == 7
+        session.close()
+    assert answers[0].token_ids == answers[1].token_ids
+    for got, want in zip(answers[1].logprobs, answers[0].logprobs):  # the second hits the cached system prompt
+        expected = {t: p.logprob for t, p in want.items()}
+        assert {t: p.logprob for t, p in got.items()} == pytest.approx(expected, abs=1e-5)
+    assert [i.repeat_of for i in infos[:7]] == [None, None, None, 2, None, None, None]
+    _assert_all_free(llm)
+
+
+@pytest.mark.parametrize(
+    "embeds, message",
+    [
+        (torch.zeros(3, 17), r"shape \[3, 17\]; the model takes \[tokens, 576\]"),
+        (torch.zeros(2, 3, 576), r"shape \[2, 3, 576\]"),
+        (torch.zeros(0, 576), "is empty"),
+        (torch.full((2, 576), float("nan")), "NaN or infinite"),
+        (torch.zeros(2, 576, dtype=torch.int32), "dtype int32; allowed: float32, bfloat16, float16"),
+        ([[0.0] * 576], "must be a torch.Tensor"),
+    ],
+    ids=["hidden", "rank", "empty", "nan", "dtype", "list"],
+)
+def test_malformed_prompt_embeds_are_refused(llm, embeds, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_embeds": embeds}], _greedy())
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([{"prompt_embeds": torch.zeros(2, 576)}], SamplingParams(prompt_logprobs=1))
+    with pytest.raises(ValueError, match="has 300 tokens"):
+        llm.generate([{"prompt_embeds": torch.zeros(300, 576)}], _greedy())
+    _assert_all_free(llm)
