@@ -264,3 +264,79 @@ def test_malformed_prompt_embeds_are_refused(llm, embeds, message):
     with pytest.raises(ValueError, match="has 300 tokens"):
         llm.generate([{"prompt_embeds": torch.zeros(300, 576)}], _greedy())
     _assert_all_free(llm)
+
+
+# --- recall of evicted frames from a tier ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiered():
+    return LLM(dtype="float32", max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64, kv_host_gb=0.05)
+
+
+def test_recalled_frames_sit_between_the_sinks_and_the_kept_frames_exactly(tiered):
+    """A question with recall=2 attends over the sinks, two evicted frames brought back from the
+    host tier and the kept frames, at positions 0, 1, ...: its logits match a reference forward over
+    exactly those tokens' recorded K/V."""
+    engine = tiered.engine
+    tiered.reset_prefix_cache()
+    recorder = Recorder(engine)
+    try:
+        session = tiered.open_stream(SYSTEM, policy="frame_window(frames=3,sinks=4)")
+        rows = [list(range(len(session.kept_token_ids())))]
+        computed = len(rows[0])
+        for i in range(12):
+            info = session.append(_frame(i))
+            rows.append(list(range(computed, computed + info.num_tokens)))
+            computed += info.num_tokens
+        assert session.stats()["recallable_frames"] == 9
+        recorder.recording = False  # the question's probe forward (for its queries) is no cached token
+        request = engine.ask_stream(session.stream_id, "Where was id 2 at t=0.8s?", _greedy(max_tokens=6), recall=2)
+        recorder.recording = True
+        seq = request.seqs[0]
+        assert len(request.recalled_frames) == 2 and set(request.recalled_frames) <= set(range(9))
+        frames = [rows[0]] + [rows[1 + i] for i in request.recalled_frames] + rows[-3:]
+        held_rows = [r for f in frames for r in f]
+        assert seq.num_computed_tokens == len(held_rows)
+        checks, logits = [], []
+        while engine.requests:
+            check = seq.num_pending == 1 and seq.num_computed_tokens > len(held_rows)
+            if check:
+                done = seq.num_computed_tokens
+                held = held_rows + list(range(computed, computed + done - len(held_rows)))
+                c = engine.model_config
+                kept = torch.tensor(held).expand(c.num_layers, c.num_kv_heads, len(held))
+                checks.append(
+                    (seq.token_ids[done], kept.clone(), torch.arange(len(held)).expand_as(kept).clone(), len(held))
+                )
+            engine.step()
+            if check:
+                logits.append(recorder.logits[-1][0])
+        assert len(checks) == 5
+        expected = reference_logits(recorder, checks)
+        for i, got in enumerate(logits):
+            torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
+        assert session.stats()["recall_recalled"] == 2
+        session.close()
+    finally:
+        recorder.remove()
+    _assert_all_free(tiered)
+
+
+def test_a_corrupted_recall_entry_is_detected_and_never_served(tiered, llm):
+    session = tiered.open_stream(SYSTEM, policy="frame_window(frames=2,sinks=4)")
+    for i in range(6):
+        session.append(_frame(i))
+    tier = tiered.engine.offload.tiers[0]
+    for key in list(tier._entries):
+        blob = bytearray(tier._entries[key])
+        blob[-1] ^= 0xFF
+        tier._entries[key] = memoryview(blob)
+    plain = session.ask("Which ids are in view?", _greedy(max_tokens=4))
+    corrupted = session.ask("Which ids are in view?", _greedy(max_tokens=4), recall=3)
+    assert session.last_recall()[0] == [] and corrupted.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert session.stats()["recall_corrupt"] == 3 and session.stats()["recall_recalled"] == 0
+    session.close()
+    _assert_all_free(tiered)
+    with llm.open_stream(SYSTEM) as untiered, pytest.raises(ValueError, match="recall=2 needs a KV tier"):
+        untiered.ask("Hi?", _greedy(), recall=2)

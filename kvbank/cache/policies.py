@@ -272,6 +272,8 @@ class FrameWindow(KVPolicy):
         victims = log.evictable(seq.num_computed_tokens, self.frames)
         if not victims:
             return 0
+        if log.archive is not None:
+            log.archive(seq, victims)
         first, count = victims[0].start, sum(frame.length for frame in victims)
         editor.remove_tokens(seq, first, count, keep=log.keep_tokens)
         log.evicted(victims)

@@ -191,6 +191,16 @@ class KVStorage:
         assert self.all_dense
         self.kinds[0].move_slots(src, dst)
 
+    def gather_tokens(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, n, kv_heads, head_dim] of pool slots `slots` ([n] flat ids)."""
+        assert self.all_dense
+        return self.kinds[0].gather_tokens(slots)
+
+    def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write K and V shaped as `gather_tokens` returns them into pool slots `slots`."""
+        assert self.all_dense
+        self.kinds[0].scatter_tokens(slots, keys, values)
+
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """K/V of pool slots `src` -> slots `dst` ([n] flat slot ids), the same in every layer and head."""
         assert self.all_dense

@@ -17,6 +17,7 @@ from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
 from kvbank.cache.policies import POLICIES, Full, KVPolicy, Limits, parse_policy
 from kvbank.cache.prefix import root_hash
+from kvbank.cache.recall import FrameArchive, rotate
 from kvbank.cache.session import Session, install_session, pack_session, read_session, write_session
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
 from kvbank.cache.swap import Swapper
@@ -368,6 +369,7 @@ class LLMEngine:
         seq.frames = FrameLog(len(parsed.token_ids), policy.sinks)
         request.seqs.append(seq)
         stream = Stream(stream_id, seq, policy, separator, suffix)
+        self._attach_archive(stream)
         self.streams[stream_id] = stream
         opened = FrameRequest(request_id, stream, None, parsed.text, parsed.token_ids, RequestMetrics(now))
         stream.pending.append(opened)
@@ -376,6 +378,28 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.request_load(seq)
         return opened
+
+    #: evicted frames a stream keeps recallable (their summaries take ~11 KiB of RAM each here)
+    RECALL_LIMIT = 1024
+
+    def _attach_archive(self, stream: Stream) -> None:
+        """With a KV tier, evicted frames go to its first tier, recallable by relevance."""
+        if self.offload is None or not self.offload.tiers:
+            return
+        namespace = self.cache_namespace + b"|stream|" + stream.stream_id.encode()
+        archive = FrameArchive(self.offload.tiers[0], namespace, self.editor.inv_freq, self.RECALL_LIMIT)
+        storage, bs = self.storage, self.block_size
+
+        def store(seq: Sequence, frames) -> None:
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            for frame in frames:
+                slots = torch.arange(frame.start, frame.end)
+                keys, values = storage.gather_tokens(table[slots // bs] * bs + slots % bs)
+                first = frame.start + seq.rope_offset
+                archive.store(frame, seq.token_ids[frame.start : frame.end], keys, values, first)
+
+        stream.archive = archive
+        stream.seq.frames.archive = store
 
     def _chat_frame(self, system: str) -> tuple[str, str]:
         """(the text before a user message's content, the text after it up to the assistant's turn)."""
@@ -455,10 +479,20 @@ class LLMEngine:
         question: PromptType,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        recall: int = 0,
     ) -> Request:
         """A request answering `question` from the stream's cached frames, once every frame sent
-        before it is computed: it forks the stream's blocks and frees its own when done."""
+        before it is computed: it forks the stream's blocks and frees its own when done.
+
+        `recall=k` first brings back the k evicted frames most relevant to the question (from the
+        stream's tier; cache/recall.py) into the question's copy of the cache."""
         stream = self.stream(stream_id)
+        if not isinstance(recall, int) or isinstance(recall, bool) or recall < 0:
+            raise ValueError(f"recall={recall!r} must be an integer >= 0")
+        if recall and stream.archive is None:
+            raise ValueError(
+                f"recall={recall} needs a KV tier for evicted frames (kv_host_gb, kv_disk_dir or kv_redis_url)"
+            )
         params = params or SamplingParams()
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be given for a stream question: its frames are cached")
@@ -489,6 +523,7 @@ class LLMEngine:
         )
         request.stream_id = stream_id
         request.no_prefix_cache = True  # the forked blocks are the stream's, rotated and compacted
+        request.recall = recall
         self.requests[request_id] = request
         stream.last_used = time.monotonic()
         if stream.seq.status is SequenceStatus.PARKED:
@@ -498,6 +533,8 @@ class LLMEngine:
         return request
 
     def _launch_ask(self, stream: Stream, request: Request) -> None:
+        if request.recall and self._launch_recalling(stream, request):
+            return
         source, question, params = stream.seq, request.prompt_token_ids, request.params
         kept = source.num_computed_tokens
         if kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:
@@ -512,6 +549,53 @@ class LLMEngine:
         self._attach_detokenizer(seq)
         request.seqs.append(seq)
         self.scheduler.add_running(seq)
+
+    def _launch_recalling(self, stream: Stream, request: Request) -> bool:
+        """Start the question on its own copy of the cache: sinks, the recalled frames, the kept
+        frames, at positions 0, 1, ... (every key re-rotated once); False if nothing came back."""
+        source, question, params, log = stream.seq, request.prompt_token_ids, request.params, stream.seq.frames
+        started = time.perf_counter()
+        queries = self.runner.model.mean_queries(torch.tensor(question, device=self.device))
+        room = self.max_model_len - source.num_computed_tokens - len(question) - params.max_tokens
+        chosen, total = [], 0
+        for archived in reversed(stream.archive.choose(queries.cpu(), request.recall)):  # the newest fit first
+            if total + len(archived.token_ids) <= room:
+                chosen.insert(0, archived)
+                total += len(archived.token_ids)
+        c = self.model_config
+        loaded = stream.archive.load(chosen, (c.num_layers, c.num_kv_heads, c.head_dim), self.dtype)
+        recalled = sum(len(a.token_ids) for a, _, _ in loaded)
+        keep, kept = log.keep_tokens, source.num_computed_tokens
+        needed = blocks_for(kept + recalled + len(question) + params.max_tokens, self.block_size)
+        if not loaded or not source.pristine_blocks or needed > self.manager.num_free_blocks:
+            return False
+        bs, pool, inv_freq = self.block_size, self.manager.pool, self.editor.inv_freq
+
+        def slots(table: list[int], lo: int, hi: int) -> torch.Tensor:
+            index = torch.arange(lo, hi)
+            return torch.tensor(table, dtype=torch.long)[index // bs] * bs + index % bs
+
+        sink_k, sink_v = self.storage.gather_tokens(slots(source.pristine_blocks, 0, keep))  # at positions 0..keep-1
+        keys, values, position = [sink_k.float()], [sink_v], keep
+        for _, k, v in loaded:
+            keys.append(rotate(k, torch.arange(position, position + k.shape[1]), inv_freq))
+            values.append(v)
+            position += k.shape[1]
+        recent_k, recent_v = self.storage.gather_tokens(slots(source.block_table, keep, kept))
+        keys.append(rotate(recent_k, torch.full((kept - keep,), recalled - source.rope_offset), inv_freq))
+        values.append(recent_v)
+        table = [pool.take().block_id for _ in range(blocks_for(kept + recalled, bs))]
+        self.storage.scatter_tokens(slots(table, 0, kept + recalled), torch.cat(keys, 1), torch.cat(values, 1))
+        frames = [t for a, _, _ in loaded for t in a.token_ids]
+        request.prompt_token_ids = source.token_ids[:keep] + frames + source.token_ids[keep:] + question
+        seq = Sequence(request, 0, request.prompt_token_ids, self._generator(params, 0))
+        seq.num_computed_tokens, seq.block_table = kept + recalled, table
+        request.recalled_frames = [a.index for a, _, _ in loaded]
+        request.recall_seconds = time.perf_counter() - started
+        self._attach_detokenizer(seq)
+        request.seqs.append(seq)
+        self.scheduler.add_running(seq)
+        return True
 
     def fork_stream(self, stream_id: str, new_id: str | None = None) -> Stream:
         """A new stream sharing every block of `stream_id` (copy-on-write) from here on."""
@@ -540,6 +624,7 @@ class LLMEngine:
         self.manager.fork(old, seq)
         request.seqs.append(seq)
         stream = Stream(new_id, seq, source.policy, source.separator, source.question_suffix)
+        self._attach_archive(stream)  # its own: frames evicted before the fork stay the source's
         self.streams[new_id] = stream
         return stream
 
@@ -561,6 +646,8 @@ class LLMEngine:
                 self._ready.append(output)
                 ended.append(request.request_id)
         self.scheduler.finish(stream.seq)
+        if stream.archive is not None:
+            stream.archive.close()
         return ended
 
     def _stream_progress(self, stream: Stream, now: float) -> list[RequestOutput]:

@@ -237,8 +237,12 @@ class Request:
         self.request_id = request_id
         #: the prompt as embedding rows [tokens, hidden] (its token ids are placeholders), if so given
         self.prompt_embeds: torch.Tensor | None = None
-        #: the streaming session the request computes frames of or asks a question of
+        #: the streaming session the request computes frames of or asks a question of, the evicted
+        #: frames a question asks to recall, those it got back and the seconds that took
         self.stream_id: str | None = None
+        self.recall = 0
+        self.recalled_frames: list[int] = []
+        self.recall_seconds = 0.0
         #: what the request's sequences keep in the cache, and the most slots one holds at once
         self.kv_policy: KVPolicy = kv_policy or Full()
         self.peak_slots = peak_slots

@@ -26,6 +26,7 @@ import torch
 
 from kvbank.cache.frames import Frame
 from kvbank.cache.policies import FrameWindow
+from kvbank.cache.recall import FrameArchive
 from kvbank.engine.outputs import RequestMetrics, RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.sequence import Request, Sequence
@@ -113,6 +114,8 @@ class Stream:
     pending: deque[FrameRequest] = field(default_factory=deque)
     waiting_asks: list[Request] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
+    #: evicted frames in a KV tier, recallable by relevance (None without a tier)
+    archive: FrameArchive | None = None
 
     @property
     def ready(self) -> bool:
@@ -131,6 +134,8 @@ class Stream:
             "sink_tokens": log.keep_tokens,
             "blocks": len(self.seq.block_table) + len(self.seq.pristine_blocks),
             "rope_offset": self.seq.rope_offset,
+            **({f"recall_{k}": v for k, v in vars(self.archive.stats).items()} if self.archive else {}),
+            "recallable_frames": len(self.archive.frames) if self.archive else 0,
         }
 
 
@@ -153,10 +158,21 @@ class StreamSession:
         request = engine.append_frame(self.stream_id, frame, skip_repeat=skip_repeat)
         return self._llm._run_until(request.request_id).frame
 
-    def ask(self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Answer from the cached frames; the question's and answer's tokens are dropped afterwards."""
-        request = self._engine().ask_stream(self.stream_id, question, sampling_params)
+    def ask(
+        self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None, recall: int = 0
+    ) -> RequestOutput:
+        """Answer from the cached frames; the question's and answer's tokens are dropped afterwards.
+
+        `recall=k` (with a KV tier) first brings back the k evicted frames most relevant to the
+        question; `last_recall()` then says which and how long that took."""
+        request = self._engine().ask_stream(self.stream_id, question, sampling_params, recall=recall)
+        self._last = request
         return self._llm._run_until(request.request_id)
+
+    def last_recall(self) -> tuple[list[int], float]:
+        """(indices of the frames the last `ask` recalled, seconds spent recalling them)."""
+        request = getattr(self, "_last", None)
+        return (list(request.recalled_frames), request.recall_seconds) if request is not None else ([], 0.0)
 
     def ask_stream(
         self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None

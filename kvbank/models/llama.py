@@ -287,6 +287,33 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return (x + residual)[:T]
 
+    @torch.inference_mode()
+    def mean_queries(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The mean query of `input_ids` computed alone (causal, no cache), per layer and KV head
+        (the mean over the heads that share it), before rotation: [layers, kv_heads, head_dim]."""
+        n = input_ids.shape[0]
+        positions = torch.arange(n, device=input_ids.device)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        x, means = self.embed_tokens(input_ids), []
+        for layer in self.layers:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q, k, v = attn.qkv_proj(h).split(attn.sizes, dim=-1)
+            q, k = q.view(n, attn.num_heads, attn.head_dim), k.view(n, attn.num_kv_heads, attn.head_dim)
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            group = attn.num_heads // attn.num_kv_heads
+            means.append(q.float().mean(dim=0).view(attn.num_kv_heads, group, attn.head_dim).mean(dim=1))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            v = v.view(n, attn.num_kv_heads, attn.head_dim)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=attn.scale
+            )
+            x = x + attn.o_proj(out.transpose(0, 1).reshape(n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return torch.stack(means)
+
     def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata) -> dict | None:
         """The step's row attention arguments when this step can run as one native call over every
         layer: all layers on integer kernels for this many rows, caches attended by rows (bfloat16,

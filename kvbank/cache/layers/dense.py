@@ -124,6 +124,20 @@ class DenseKind(KVKind):
             keys = layer.k.index_select(0, src_ids).float()
             layer.k.index_copy_(0, dst_ids, apply_rope(keys, cos, sin).to(layer.k.dtype))
 
+    def gather_tokens(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of pool slots `slots` ([n] flat ids) in every layer: [layers, n, kv_heads, head_dim] each."""
+        slots = slots.to(self.spec.device)
+        flat = lambda cache: cache.view(-1, *cache.shape[2:])
+        keys = torch.stack([flat(layer.k).index_select(0, slots) for layer in self.layers])
+        return keys, torch.stack([flat(layer.v).index_select(0, slots) for layer in self.layers])
+
+    def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `gather_tokens`-shaped K and V into pool slots `slots`."""
+        slots = slots.to(self.spec.device)
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.k.view(-1, *layer.k.shape[2:]).index_copy_(0, slots, k.to(layer.k.dtype))
+            layer.v.view(-1, *layer.v.shape[2:]).index_copy_(0, slots, v.to(layer.v.dtype))
+
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's and head's K/V of slots `src` -> slots `dst` (flat slot ids, [n] each)."""
         device = self.spec.device

@@ -1,0 +1,146 @@
+"""Recall of a stream's evicted frames by relevance (ReKV's idea), from a KV tier.
+
+When a stream with a tier evicts frames, each frame's K/V leaves the pool for the tier, with its
+keys rotated back to no position, and the stream keeps a summary of it in RAM: the mean of its
+keys per layer and KV head. A question may then recall the `k` frames whose mean keys score
+highest against the question's mean queries (summed over layers and heads); they are loaded,
+rotated to the places they take, and put back between the sinks and the kept frames of the
+question's own copy of the cache. The stream itself never changes.
+
+What it costs: per evicted frame, one read of its K/V from the pool and one tier write; per
+question with recall, a forward of the question alone (for its queries), the tier reads, and a
+copy of the whole kept window into the question's blocks (positions are reassigned there).
+
+Entries are self-describing and checksummed like every other tier entry: a frame whose bytes do
+not match its header, its stream's namespace or its recorded length is skipped and deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvbank.attention.rope import apply_rope
+from kvbank.cache.frames import Frame
+from kvbank.cache.tiers.base import Tier
+
+MAGIC = b"KVBFRAME"
+VERSION = 1
+_HEADER = struct.Struct("<8sH16s16sIIII")  # magic, version, namespace, checksum, layers, tokens, heads, dim
+
+
+@dataclass(slots=True)
+class Archived:
+    """An evicted frame the stream can recall: where it is, its tokens and its mean keys."""
+
+    index: int
+    key: bytes
+    token_ids: list[int]
+    mean_keys: torch.Tensor  # [layers, kv_heads, head_dim], float16
+
+
+@dataclass
+class RecallStats:
+    archived: int = 0
+    recalled: int = 0
+    missing: int = 0
+    corrupt: int = 0
+
+
+def rotation(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin rows [n, head_dim] for `positions` (negative ones rotate backwards), as the model lays them out."""
+    angles = positions.double().unsqueeze(-1) * inv_freq.double()
+    emb = torch.cat((angles, angles), dim=-1)
+    sin = emb.sin()
+    sin[..., : sin.shape[-1] // 2].neg_()
+    return emb.cos().float(), sin.float()
+
+
+def rotate(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """keys [layers, n, heads, dim] rotated by `positions` [n] (float32)."""
+    cos, sin = rotation(positions, inv_freq)
+    return apply_rope(keys.float(), cos[None, :, None], sin[None, :, None])
+
+
+class FrameArchive:
+    """A stream's evicted frames in a tier, and their summaries in RAM (the newest `limit` of them)."""
+
+    def __init__(self, tier: Tier, namespace: bytes, inv_freq: torch.Tensor, limit: int) -> None:
+        self.tier = tier
+        self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
+        self.inv_freq = inv_freq.float().cpu()
+        self.limit = limit
+        self.frames: deque[Archived] = deque()
+        self.stats = RecallStats()
+
+    def store(self, frame: Frame, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """Archive a frame whose keys [layers, n, heads, dim] sit rotated at positions first..first+n-1."""
+        plain = rotate(keys, -torch.arange(first, first + keys.shape[1]), self.inv_freq).to(keys.dtype)
+        key = hashlib.blake2b(self.namespace + frame.digest + struct.pack("<Q", frame.index), digest_size=16).digest()
+        if self.tier.put([(key, self._pack(plain, values))]):
+            self.frames.append(Archived(frame.index, key, list(token_ids), plain.float().mean(dim=1).half()))
+            self.stats.archived += 1
+        while len(self.frames) > self.limit:
+            self.tier.delete([self.frames.popleft().key])
+
+    def choose(self, queries: torch.Tensor, count: int) -> list[Archived]:
+        """The `count` archived frames whose mean keys score highest against mean queries
+        [layers, kv_heads, head_dim], in stream order."""
+        if not self.frames or count <= 0:
+            return []
+        means = torch.stack([a.mean_keys for a in self.frames]).float()
+        scores = (means * queries.float()).sum(dim=(1, 2, 3))
+        top = scores.topk(min(count, len(self.frames))).indices.tolist()
+        frames = list(self.frames)
+        return sorted((frames[i] for i in top), key=lambda a: a.index)
+
+    def load(self, chosen: list[Archived], layout: tuple[int, int, int], dtype: torch.dtype):
+        """(archived, unrotated keys, values) of each chosen frame the tier still holds intact."""
+        found = []
+        for archived, blob in zip(chosen, self.tier.get([a.key for a in chosen])):
+            if blob is None:
+                self.stats.missing += 1
+                continue
+            unpacked = self._unpack(blob, (layout[0], len(archived.token_ids), *layout[1:]), dtype)
+            if unpacked is None:
+                self.stats.corrupt += 1
+                self.tier.delete([archived.key])
+                continue
+            found.append((archived, *unpacked))
+            self.stats.recalled += 1
+        return found
+
+    def close(self) -> None:
+        """Forget every archived frame (the stream is closed)."""
+        self.tier.delete([a.key for a in self.frames])
+        self.frames.clear()
+
+    def _pack(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+        payload = _raw(keys) + _raw(values)
+        checksum = hashlib.blake2b(payload, digest_size=16).digest()
+        return _HEADER.pack(MAGIC, VERSION, self.namespace, checksum, *keys.shape) + payload
+
+    def _unpack(self, blob, shape: tuple[int, ...], dtype: torch.dtype):
+        data = bytes(blob)
+        if len(data) < _HEADER.size:
+            return None
+        magic, version, namespace, checksum, *stored = _HEADER.unpack_from(data)
+        payload = data[_HEADER.size :]
+        size = 2 * torch.Size(shape).numel() * dtype.itemsize
+        if (magic, version, namespace, tuple(stored)) != (MAGIC, VERSION, self.namespace, shape) or len(
+            payload
+        ) != size:
+            return None
+        if hashlib.blake2b(payload, digest_size=16).digest() != checksum:
+            return None
+        both = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(2, *shape)
+        return both[0], both[1]
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    flat = tensor.contiguous().view(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
