@@ -132,6 +132,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_tokens_cap=args.max_tokens_cap,
         max_n=args.max_n,
+        max_streams=args.max_streams,
+        stream_idle_timeout_s=args.stream_idle_timeout,
     )
     llm = _load(args)
     for file in args.pin_prompt:
@@ -380,6 +382,19 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--max-streams",
+        type=int,
+        default=16,
+        help="streaming sessions (/v1/streams) open at once; more get 429 (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="close a streaming session unused for this long (default: %(default)s)",
     )
     serve.add_argument(
         "--session-dir",

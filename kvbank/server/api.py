@@ -86,9 +86,14 @@ class ServerLimits:
     max_tokens_cap: int | None = None
     max_n: int | None = None
     retry_after_s: int = 1
+    #: streaming sessions open at once, and seconds after which an unused one is closed
+    max_streams: int | None = 16
+    stream_idle_timeout_s: float | None = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "max_tokens_cap", "max_n"):
+        if self.stream_idle_timeout_s is not None and self.stream_idle_timeout_s <= 0:
+            raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be positive")
+        for name in ("max_queued_requests", "max_tokens_cap", "max_n", "max_streams"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
@@ -211,7 +216,9 @@ def _named_field(message: str) -> str | None:
 
 class CompletionRequest(_SamplingBody):
     # Checked by `_completion_prompts`, which can say in one sentence what is allowed.
-    prompt: Any
+    prompt: Any = None
+    #: instead of prompt: {"data": base64 raw little-endian bytes, "dtype", "shape"} or a list of them
+    prompt_embeds: Any = None
     logprobs: int | None = None
     echo: bool | None = False
 
@@ -338,6 +345,9 @@ def build_app(
     async def restore_session(body: SessionRestoreRequest) -> dict:
         return await sessions.restore(body)
 
+    from kvbank.server.streams import install_streams  # its routes reuse this module's response shapes
+
+    install_streams(app, server, limits)
     install_dashboard(app, async_engine, limits.api_key)
     return app
 
@@ -442,7 +452,7 @@ class _Server:
         params = body.sampling_params(
             self._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs, body.effective_prompt_logprobs
         )
-        prompts = _completion_prompts(body.prompt)
+        prompts = await self._completion_inputs(body)
         job = _Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
         echoes = [await self._echo(p) for p in prompts] if body.echo else None
         streams = await self._start([_with_salt(p, body.cache_salt) for p in prompts], params, job.id)
@@ -483,6 +493,32 @@ class _Server:
         prompt_logprobs = _prompt_logprobs_json(finals[0].prompt_logprobs)
         choices = [{**_chat_choice(c, logprobs), "prompt_logprobs": prompt_logprobs} for c in finals[0].outputs]
         return JSONResponse(job.body(choices, usage=_usage([_Usage().add(o) for o in finals])))
+
+    async def _completion_inputs(self, body: CompletionRequest) -> list[Any]:
+        """The prompts of a completions body: text or token ids, or embeddings given as raw bytes."""
+        if body.prompt_embeds is None:
+            return _completion_prompts(body.prompt)
+        from kvbank.server.streams import EmbedsBody, decode_embeds
+
+        if body.prompt not in (None, "", []):
+            raise APIError("give prompt or prompt_embeds, not both", param="prompt_embeds")
+        if body.echo:
+            raise APIError("echo cannot show prompt_embeds: they have no text", param="echo")
+        items = body.prompt_embeds if isinstance(body.prompt_embeds, list) else [body.prompt_embeds]
+        if not items:
+            raise APIError("prompt_embeds must not be an empty list", param="prompt_embeds")
+        hidden, limit = self.engine.model_config.hidden_size, self.engine.max_model_len
+        prompts = []
+        for i, item in enumerate(items):
+            name = "prompt_embeds" if len(items) == 1 else f"prompt_embeds.{i}"
+            try:
+                parsed = EmbedsBody.model_validate(item)
+            except ValueError:
+                raise APIError(f"{name} must be an object with data (base64), dtype and shape", param=name) from None
+            prompts.append(
+                {"prompt_embeds": await self.async_engine.run_tokenizer(decode_embeds, parsed, hidden, limit, name)}
+            )
+        return prompts
 
     def _cap_max_tokens(self, max_tokens: int | None, field: str) -> int | None:
         cap = self.limits.max_tokens_cap
@@ -661,9 +697,11 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def _with_salt(prompt: PromptInput, cache_salt: str | None) -> PromptInput | dict:
+def _with_salt(prompt: PromptInput | dict, cache_salt: str | None) -> PromptInput | dict:
     if cache_salt is None:
         return prompt
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": cache_salt}
     key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
     return {key: prompt, "cache_salt": cache_salt}
 

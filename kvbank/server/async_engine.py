@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,9 +38,9 @@ class EngineDeadError(RuntimeError):
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    prompt: PromptType
+    #: queues the request on the engine thread and returns it (a Request, or a stream's FrameRequest)
+    start: Callable[[LLMEngine], Any]
     text: str | None
-    params: SamplingParams | None
     mailbox: _Mailbox
 
 
@@ -209,14 +209,34 @@ class AsyncEngine:
         or parameters it refuses, and EngineDeadError after `shutdown()`. Iterate the returned
         stream to the end, or `close()` it.
         """
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        tokenized: dict[str, Any] = {}
+
+        async def prepare() -> None:
+            tokenized["prompt"], tokenized["text"] = await self._tokenized(prompt)
+
+        def start(engine: LLMEngine):
+            return engine.add_request(tokenized["prompt"], params, request_id)
+
+        return await self.submit(start, request_id, prepare, lambda: tokenized["text"])
+
+    async def submit(
+        self,
+        start: Callable[[LLMEngine], Any],
+        request_id: str,
+        prepare: Callable[[], Awaitable[None]] | None = None,
+        text: Callable[[], str | None] = lambda: None,
+    ) -> RequestStream:
+        """Queue the request `start(engine)` makes on the engine thread (after awaiting `prepare()`)
+        and wait until it is accepted; its outputs come back as a RequestStream (see `add_request`)."""
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running") from self._error
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._pending_adds += 1  # before any await, so that admission control sees it at once
         try:
-            prompt, text = await self._tokenized(prompt)
+            if prepare is not None:
+                await prepare()
             mailbox = _Mailbox(asyncio.get_running_loop())
-            self._inbox.put(_Add(request_id, prompt, text, params, mailbox))
+            self._inbox.put(_Add(request_id, start, text(), mailbox))
             reply = await mailbox.get()
         except BaseException:
             self._pending_adds -= 1
@@ -341,7 +361,7 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            request = self.engine.add_request(command.prompt, command.params, command.request_id)
+            request = command.start(self.engine)
         except Exception as error:
             command.mailbox.post(error)
             return

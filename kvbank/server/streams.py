@@ -1,0 +1,352 @@
+"""Streaming sessions over HTTP, and embeddings sent as raw bytes.
+
+    POST   /v1/streams               {"system", "policy", "cache_salt", "separator", "chat"} -> the stream
+    POST   /v1/streams/{id}/frames   {"text" | "token_ids" | "prompt_embeds", "skip_repeat"} -> what it keeps
+    POST   /v1/streams/{id}/ask      {"question", sampling fields, "stream"} -> a text completion (or SSE)
+    GET    /v1/streams/{id}          what it holds;  GET /v1/streams lists them
+    DELETE /v1/streams/{id}
+
+A server holds at most `max_streams` streams; one unused for `stream_idle_timeout_s` is closed.
+A question whose client hangs up is aborted, which frees only the question's own blocks.
+
+Embeddings travel as {"data": base64 of the raw little-endian bytes, "dtype": "float32" |
+"bfloat16" | "float16", "shape": [tokens, hidden]}: never a pickle, whose loading runs code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from kvbank.engine.streams import FrameOutput
+from kvbank.server.api import (
+    APIError,
+    ServerLimits,
+    _completion_choice,
+    _completion_chunks,
+    _event_stream,
+    _final_outputs,
+    _Job,
+    _named_field,
+    _SamplingBody,
+    _Server,
+    _unless_disconnected,
+    _Usage,
+    _usage,
+)
+from kvbank.server.async_engine import AsyncEngine
+
+EMBED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: how often idle streams are looked for
+EXPIRY_CHECK_S = 1.0
+
+
+class EmbedsBody(BaseModel):
+    """Embedding rows as raw little-endian bytes (base64), their dtype and shape."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str
+    dtype: str
+    shape: list[int]
+
+
+class StreamOpenRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    system: str | list[int]
+    policy: str = "frame_window(frames=64,sinks=4)"
+    cache_salt: str | None = None
+    separator: str = "\n"
+    chat: bool = True
+
+
+class FrameRequestBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    prompt_embeds: EmbedsBody | None = None
+    skip_repeat: bool = False
+
+
+class AskRequest(_SamplingBody):
+    question: str | list[int]
+    logprobs: int | None = None
+    #: evicted frames to bring back from the stream's tier before answering
+    recall: int = 0
+
+
+def decode_embeds(body: EmbedsBody, hidden_size: int, max_tokens: int, param: str = "prompt_embeds") -> torch.Tensor:
+    """The tensor `body` describes; APIError 400 naming what is wrong (the bytes are checked against
+    the shape before any decoding, so a huge shape cannot make the server allocate for it)."""
+    dtype = EMBED_DTYPES.get(body.dtype)
+    if dtype is None:
+        raise APIError(f"{param}.dtype={body.dtype!r} must be one of {', '.join(EMBED_DTYPES)}", param=f"{param}.dtype")
+    if len(body.shape) != 2 or body.shape[1] != hidden_size or not 1 <= body.shape[0] <= max_tokens:
+        raise APIError(
+            f"{param}.shape={body.shape} must be [tokens, {hidden_size}] with 1 <= tokens <= {max_tokens}",
+            param=f"{param}.shape",
+        )
+    expected = body.shape[0] * body.shape[1] * dtype.itemsize
+    if len(body.data) > 4 * (expected // 3 + 3):
+        raise APIError(f"{param}.data holds more than the {expected} bytes its shape needs", param=f"{param}.data")
+    try:
+        raw = base64.b64decode(body.data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(f"{param}.data is not valid base64", param=f"{param}.data") from None
+    if len(raw) != expected:
+        raise APIError(
+            f"{param}.data holds {len(raw)} bytes; shape {body.shape} in {body.dtype} needs {expected}",
+            param=f"{param}.data",
+        )
+    tensor = torch.frombuffer(bytearray(raw), dtype=dtype).view(body.shape)
+    if sys.byteorder != "little":
+        tensor = tensor.view(torch.uint8).view(-1, dtype.itemsize).flip(1).contiguous().view(dtype).view(body.shape)
+    if not bool(torch.isfinite(tensor).all()):
+        raise APIError(f"{param} holds NaN or infinite values", param=f"{param}.data")
+    return tensor
+
+
+@dataclass
+class _StreamState:
+    created: int
+    policy: str
+    separator: str
+    last_used: float = field(default_factory=time.monotonic)
+    #: requests (frames and questions) in flight: a stream in use is never expired
+    busy: int = 0
+
+
+class _Streams:
+    """The server's streams: limits, idle expiry, and each route's work."""
+
+    def __init__(self, server: _Server, limits: ServerLimits) -> None:
+        self.server = server
+        self.async_engine: AsyncEngine = server.async_engine
+        self.engine = server.engine
+        self.limits = limits
+        self.streams: dict[str, _StreamState] = {}
+        self._expiry: asyncio.Task | None = None
+
+    # --- routes -------------------------------------------------------------------------------
+
+    async def open(self, body: StreamOpenRequest) -> dict:
+        self._start_expiry()
+        limit = self.limits.max_streams
+        if limit is not None and len(self.streams) >= limit:
+            raise APIError(
+                f"this server holds {len(self.streams)} streams, its limit (--max-streams); close one first",
+                status=429,
+                code="too_many_streams",
+                headers={"Retry-After": str(self.limits.retry_after_s)},
+            )
+        stream_id = f"stream-{uuid.uuid4().hex}"
+        system: Any = body.system
+        if body.cache_salt is not None:
+            system = {
+                "prompt" if isinstance(system, str) else "prompt_token_ids": system,
+                "cache_salt": body.cache_salt,
+            }
+        state = self.streams[stream_id] = _StreamState(int(time.time()), body.policy, body.separator)
+
+        def start(engine):
+            return engine.open_stream(system, body.policy, body.separator, stream_id, f"{stream_id}-open", body.chat)
+
+        try:
+            output = await self._run(stream_id, start, f"{stream_id}-open")
+        except BaseException:
+            self.streams.pop(stream_id, None)
+            await self._close_quietly(stream_id)
+            raise
+        state.last_used = time.monotonic()
+        return {
+            "id": stream_id,
+            "object": "stream",
+            "created": state.created,
+            "model": self.server.model_name,
+            "policy": body.policy,
+            "system_tokens": len(output.prompt_token_ids),
+            "cached_tokens": output.num_cached_tokens,
+        }
+
+    async def append(self, stream_id: str, body: FrameRequestBody) -> dict:
+        state = self._state(stream_id)
+        given = [name for name in ("text", "token_ids", "prompt_embeds") if getattr(body, name) is not None]
+        if len(given) != 1:
+            raise APIError(f"give exactly one of text, token_ids or prompt_embeds (got {len(given)})")
+        if body.prompt_embeds is not None:
+            config = self.engine.model_config
+            frame: Any = await self.async_engine.run_tokenizer(
+                decode_embeds, body.prompt_embeds, config.hidden_size, self.engine.max_model_len
+            )
+        elif body.text is not None and self.engine.tokenizer is not None:
+            # Tokenized here, off the engine thread; the engine adds the separator only to text.
+            encode = self.engine.tokenizer.encode
+            frame = await self.async_engine.run_tokenizer(encode, body.text + state.separator, False)
+        else:
+            frame = body.text if body.text is not None else body.token_ids
+        request_id = f"{stream_id}-frame-{uuid.uuid4().hex}"
+        state.busy += 1
+        try:
+            output = await self._run(
+                stream_id,
+                lambda engine: engine.append_frame(stream_id, frame, body.skip_repeat, request_id),
+                request_id,
+            )
+        finally:
+            state.busy -= 1
+            state.last_used = time.monotonic()
+        if output.frame is None:
+            raise APIError(f"stream {stream_id!r} was closed before the frame was computed", status=409)
+        info = output.frame
+        return {
+            "stream": stream_id,
+            "object": "stream.frame",
+            "index": info.index,
+            "num_tokens": info.num_tokens,
+            "repeat_of": info.repeat_of,
+            "skipped": info.skipped,
+            "kept_frames": info.kept_frames,
+            "kept_tokens": info.kept_tokens,
+            "evicted_frames": info.evicted_frames,
+        }
+
+    async def ask(self, stream_id: str, body: AskRequest, request: Request) -> Response:
+        state = self._state(stream_id)
+        server = self.server
+        server._check_body(body)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 64
+        params = body.sampling_params(server._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs, None)
+        if body.prompt_logprobs is not None or body.kv_policy is not None or body.cache_salt is not None:
+            name = next(n for n in ("prompt_logprobs", "kv_policy", "cache_salt") if getattr(body, n) is not None)
+            raise APIError(f"{name} cannot be given for a stream question: it runs on the stream's cache", param=name)
+        job = _Job("ask", "text_completion", "text_completion", server.model_name, params, body.include_usage)
+        request_id = f"{job.id}-0"
+        state.busy += 1
+        try:
+            stream = await self._submit(
+                stream_id,
+                lambda engine: engine.ask_stream(stream_id, body.question, params, request_id, body.recall),
+                request_id,
+            )
+        except BaseException:
+            state.busy -= 1
+            raise
+        if body.stream:
+            return _event_stream(self._released(state, _completion_chunks(job, [stream], None)))
+        try:
+            finals = await _unless_disconnected(request, _final_outputs([stream]))
+        finally:
+            state.busy -= 1
+            state.last_used = time.monotonic()
+        output = finals[0]
+        choices = [
+            _completion_choice(0, c, params.logprobs, None, None, output.prompt_token_ids) for c in output.outputs
+        ]
+        return JSONResponse({**job.body(choices, usage=_usage([_Usage().add(output)])), "stream": stream_id})
+
+    async def describe(self, stream_id: str) -> dict:
+        state = self._state(stream_id)
+        stats = await self.async_engine.call(lambda engine: engine.stream(stream_id).stats())
+        return {"id": stream_id, "object": "stream", "created": state.created, "policy": state.policy, **stats}
+
+    async def list(self) -> dict:
+        return {"object": "list", "data": [await self.describe(stream_id) for stream_id in list(self.streams)]}
+
+    async def close(self, stream_id: str) -> dict:
+        self._state(stream_id)
+        self.streams.pop(stream_id, None)
+        await self._close_quietly(stream_id)
+        return {"id": stream_id, "object": "stream", "deleted": True}
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _state(self, stream_id: str) -> _StreamState:
+        state = self.streams.get(stream_id)
+        if state is None:
+            raise APIError(
+                f"stream {stream_id!r} does not exist", status=404, param="stream_id", code="stream_not_found"
+            )
+        return state
+
+    async def _submit(self, stream_id: str, start, request_id: str):
+        try:
+            return await self.async_engine.submit(start, request_id)
+        except KeyError:
+            raise APIError(f"stream {stream_id!r} does not exist", status=404, code="stream_not_found") from None
+        except ValueError as error:
+            raise APIError(str(error), param=_named_field(str(error))) from error
+
+    async def _run(self, stream_id: str, start, request_id: str) -> FrameOutput:
+        stream = await self._submit(stream_id, start, request_id)
+        return (await _final_outputs([stream]))[0]
+
+    async def _released(self, state: _StreamState, chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            state.busy -= 1
+            state.last_used = time.monotonic()
+
+    async def _close_quietly(self, stream_id: str) -> None:
+        def close(engine) -> None:
+            if stream_id in engine.streams:
+                engine.close_stream(stream_id)
+
+        await self.async_engine.call(close)
+
+    def _start_expiry(self) -> None:
+        if self._expiry is None and self.limits.stream_idle_timeout_s is not None:
+            self._expiry = asyncio.get_running_loop().create_task(self._expire())
+
+    async def _expire(self) -> None:
+        timeout = self.limits.stream_idle_timeout_s
+        while True:
+            await asyncio.sleep(min(EXPIRY_CHECK_S, timeout / 2))
+            now = time.monotonic()
+            for stream_id, state in list(self.streams.items()):
+                if state.busy == 0 and now - state.last_used > timeout:
+                    self.streams.pop(stream_id, None)
+                    await self._close_quietly(stream_id)
+
+
+def install_streams(app: FastAPI, server: _Server, limits: ServerLimits) -> None:
+    """The /v1/streams routes."""
+    streams = _Streams(server, limits)
+
+    @app.post("/v1/streams")
+    async def open_stream(body: StreamOpenRequest) -> dict:
+        return await streams.open(body)
+
+    @app.get("/v1/streams")
+    async def list_streams() -> dict:
+        return await streams.list()
+
+    @app.get("/v1/streams/{stream_id}")
+    async def describe_stream(stream_id: str) -> dict:
+        return await streams.describe(stream_id)
+
+    @app.post("/v1/streams/{stream_id}/frames")
+    async def append_frame(stream_id: str, body: FrameRequestBody) -> dict:
+        return await streams.append(stream_id, body)
+
+    @app.post("/v1/streams/{stream_id}/ask")
+    async def ask(stream_id: str, body: AskRequest, request: Request) -> Response:
+        return await streams.ask(stream_id, body, request)
+
+    @app.delete("/v1/streams/{stream_id}")
+    async def close_stream(stream_id: str) -> dict:
+        return await streams.close(stream_id)

@@ -1,0 +1,218 @@
+"""Streaming sessions and prompt_embeds over HTTP, against a real server process (bfloat16 default)."""
+
+import base64
+import json
+import re
+import time
+
+import httpx
+import pytest
+import torch
+from serving import request, start_server, stop_server, wait_healthy
+
+from kvbank import LLM
+
+MAX_STREAMS = 3
+IDLE_TIMEOUT = 5
+SYSTEM = "You watch a video of moving objects and answer questions about it briefly."
+
+
+@pytest.fixture(scope="module")
+def server(kvbank_env, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("streams") / "server.log"
+    process, url = start_server(
+        [
+            "--log-level",
+            "warning",
+            "--max-streams",
+            str(MAX_STREAMS),
+            "--stream-idle-timeout",
+            str(IDLE_TIMEOUT),
+            "--num-gpu-blocks",
+            "256",
+            "--max-model-len",
+            "1024",
+        ],
+        kvbank_env,
+        log_path,
+    )
+    wait_healthy(process, url, log_path)
+    yield url
+    stop_server(process)
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory_gb=0.02, max_model_len=1024)  # for its tokenizer and token embeddings
+
+
+def _embeds_body(tensor: torch.Tensor) -> dict:
+    raw = tensor.contiguous().view(torch.int16 if tensor.dtype == torch.bfloat16 else tensor.dtype).numpy().tobytes()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return {"data": base64.b64encode(raw).decode(), "dtype": dtype, "shape": list(tensor.shape)}
+
+
+def _open(url: str, **fields) -> str:
+    status, body, _ = request(f"{url}/v1/streams", {"system": SYSTEM, **fields})
+    assert status == 200, body
+    return body["id"]
+
+
+def _frame(i: int) -> str:
+    return f"t={i * 0.4:.1f}s: id {i % 5} at ({20 + 7 * i},{40 + i}) moving right"
+
+
+def _running(url: str) -> float:
+    text = request(f"{url}/metrics")[1]
+    return next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvbank:num_requests_running ")
+    )
+
+
+def _delete(url: str, stream_id: str) -> int:
+    return httpx.delete(f"{url}/v1/streams/{stream_id}").status_code
+
+
+def test_a_stream_keeps_its_last_frames_and_answers_from_them(server):
+    stream_id = _open(server, policy="frame_window(frames=4,sinks=4)")
+    for i in range(7):
+        status, frame, _ = request(f"{server}/v1/streams/{stream_id}/frames", {"text": _frame(i)})
+        assert status == 200, frame
+        assert (
+            frame["index"] == i and frame["kept_frames"] == min(i + 1, 4) and frame["evicted_frames"] == max(0, i - 3)
+        )
+    status, before, _ = request(f"{server}/v1/streams/{stream_id}")
+    assert status == 200 and before["frames"] == 7 and before["kept_frames"] == 4
+    ask = {"question": "Which ids are in view?", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, answer, _ = request(f"{server}/v1/streams/{stream_id}/ask", ask)
+    assert status == 200, answer
+    assert answer["object"] == "text_completion" and answer["stream"] == stream_id
+    assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before["kept_tokens"]
+    again = request(f"{server}/v1/streams/{stream_id}/ask", ask)[1]
+    assert again["choices"][0]["text"] == answer["choices"][0]["text"], "temperature 0: one answer per question"
+    after = request(f"{server}/v1/streams/{stream_id}")[1]
+    assert (after["blocks"], after["kept_tokens"]) == (before["blocks"], before["kept_tokens"])
+    chunks = []
+    with httpx.stream("POST", f"{server}/v1/streams/{stream_id}/ask", json={**ask, "stream": True}) as response:
+        assert response.status_code == 200
+        chunks = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "data: [DONE]"
+    text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1] if json.loads(c[6:])["choices"])
+    assert text == answer["choices"][0]["text"]
+    assert _delete(server, stream_id) == 200
+    status, gone, _ = request(f"{server}/v1/streams/{stream_id}/frames", {"text": "late"})
+    assert status == 404 and gone["error"]["code"] == "stream_not_found"
+
+
+def test_a_client_that_hangs_up_mid_answer_leaves_the_stream_intact(server):
+    stream_id = _open(server)
+    for i in range(3):
+        assert request(f"{server}/v1/streams/{stream_id}/frames", {"text": _frame(i)})[0] == 200
+    before = request(f"{server}/v1/streams/{stream_id}")[1]
+    ask = {"question": "Describe everything.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/streams/{stream_id}/ask", json=ask) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    deadline = time.monotonic() + 10
+    while _running(server):
+        assert time.monotonic() < deadline, "the abandoned answer kept running"
+        time.sleep(0.05)
+    after = request(f"{server}/v1/streams/{stream_id}")[1]
+    assert (after["blocks"], after["kept_tokens"], after["frames"]) == (
+        before["blocks"],
+        before["kept_tokens"],
+        before["frames"],
+    )
+    status, answer, _ = request(f"{server}/v1/streams/{stream_id}/ask", {"question": "Which ids?", "max_tokens": 4})
+    assert status == 200 and answer["usage"]["completion_tokens"] >= 1
+    assert _delete(server, stream_id) == 200
+
+
+def test_stream_limits_and_idle_expiry(server):
+    ids = [_open(server) for _ in range(MAX_STREAMS)]
+    status, body, headers = request(f"{server}/v1/streams", {"system": SYSTEM})
+    assert (
+        status == 429 and body["error"]["code"] == "too_many_streams" and "retry-after" in {k.lower() for k in headers}
+    )
+    listed = request(f"{server}/v1/streams")[1]["data"]
+    assert {s["id"] for s in listed} == set(ids)
+    # Keep one in use; the others expire.
+    deadline = time.monotonic() + IDLE_TIMEOUT + 3
+    while time.monotonic() < deadline:
+        assert request(f"{server}/v1/streams/{ids[0]}/frames", {"text": "tick"})[0] == 200
+        time.sleep(0.5)
+    assert request(f"{server}/v1/streams/{ids[1]}")[0] == 404
+    assert request(f"{server}/v1/streams/{ids[2]}")[0] == 404
+    assert request(f"{server}/v1/streams/{ids[0]}")[0] == 200
+    fresh = _open(server)  # the expired ones' places are free again
+    for stream_id in (ids[0], fresh):
+        assert _delete(server, stream_id) == 200
+    assert _delete(server, fresh) == 404
+
+
+def test_bad_stream_requests_get_400s_naming_the_field(server):
+    status, body, _ = request(f"{server}/v1/streams", {"system": SYSTEM, "policy": "h2o(heavy=4,recent=4)"})
+    assert status == 400 and "frame_window" in body["error"]["message"]
+    stream_id = _open(server)
+    frames = f"{server}/v1/streams/{stream_id}/frames"
+    status, body, _ = request(frames, {"text": "a", "token_ids": [1, 2]})
+    assert status == 400 and "exactly one of" in body["error"]["message"]
+    status, body, _ = request(frames, {"token_ids": [10**9]})
+    assert status == 400 and "out of range" in body["error"]["message"]
+    status, body, _ = request(frames, {"text": "a", "colour": "red"})
+    assert status == 400
+    status, body, _ = request(f"{server}/v1/streams/{stream_id}/ask", {"question": "?", "max_tokens": 5000})
+    assert status == 400 and "max_tokens=5000" in body["error"]["message"]
+    status, body, _ = request(f"{server}/v1/streams/{stream_id}/ask", {"question": "?", "prompt_logprobs": 1})
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+    assert _delete(server, stream_id) == 200
+
+
+def test_prompt_embeds_over_http_equal_the_text_path(server, llm):
+    ids = llm.get_tokenizer().encode(SYSTEM + " The three primary colours are")
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    text = request(f"{server}/v1/completions", {**body, "prompt": ids})[1]
+    status, embeds, _ = request(
+        f"{server}/v1/completions", {**body, "prompt_embeds": _embeds_body(llm.embed_tokens(ids))}
+    )
+    assert status == 200, embeds
+    assert embeds["choices"][0]["text"] == text["choices"][0]["text"]
+    as_float32 = _embeds_body(llm.embed_tokens(ids).float())  # bfloat16 values are exact in float32
+    assert (
+        request(f"{server}/v1/completions", {**body, "prompt_embeds": [as_float32]})[1]["choices"][0]["text"]
+        == (text["choices"][0]["text"])
+    )
+    # Embedding frames are hashed by content: the same frame again is recognised.
+    stream_id = _open(server)
+    frame_ids = llm.get_tokenizer().encode(_frame(1) + "\n")
+    frame = {"prompt_embeds": _embeds_body(llm.embed_tokens(frame_ids))}
+    first = request(f"{server}/v1/streams/{stream_id}/frames", frame)[1]
+    second = request(f"{server}/v1/streams/{stream_id}/frames", {**frame, "skip_repeat": True})[1]
+    assert first["repeat_of"] is None and second["skipped"] and second["repeat_of"] == first["index"]
+    assert _delete(server, stream_id) == 200
+
+
+def _bad(tensor: torch.Tensor, **override) -> dict:
+    return {**_embeds_body(tensor), **override}
+
+
+@pytest.mark.parametrize(
+    "embeds, message",
+    [
+        (_bad(torch.zeros(3, 17)), r"shape=\[3, 17\] must be \[tokens, 576\]"),
+        (_bad(torch.zeros(3, 576), shape=[2000, 576]), r"1 <= tokens <= 1024"),
+        (_bad(torch.zeros(3, 576), data="not base64!"), "not valid base64"),
+        (_bad(torch.zeros(3, 576), dtype="float64"), "dtype='float64' must be one of float32, bfloat16, float16"),
+        (_bad(torch.zeros(3, 576), dtype="float16"), "3456 bytes"),
+        (_bad(torch.full((3, 576), float("nan"))), "NaN or infinite"),
+        ({"data": "", "dtype": "float32"}, "must be an object with data"),
+    ],
+    ids=["hidden", "too-long", "base64", "dtype", "size", "nan", "shape-missing"],
+)
+def test_malformed_prompt_embeds_get_400s(server, embeds, message):
+    status, body, _ = request(f"{server}/v1/completions", {"prompt_embeds": embeds, "max_tokens": 2})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert re.search(message, body["error"]["message"]), body["error"]["message"]
