@@ -83,31 +83,36 @@ def test_after_evictions_an_answer_equals_a_fresh_computation_on_the_kept_frames
         stream = engine.stream(session.stream_id)
         assert stream.seq.frames.num_evicted == 37 and stream.seq.pristine_blocks
         request = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy(max_tokens=10))
-        seq = request.seqs[0]
-        rows = [row for frame in kept for row in frame]
-        checks, logits = [], []
-        while engine.requests:
-            check = seq.num_pending == 1 and seq.num_computed_tokens > len(rows)
-            if check:
-                done = seq.num_computed_tokens
-                # the kept frames, then the question and the answer so far, in computation order
-                held = rows + list(range(computed, computed + done - len(rows)))
-                c = engine.model_config
-                kept_rows = torch.tensor(held).expand(c.num_layers, c.num_kv_heads, len(held))
-                positions = torch.arange(len(held)).expand_as(kept_rows)
-                checks.append((seq.token_ids[done], kept_rows.clone(), positions.clone(), len(held)))
-            engine.step()
-            if check:
-                logits.append(recorder.logits[-1][0])
-        assert len(checks) == 9
-        expected = reference_logits(recorder, checks)
-        for i, got in enumerate(logits):
-            torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
+        _assert_answer_matches_reference(engine, recorder, request.seqs[0], [r for f in kept for r in f], computed, 9)
         assert session.stats()["rope_offset"] >= 0
         session.close()
     finally:
         recorder.remove()
     _assert_all_free(llm)
+
+
+def _assert_answer_matches_reference(engine, recorder, seq, rows, computed, count):
+    """Step `seq` (a question) to its end; the logits of each of its `count` decode steps must equal a
+    reference forward over the recorded rows `rows`, then the question's and answer's own (recorded
+    from row `computed` on), at positions 0, 1, ..."""
+    c = engine.model_config
+    checks, logits = [], []
+    while engine.requests:
+        check = seq.num_pending == 1 and seq.num_computed_tokens > len(rows)
+        if check:
+            done = seq.num_computed_tokens
+            held = rows + list(range(computed, computed + done - len(rows)))
+            kept = torch.tensor(held).expand(c.num_layers, c.num_kv_heads, len(held))
+            checks.append(
+                (seq.token_ids[done], kept.clone(), torch.arange(len(held)).expand_as(kept).clone(), len(held))
+            )
+        engine.step()
+        if check:
+            logits.append(recorder.logits[-1][0])
+    assert len(checks) == count
+    expected = reference_logits(recorder, checks)
+    for i, got in enumerate(logits):
+        torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
 
 
 @pytest.mark.slow
@@ -293,29 +298,11 @@ def test_recalled_frames_sit_between_the_sinks_and_the_kept_frames_exactly(tiere
         recorder.recording = False  # the question's probe forward (for its queries) is no cached token
         request = engine.ask_stream(session.stream_id, "Where was id 2 at t=0.8s?", _greedy(max_tokens=6), recall=2)
         recorder.recording = True
-        seq = request.seqs[0]
         assert len(request.recalled_frames) == 2 and set(request.recalled_frames) <= set(range(9))
         frames = [rows[0]] + [rows[1 + i] for i in request.recalled_frames] + rows[-3:]
         held_rows = [r for f in frames for r in f]
-        assert seq.num_computed_tokens == len(held_rows)
-        checks, logits = [], []
-        while engine.requests:
-            check = seq.num_pending == 1 and seq.num_computed_tokens > len(held_rows)
-            if check:
-                done = seq.num_computed_tokens
-                held = held_rows + list(range(computed, computed + done - len(held_rows)))
-                c = engine.model_config
-                kept = torch.tensor(held).expand(c.num_layers, c.num_kv_heads, len(held))
-                checks.append(
-                    (seq.token_ids[done], kept.clone(), torch.arange(len(held)).expand_as(kept).clone(), len(held))
-                )
-            engine.step()
-            if check:
-                logits.append(recorder.logits[-1][0])
-        assert len(checks) == 5
-        expected = reference_logits(recorder, checks)
-        for i, got in enumerate(logits):
-            torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
+        assert request.seqs[0].num_computed_tokens == len(held_rows)
+        _assert_answer_matches_reference(engine, recorder, request.seqs[0], held_rows, computed, 5)
         assert session.stats()["recall_recalled"] == 2
         session.close()
     finally:

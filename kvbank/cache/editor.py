@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from kvbank.attention.rope import rotation_tables
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.policies import KVPolicy, Limits
 from kvbank.cache.storage import KVStorage
@@ -121,26 +122,27 @@ class KVEditor:
             self._rotate_leading(seq, keep)
 
     def _rotate_leading(self, seq: PolicySeq, keep: int) -> None:
-        if not seq.pristine_blocks:
-            # The leading blocks as computed become the pristine copies; the table gets private ones.
-            pool, copies = self.manager.pool, []
-            for i in range(keep):
-                fresh = pool.take()
-                copies.append((seq.block_table[i], fresh.block_id))
-                seq.pristine_blocks.append(seq.block_table[i])
-                seq.block_table[i] = fresh.block_id
-            self.storage.copy_blocks(copies)
-        else:
-            self._make_private(seq, range(keep))  # a forked sibling may share them
+        self._pristine_leading(seq, keep)
         self.storage.rotate_keys(seq.pristine_blocks, seq.block_table[:keep], self._rotation(seq.rope_offset))
 
+    def _pristine_leading(self, seq: PolicySeq, count: int) -> None:
+        """Make the first `count` blocks private, keeping unrotated copies of them aside once."""
+        if seq.pristine_blocks:
+            self._make_private(seq, range(count))  # a forked sibling may share them
+            return
+        # Before the first eviction every key sits at its slot: the blocks as computed are the
+        # unrotated copies, and the table gets private ones.
+        copies = []
+        for i in range(count):
+            fresh = self.manager.pool.take()
+            copies.append((seq.block_table[i], fresh.block_id))
+            seq.pristine_blocks.append(seq.block_table[i])
+            seq.block_table[i] = fresh.block_id
+        self.storage.copy_blocks(copies)
+
     def _rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # cos/sin rows as the model's rotary tables lay them out: sin carries the sign in its first half.
-        angles = delta * self.inv_freq.double()
-        emb = torch.cat((angles, angles))
-        sin = emb.sin()
-        sin[: sin.shape[0] // 2].neg_()
-        return emb.cos().float(), sin.float()
+        cos, sin = rotation_tables(torch.tensor([delta]), self.inv_freq)
+        return cos[0], sin[0]
 
     def _make_private(self, seq: PolicySeq, indices) -> None:
         pool, copies = self.manager.pool, []
@@ -197,17 +199,7 @@ class KVEditor:
         bs, pool = self.limits.block_size, self.manager.pool
         whole, part = divmod(keep, bs)
         count = whole + (part > 0)
-        if not seq.pristine_blocks:
-            # Before the first removal every key sits at its slot: these blocks are the unrotated copies.
-            copies = []
-            for i in range(count):
-                fresh = pool.take()
-                copies.append((seq.block_table[i], fresh.block_id))
-                seq.pristine_blocks.append(seq.block_table[i])
-                seq.block_table[i] = fresh.block_id
-            self.storage.copy_blocks(copies)
-        else:
-            self._make_private(seq, range(count))
+        self._pristine_leading(seq, count)
         rotation = self._rotation(seq.rope_offset)
         if whole:
             self.storage.rotate_keys(seq.pristine_blocks[:whole], seq.block_table[:whole], rotation)

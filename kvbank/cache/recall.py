@@ -2,8 +2,8 @@
 
 When a stream with a tier evicts frames, each frame's K/V leaves the pool for the tier, with its
 keys rotated back to no position, and the stream keeps a summary of it in RAM: the mean of its
-keys per layer and KV head. A question may then recall the `k` frames whose mean keys score
-highest against the question's mean queries (summed over layers and heads); they are loaded,
+keys per layer and KV head. A question may then recall the `k` frames whose mean keys best match
+the question's mean queries (see `FrameArchive.choose`); they are loaded,
 rotated to the places they take, and put back between the sinks and the kept frames of the
 question's own copy of the cache. The stream itself never changes.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbank.attention.rope import apply_rope
+from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache.frames import Frame
 from kvbank.cache.tiers.base import Tier
 
@@ -51,18 +51,9 @@ class RecallStats:
     corrupt: int = 0
 
 
-def rotation(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin rows [n, head_dim] for `positions` (negative ones rotate backwards), as the model lays them out."""
-    angles = positions.double().unsqueeze(-1) * inv_freq.double()
-    emb = torch.cat((angles, angles), dim=-1)
-    sin = emb.sin()
-    sin[..., : sin.shape[-1] // 2].neg_()
-    return emb.cos().float(), sin.float()
-
-
 def rotate(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """keys [layers, n, heads, dim] rotated by `positions` [n] (float32)."""
-    cos, sin = rotation(positions, inv_freq)
+    cos, sin = rotation_tables(positions, inv_freq)
     return apply_rope(keys.float(), cos[None, :, None], sin[None, :, None])
 
 
@@ -87,13 +78,22 @@ class FrameArchive:
         while len(self.frames) > self.limit:
             self.tier.delete([self.frames.popleft().key])
 
-    def choose(self, queries: torch.Tensor, count: int) -> list[Archived]:
-        """The `count` archived frames whose mean keys score highest against mean queries
-        [layers, kv_heads, head_dim], in stream order."""
+    def choose(self, queries: torch.Tensor, baseline: torch.Tensor, count: int) -> list[Archived]:
+        """The `count` archived frames most relevant to a question, in stream order.
+
+        `queries` and `baseline` are mean queries [layers, kv_heads, head_dim] of the question and
+        of a question that asks nothing in particular. Every frame's keys share a large common part,
+        and every question's queries another: scored raw, frames rank by those parts alone. So the
+        keys are centred on all archived frames' mean and the queries on the baseline's, and a
+        frame scores the dot product of what is its own with what is the question's own, averaged
+        over layers and heads.
+        """
         if not self.frames or count <= 0:
             return []
         means = torch.stack([a.mean_keys for a in self.frames]).float()
-        scores = (means * queries.float()).sum(dim=(1, 2, 3))
+        centred = means - means.mean(dim=0, keepdim=True)
+        asked = (queries.float() - baseline.float()).unsqueeze(0)
+        scores = (centred * asked).sum(dim=-1).mean(dim=(1, 2))
         top = scores.topk(min(count, len(self.frames))).indices.tolist()
         frames = list(self.frames)
         return sorted((frames[i] for i in top), key=lambda a: a.index)

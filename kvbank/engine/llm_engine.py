@@ -550,15 +550,26 @@ class LLMEngine:
         request.seqs.append(seq)
         self.scheduler.add_running(seq)
 
+    #: a question that asks nothing in particular: what every question's queries share (cache/recall.py)
+    NEUTRAL_QUESTION = "What happened?"
+
+    def _mean_queries(self, token_ids: list[int]) -> torch.Tensor:
+        return self.runner.model.mean_queries(torch.tensor(token_ids, device=self.device)).cpu()
+
     def _launch_recalling(self, stream: Stream, request: Request) -> bool:
         """Start the question on its own copy of the cache: sinks, the recalled frames, the kept
         frames, at positions 0, 1, ... (every key re-rotated once); False if nothing came back."""
         source, question, params, log = stream.seq, request.prompt_token_ids, request.params, stream.seq.frames
         started = time.perf_counter()
-        queries = self.runner.model.mean_queries(torch.tensor(question, device=self.device))
+        queries = self._mean_queries(question)
+        if stream.neutral_queries is None:
+            neutral = self._parse(self.NEUTRAL_QUESTION + stream.question_suffix).token_ids
+            stream.neutral_queries = self._mean_queries(neutral)
         room = self.max_model_len - source.num_computed_tokens - len(question) - params.max_tokens
         chosen, total = [], 0
-        for archived in reversed(stream.archive.choose(queries.cpu(), request.recall)):  # the newest fit first
+        for archived in reversed(
+            stream.archive.choose(queries, stream.neutral_queries, request.recall)
+        ):  # the newest fit first
             if total + len(archived.token_ids) <= room:
                 chosen.insert(0, archived)
                 total += len(archived.token_ids)

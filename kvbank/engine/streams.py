@@ -114,8 +114,10 @@ class Stream:
     pending: deque[FrameRequest] = field(default_factory=deque)
     waiting_asks: list[Request] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
-    #: evicted frames in a KV tier, recallable by relevance (None without a tier)
+    #: evicted frames in a KV tier, recallable by relevance (None without a tier), and the mean
+    #: queries of a question that asks nothing in particular (computed at the first recall)
     archive: FrameArchive | None = None
+    neutral_queries: torch.Tensor | None = None
 
     @property
     def ready(self) -> bool:
