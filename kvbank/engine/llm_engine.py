@@ -351,7 +351,8 @@ class LLMEngine:
         request_id = self._new_request_id(request_id)
         suffix = ""
         if chat and isinstance(system, str) and self.tokenizer is not None and self.tokenizer.chat_template:
-            system, suffix = self._chat_frame(system)
+            before, suffix = self._chat_frame(system)
+            system = self._continuation(before, before)  # the template writes BOS where the model wants it
         parsed = self._parse(system)
         if len(parsed.token_ids) >= self.max_model_len:
             raise ValueError(
@@ -411,6 +412,13 @@ class LLMEngine:
             raise ValueError("the model's chat template does not show a user message's content; pass chat=False")
         return before, after
 
+    def _continuation(self, shown: str, text: str) -> PromptType:
+        """`text` as a prompt tokenized without special tokens added (a stream's frames and questions
+        continue it; a rendered template has its own BOS), shown as `shown`."""
+        if self.tokenizer is None:
+            return text  # refused by the parser with its usual message
+        return {"prompt": shown, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
     def stream(self, stream_id: str) -> Stream:
         """The open stream `stream_id`; KeyError naming it otherwise."""
         stream = self.streams.get(stream_id)
@@ -427,7 +435,7 @@ class LLMEngine:
         finishes at once, uncomputed."""
         stream = self.stream(stream_id)
         if isinstance(frame, str):
-            frame = frame + stream.separator
+            frame = self._continuation(frame, frame + stream.separator)
         elif isinstance(frame, torch.Tensor):
             frame = {"prompt_embeds": frame}
         parsed = self._parse(frame, embeds=True)
@@ -499,7 +507,7 @@ class LLMEngine:
         if params.kv_policy is not None:
             raise ValueError("a stream question takes no kv_policy: it runs on the stream's cache")
         if isinstance(question, str):
-            question = question + stream.question_suffix
+            question = self._continuation(question, question + stream.question_suffix)
         parsed = self._parse(question)
         if parsed.salt is not None:
             raise ValueError("a question cannot carry a cache_salt: give it to open_stream")
@@ -563,7 +571,8 @@ class LLMEngine:
         started = time.perf_counter()
         queries = self._mean_queries(question)
         if stream.neutral_queries is None:
-            neutral = self._parse(self.NEUTRAL_QUESTION + stream.question_suffix).token_ids
+            text = self.NEUTRAL_QUESTION + stream.question_suffix
+            neutral = self._parse(self._continuation(text, text)).token_ids
             stream.neutral_queries = self._mean_queries(neutral)
         room = self.max_model_len - source.num_computed_tokens - len(question) - params.max_tokens
         chosen, total = [], 0

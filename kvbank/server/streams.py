@@ -124,6 +124,7 @@ class _StreamState:
     created: int
     policy: str
     separator: str
+    question_suffix: str = ""
     last_used: float = field(default_factory=time.monotonic)
     #: requests (frames and questions) in flight: a stream in use is never expired
     busy: int = 0
@@ -171,6 +172,7 @@ class _Streams:
             await self._close_quietly(stream_id)
             raise
         state.last_used = time.monotonic()
+        state.question_suffix = await self.async_engine.call(lambda engine: engine.stream(stream_id).question_suffix)
         return {
             "id": stream_id,
             "object": "stream",
@@ -234,11 +236,16 @@ class _Streams:
             raise APIError(f"{name} cannot be given for a stream question: it runs on the stream's cache", param=name)
         job = _Job("ask", "text_completion", "text_completion", server.model_name, params, body.include_usage)
         request_id = f"{job.id}-0"
+        question: Any = body.question
+        if isinstance(question, str) and self.engine.tokenizer is not None:
+            # Tokenized here, off the engine thread, with the end of turn the engine adds to text.
+            text = question + state.question_suffix
+            question = await self.async_engine.run_tokenizer(self.engine.tokenizer.encode, text, False)
         state.busy += 1
         try:
             stream = await self._submit(
                 stream_id,
-                lambda engine: engine.ask_stream(stream_id, body.question, params, request_id, body.recall),
+                lambda engine: engine.ask_stream(stream_id, question, params, request_id, body.recall),
                 request_id,
             )
         except BaseException:
