@@ -6,6 +6,7 @@ from policy_reference import Recorder, reference_logits
 
 from kvbank import LLM, SamplingParams
 from kvbank.cache.policies import FrameWindow, parse_policy
+from kvbank.engine.streams import PoolFull
 
 SYSTEM = "You watch a video of moving objects and answer questions about it briefly."
 
@@ -206,6 +207,27 @@ def test_stream_errors_name_the_value_and_the_limit(llm):
         session.append("late")
     with pytest.raises(KeyError, match="no open stream"):
         llm.engine.append_frame("nope", "x")
+    _assert_all_free(llm)
+
+
+def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(llm):
+    sessions, refused = [], None
+    for _ in range(12):
+        try:
+            session = llm.open_stream(SYSTEM, policy="frame_window(frames=64,sinks=4)")
+            sessions.append(session)
+            for i in range(200):
+                session.append(list(range(100 + i * 40, 140 + i * 40)))
+                if session.stats()["kept_tokens"] > 200:
+                    break
+        except PoolFull as error:
+            refused = str(error)
+            break
+    assert refused is not None and len(sessions) >= 4, "streams fill the 96-block pool within a few of 16 blocks"
+    assert "more KV blocks, but only" in refused and "never preempted" in refused
+    assert len(sessions[0].ask("Which ids?", _greedy(max_tokens=2)).outputs[0].token_ids) == 2  # room for this
+    for session in sessions:
+        session.close()
     _assert_all_free(llm)
 
 

@@ -31,7 +31,7 @@ from kvbank.engine.runner import ModelRunner, StepLogits
 from kvbank.engine.sampler import Sampled, Sampler, token_logprobs
 from kvbank.engine.scheduler import ScheduledSeq, Scheduler
 from kvbank.engine.sequence import Request, Sequence, SequenceStatus
-from kvbank.engine.streams import FrameRequest, FrameType, Stream
+from kvbank.engine.streams import FrameRequest, FrameType, PoolFull, Stream
 from kvbank.kernels.allocator import keep_freed_memory
 from kvbank.models.build import build_model
 from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -362,6 +362,7 @@ class LLMEngine:
         needed = blocks_for(len(parsed.token_ids), self.block_size) * 2
         if needed > self.num_blocks:
             raise ValueError(f"the system prompt needs {needed} KV blocks but the pool has only {self.num_blocks}")
+        self._ensure_room(blocks_for(len(parsed.token_ids), self.block_size), "a stream's system prompt")
         root = root_hash(self.cache_namespace, parsed.salt)
         now = time.time()
         request = Request(stream_id, parsed.text, parsed.token_ids, SamplingParams(max_tokens=1), root, now, policy)
@@ -480,6 +481,25 @@ class LLMEngine:
         needed = 2 * blocks_for(held, self.block_size)
         if needed > self.num_blocks:
             raise ValueError(f"the stream would need {needed} KV blocks but the pool has only {self.num_blocks}")
+        seq = stream.seq
+        # Until the window evicts, the frame's blocks come on top of what the stream holds, plus a
+        # scratch block and, at the first eviction, the unrotated copies of the kept leading blocks.
+        growth = blocks_for(seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + 1
+        if not seq.pristine_blocks:
+            growth += blocks_for(log.keep_tokens, self.block_size)
+        self._ensure_room(growth, f"a frame of {num_tokens} tokens")
+
+    def _ensure_room(self, blocks: int, what: str) -> None:
+        """Refuse (PoolFull) work of streams, which is never preempted, that the pool could not hold
+        even by preempting every other sequence: it would wait forever."""
+        running = self.scheduler.running
+        available = self.manager.num_free_blocks + sum(len(s.block_table) for s in running if s.preemptible)
+        if blocks > available:
+            raise PoolFull(
+                f"{what} needs {blocks} more KV blocks, but only {available} of the pool's {self.num_blocks} "
+                "can be freed for it (streams and their questions hold the rest and are never preempted): "
+                "close a stream or retry once questions finish"
+            )
 
     def ask_stream(
         self,
@@ -525,6 +545,8 @@ class LLMEngine:
                 f"the stream holds {kept} tokens and the question has {len(parsed.token_ids)}: "
                 f"max_tokens={params.max_tokens} exceeds max_model_len={self.max_model_len}"
             )
+        total = kept + len(parsed.token_ids) + params.max_tokens
+        self._ensure_room(blocks_for(total, self.block_size) - len(stream.seq.block_table) + 1, "the question")
         request_id = self._new_request_id(request_id)
         request = Request(
             request_id, parsed.text, parsed.token_ids, params, stream.seq.root_hash, time.time(), stream.policy

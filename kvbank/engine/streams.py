@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 FrameType = str | list[int] | torch.Tensor | dict[str, Any]
 
 
+class PoolFull(ValueError):
+    """A stream's frame or question that the KV pool cannot hold now, even by preempting others."""
+
+
 @dataclass(slots=True)
 class FrameInfo:
     """What an append did: the frame's index and tokens, an identical earlier frame still held

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from kvbank.engine.streams import FrameOutput
+from kvbank.engine.streams import FrameOutput, PoolFull
 from kvbank.server.api import (
     APIError,
     ServerLimits,
@@ -293,6 +293,8 @@ class _Streams:
             return await self.async_engine.submit(start, request_id)
         except KeyError:
             raise APIError(f"stream {stream_id!r} does not exist", status=404, code="stream_not_found") from None
+        except PoolFull as error:
+            raise APIError(str(error), status=507, code="kv_pool_full") from error
         except ValueError as error:
             raise APIError(str(error), param=_named_field(str(error))) from error
 
