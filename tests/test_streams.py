@@ -247,6 +247,10 @@ def test_prompt_embeds_of_the_token_embeddings_give_the_text_path_exactly(llm):
     assert again.num_cached_tokens == len(ids) // 16 * 16 > 0
     other = llm.generate([{"prompt_embeds": llm.embed_tokens(ids) * 1.01}], params)[0]
     assert other.num_cached_tokens == 0
+    # A repetition penalty counts no placeholder id as a token seen.
+    request = llm.engine.add_request({"prompt_embeds": llm.embed_tokens(ids)}, SamplingParams(repetition_penalty=1.3))
+    assert request.seqs[0].seen_token_ids == []
+    llm.engine.abort_request(request.request_id)
     _assert_all_free(llm)
 
 
@@ -259,6 +263,10 @@ def test_embedding_frames_equal_token_frames_and_repeats_are_recognised(llm):
             ids = tokenizer.encode(_frame(i) + "\n")
             infos.append(session.append(llm.embed_tokens(ids) if as_embeds else ids))
         answers.append(session.ask("Which ids are in view?", _greedy(logprobs=2)).outputs[0])
+        asked = llm.engine.ask_stream(session.stream_id, "Which ids?", _greedy())
+        seen = asked.seqs[0].seen_token_ids
+        assert len(seen) == len(asked.prompt_token_ids) - (sum(i.num_tokens for i in infos[-4:]) if as_embeds else 0)
+        llm.engine.abort_request(asked.request_id)
         ids = tokenizer.encode(_frame(5) + "\n")
         skipped = session.append(llm.embed_tokens(ids) if as_embeds else ids, skip_repeat=True)
         assert skipped.skipped and skipped.repeat_of == 6 and session.stats()["frames"] == 7

@@ -29,6 +29,8 @@ class Frame:
     sink: bool
     #: its tokens are in the cache (or were, before it was evicted)
     done: bool = False
+    #: given as embeddings: its token ids are placeholders
+    embedded: bool = False
 
     @property
     def end(self) -> int:
@@ -63,7 +65,7 @@ class FrameLog:
     def add(self, start: int, length: int, digest: bytes, embeds: torch.Tensor | None) -> Frame:
         """Record a frame appended at token index `start`."""
         sink = self.keep_tokens < self.sinks and all(f.sink for f in self.frames)
-        frame = Frame(self.num_appended, start, length, digest, embeds, sink)
+        frame = Frame(self.num_appended, start, length, digest, embeds, sink, embedded=embeds is not None)
         if sink:
             self.keep_tokens += length
         self.frames.append(frame)
@@ -111,6 +113,10 @@ class FrameLog:
             if lo < hi:
                 rows.append((lo - start, frame.embeds[lo - frame.start : hi - frame.start]))
         return rows
+
+    def embedded_spans(self) -> list[tuple[int, int]]:
+        """[start, end) token ranges of the held frames given as embeddings (placeholder ids)."""
+        return [(f.start, f.end) for f in self.frames if f.embedded]
 
     def copy(self) -> FrameLog:
         """An independent log of the same frames (a forked stream's)."""

@@ -41,6 +41,8 @@ class Archived:
     key: bytes
     token_ids: list[int]
     mean_keys: torch.Tensor  # [layers, kv_heads, head_dim], float16
+    #: given as embeddings: its token ids are placeholders
+    embedded: bool = False
 
 
 @dataclass
@@ -73,7 +75,8 @@ class FrameArchive:
         plain = rotate(keys, -torch.arange(first, first + keys.shape[1]), self.inv_freq).to(keys.dtype)
         key = hashlib.blake2b(self.namespace + frame.digest + struct.pack("<Q", frame.index), digest_size=16).digest()
         if self.tier.put([(key, self._pack(plain, values))]):
-            self.frames.append(Archived(frame.index, key, list(token_ids), plain.float().mean(dim=1).half()))
+            mean = plain.float().mean(dim=1).half()
+            self.frames.append(Archived(frame.index, key, list(token_ids), mean, frame.embedded))
             self.stats.archived += 1
         while len(self.frames) > self.limit:
             self.tier.delete([self.frames.popleft().key])

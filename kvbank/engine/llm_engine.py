@@ -180,6 +180,7 @@ class LLMEngine:
             capacity = len(parsed.token_ids) + params.max_tokens
             request.new_score_state = lambda: ScoreState.empty(*shape, capacity, self.device)
         request.prompt_embeds = parsed.embeds
+        request.embedded_spans = [(0, len(parsed.token_ids))] if parsed.embeds is not None else []
         first = Sequence(request, 0, parsed.token_ids, self._generator(params, 0))
         first.kv_state = request.new_score_state()
         self._attach_detokenizer(first)
@@ -570,6 +571,7 @@ class LLMEngine:
         if kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:
             self.editor.rebase_tokens(source, source.frames.keep_tokens)
         request.prompt_token_ids = source.token_ids + question
+        request.embedded_spans = source.frames.embedded_spans()
         room = self.max_model_len - len(request.prompt_token_ids)
         if params.max_tokens > room:  # frames longer than those the question was checked against
             request.params = dataclasses.replace(params, max_tokens=max(room, 1))
@@ -630,6 +632,13 @@ class LLMEngine:
         self.storage.scatter_tokens(slots(table, 0, kept + recalled), torch.cat(keys, 1), torch.cat(values, 1))
         frames = [t for a, _, _ in loaded for t in a.token_ids]
         request.prompt_token_ids = source.token_ids[:keep] + frames + source.token_ids[keep:] + question
+        held = source.frames.embedded_spans()
+        spans, position = [(a, b) for a, b in held if b <= keep], keep
+        for archived, _, _ in loaded:
+            if archived.embedded:
+                spans.append((position, position + len(archived.token_ids)))
+            position += len(archived.token_ids)
+        request.embedded_spans = spans + [(a + recalled, b + recalled) for a, b in held if a >= keep]
         seq = Sequence(request, 0, request.prompt_token_ids, self._generator(params, 0))
         seq.num_computed_tokens, seq.block_table = kept + recalled, table
         request.recalled_frames = [a.index for a, _, _ in loaded]

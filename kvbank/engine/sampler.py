@@ -116,7 +116,7 @@ def _apply_logit_bias(row: torch.Tensor, logit_bias: dict[int, float]) -> None:
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
     params = seq.params
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+        seen = torch.tensor(sorted(set(seq.seen_token_ids)), device=row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     output = seq.output_token_ids

@@ -92,6 +92,17 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def seen_token_ids(self) -> list[int]:
+        """Token ids a repetition penalty counts: all but the placeholders of embedding rows."""
+        if not self.request.embedded_spans:
+            return self.token_ids
+        seen, start = [], 0
+        for first, end in self.request.embedded_spans:
+            seen += self.token_ids[start:first]
+            start = end
+        return seen + self.token_ids[start:]
+
+    @property
     def num_cacheable_tokens(self) -> int:
         """Computed tokens the prefix index may list: a stream's system prompt, never its frames."""
         if self.frames is not None:
@@ -235,8 +246,10 @@ class Request:
         peak_slots: int | None = None,
     ) -> None:
         self.request_id = request_id
-        #: the prompt as embedding rows [tokens, hidden] (its token ids are placeholders), if so given
+        #: the prompt as embedding rows [tokens, hidden] (its token ids are placeholders), if so given,
+        #: and the [start, end) prompt ranges whose ids are placeholders
         self.prompt_embeds: torch.Tensor | None = None
+        self.embedded_spans: list[tuple[int, int]] = []
         #: the streaming session the request computes frames of or asks a question of, the evicted
         #: frames a question asks to recall, those it got back and the seconds that took
         self.stream_id: str | None = None
