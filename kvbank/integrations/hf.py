@@ -1,0 +1,278 @@
+"""kvbank's KV formats inside Hugging Face transformers: caches for `model.generate(past_key_values=...)`.
+
+- `KVBankQuantizedCache(kv_dtype="int4")` keeps each layer's most recent tokens (at least
+`residual_length`) in the model dtype and stores older ones, a block of 16 tokens at a time, in one
+of kvbank's codecs (kvbank/cache/quant.py): the same bytes per token as the engine's pool. As
+transformers' own `QuantizedCache` does, every step attends over the dequantized old tokens and
+the exact recent ones.
+- `SinkWindowCache(sinks=4, window=1024, model=model)` is StreamingLLM: the first `sinks` tokens
+  and the last `window`, so memory stays flat however long `generate` runs. Keys are stored
+  rotated at their own positions; the sinks are handed to attention rotated forward (from their
+  stored copy, so rounding never piles up) to sit just before the window, which gives every kept
+  pair of tokens its distance within the cache, as kvbank's `sink_window` does.
+  `get_seq_length()` counts every token seen (positions follow it) and the mask covers the kept.
+
+Written against transformers' layered caches (5.x): a `Cache` of per-layer objects, each a
+`DynamicLayer` whose `update(key_states, value_states, *args, **kwargs)` takes and returns
+[batch, kv_heads, tokens, head_dim]. Extra arguments (5.0's `cache_kwargs`) are accepted and unused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvbank.attention.rope import apply_rope, rotation_tables
+from kvbank.cache.quant import DEFAULT_GROUP_SIZE, Codec, Stored, codecs_for
+
+BLOCK_SIZE = 16
+QUANTIZED_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
+
+
+def _check(kv_dtype: str, residual_length: int, group_size: int) -> None:
+    if kv_dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not one of {', '.join(QUANTIZED_DTYPES)}")
+    if not isinstance(residual_length, int) or residual_length < 0:
+        raise ValueError(f"residual_length={residual_length!r} must be an integer >= 0")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive integer")
+
+
+class KVBankQuantizedLayer(DynamicLayer):
+    """One layer: `keys`/`values` hold the recent tokens exactly; older whole blocks are stored
+    through kvbank's codecs, as [batch, blocks, ...] tensors so that beams can be reordered."""
+
+    is_croppable = False
+
+    def __init__(
+        self, kv_dtype: str = "int4", residual_length: int = 128, group_size: int = DEFAULT_GROUP_SIZE
+    ) -> None:
+        _check(kv_dtype, residual_length, group_size)
+        super().__init__()
+        self.kv_dtype, self.residual_length, self.group_size = kv_dtype, residual_length, group_size
+        self.stored: list[tuple[Stored, Stored]] = []
+        self.num_stored = 0
+        self._codecs: tuple[Codec, Codec] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new tokens; return every token's K and V (old ones dequantized). Blocks that
+        fall out of the residual are quantized afterwards, for the steps that follow."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            dim = key_states.shape[-1]
+            if self.kv_dtype in ("int4", "int2") and dim % self.group_size:
+                raise ValueError(f"group_size={self.group_size} must divide the head dimension {dim}")
+            self._codecs = codecs_for(self.kv_dtype, key_states.dtype, self.group_size)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        keys, values = self._everything()
+        self._store_overflow()
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.num_stored + self.keys.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds: the stored codes and scales, and the exact recent tokens."""
+        if not self.is_initialized:
+            return 0
+        stored = sum(t.nbytes for pair in self.stored for part in pair for t in part.values())
+        return stored + self.keys.nbytes + self.values.nbytes
+
+    def reset(self) -> None:
+        super().reset()
+        self.stored, self.num_stored = [], 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select(lambda t: t[indices, ...])
+
+    def _select(self, pick) -> None:
+        self.stored = [tuple({k: pick(t) for k, t in part.items()} for part in pair) for pair in self.stored]
+
+    def _store_overflow(self) -> None:
+        blocks = max(0, self.keys.shape[-2] - self.residual_length) // BLOCK_SIZE
+        if not blocks:
+            return
+        count = blocks * BLOCK_SIZE
+        pair = tuple(
+            self._quantize(codec, states[..., :count, :], blocks)
+            for codec, states in zip(self._codecs, (self.keys, self.values))
+        )
+        self.stored.append(pair)
+        self.num_stored += count
+        self.keys, self.values = self.keys[..., count:, :], self.values[..., count:, :]
+
+    @staticmethod
+    def _quantize(codec: Codec, states: torch.Tensor, blocks: int) -> Stored:
+        # [batch, heads, tokens, dim] -> the codec's [n, block, heads, dim], kept as [batch, blocks, ...]
+        batch, heads, _, dim = states.shape
+        x = states.transpose(1, 2).reshape(batch * blocks, BLOCK_SIZE, heads, dim).contiguous()
+        return {k: t.view(batch, blocks, *t.shape[1:]) for k, t in codec.quantize(x).items()}
+
+    def _everything(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.stored:
+            return self.keys, self.values
+        parts = [[], []]
+        for pair in self.stored:
+            for i, (codec, part) in enumerate(zip(self._codecs, pair)):
+                batch, blocks = next(iter(part.values())).shape[:2]
+                flat = {k: t.flatten(0, 1) for k, t in part.items()}
+                x = codec.dequantize(flat, self.keys.dtype)  # [batch * blocks, block, heads, dim]
+                parts[i].append(x.view(batch, blocks * BLOCK_SIZE, *x.shape[2:]).transpose(1, 2))
+        keys = torch.cat([*parts[0], self.keys], dim=-2)
+        return keys, torch.cat([*parts[1], self.values], dim=-2)
+
+
+class KVBankQuantizedCache(Cache):
+    """`past_key_values` for `generate`: kvbank's int8 / fp8 / int4 / int2 KV formats.
+
+    `residual_length` recent tokens (and up to a block more) stay exact; `group_size` is the
+    channels sharing a scale in int4/int2 values (it must divide the head dimension).
+    """
+
+    def __init__(
+        self, kv_dtype: str = "int4", residual_length: int = 128, group_size: int = DEFAULT_GROUP_SIZE
+    ) -> None:
+        _check(kv_dtype, residual_length, group_size)
+        super().__init__(
+            layer_class_to_replicate=functools.partial(KVBankQuantizedLayer, kv_dtype, residual_length, group_size)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes every layer holds (codes, scales, exact recent tokens)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+
+class SinkWindowLayer(DynamicLayer):
+    """One layer of `SinkWindowCache`: `keys`/`values` hold the sinks then the window, keys rotated
+    at the positions they were computed at."""
+
+    is_croppable = False
+
+    def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        self.sinks, self.window, self.inv_freq = sinks, window, inv_freq.float().cpu()
+        self.seen = 0
+        #: the position the first kept token after the sinks was computed at
+        self.window_start = sinks
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append; return the kept tokens and the new ones (the sinks rotated to sit before the
+        window); then evict what falls out of the window."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.seen += key_states.shape[-2]
+        keys = self._sinks_moved(self.keys)
+        values = self.values
+        extra = self.keys.shape[-2] - self.sinks - self.window
+        if extra > 0:
+            keep = lambda t: torch.cat([t[..., : self.sinks, :], t[..., self.sinks + extra :, :]], dim=-2)
+            self.keys, self.values = keep(self.keys), keep(self.values)
+            self.window_start += extra
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        """(kept + new, seen - kept): every kept token is visible; `query_length` may be 5.0's cache_position."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        kept = self.keys.shape[-2] if self.is_initialized else 0
+        return kept + query_length, self.seen - kept
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return self.sinks + self.window
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen, self.window_start = 0, self.sinks
+
+    def _sinks_moved(self, keys: torch.Tensor) -> torch.Tensor:
+        delta = self.window_start - self.sinks
+        count = min(self.sinks, keys.shape[-2])
+        if delta == 0 or count == 0:
+            return keys
+        cos, sin = rotation_tables(torch.tensor([delta]), self.inv_freq)
+        sinks = keys[..., :count, :]
+        moved = apply_rope(sinks.float(), cos.to(keys.device), sin.to(keys.device)).to(keys.dtype)
+        return torch.cat([moved, keys[..., count:, :]], dim=-2)
+
+
+class SinkWindowCache(Cache):
+    """StreamingLLM for `generate`: the first `sinks` tokens and the last `window`, in constant memory.
+
+    `model` (a transformers model with rotary positions) gives the rotary frequencies the sinks are
+    re-rotated with; `inv_freq` may be given instead.
+    """
+
+    def __init__(
+        self,
+        sinks: int = 4,
+        window: int = 1024,
+        model: torch.nn.Module | None = None,
+        inv_freq: torch.Tensor | None = None,
+    ) -> None:
+        if not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks={sinks!r} must be an integer >= 0")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be an integer >= 1")
+        if inv_freq is None:
+            if model is None:
+                raise ValueError("SinkWindowCache needs the model (or its rotary inv_freq) to re-rotate the sinks")
+            inv_freq = _rotary_inv_freq(model)
+        super().__init__(layer_class_to_replicate=functools.partial(SinkWindowLayer, sinks, window, inv_freq))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kept keys and values in every layer."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
+
+
+def _rotary_inv_freq(model: torch.nn.Module) -> torch.Tensor:
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor) and "Rotary" in type(module).__name__:
+            scaling = getattr(module, "attention_scaling", 1.0)
+            if scaling != 1.0:
+                raise ValueError(f"rotary attention_scaling={scaling} is not supported: sinks could not be re-rotated")
+            return inv_freq
+    raise ValueError(f"{type(model).__name__} has no rotary embedding module with inv_freq")
+
+
+def bytes_per_token(config, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, float]:
+    """KV bytes per token of a transformers model config, all layers, in its dtype (float32 when
+    it names none) and in each kvbank format, scales and zero points included (as `kvbank plan`)."""
+    heads = config.num_key_value_heads or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    sizes = {"auto": 2 * heads * dim * torch.empty(0, dtype=dtype).element_size()}
+    for name in QUANTIZED_DTYPES:
+        if name in ("int4", "int2") and dim % group_size:
+            continue
+        key, value = codecs_for(name, dtype, group_size)
+        sizes[name] = (
+            key.bytes_per_block(BLOCK_SIZE, heads, dim) + value.bytes_per_block(BLOCK_SIZE, heads, dim)
+        ) / BLOCK_SIZE
+    return {name: size * config.num_hidden_layers for name, size in sizes.items()}

@@ -1,0 +1,196 @@
+"""kvbank's KV formats as transformers caches: against DynamicCache on a tiny random Llama."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
+from transformers.models.llama.modeling_llama import rotate_half
+
+from kvbank.cache.quant import codecs_for
+from kvbank.integrations.hf import BLOCK_SIZE, KVBankQuantizedCache, SinkWindowCache, bytes_per_token
+from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
+
+DTYPES = ["int8", "fp8_e4m3", "int4", "int2"]
+HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=HEADS * DIM,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def _greedy(model, prompt, cache, **kwargs):
+    return model.generate(prompt, max_new_tokens=30, do_sample=False, past_key_values=cache, **kwargs)
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_a_residual_covering_the_generation_gives_dynamic_cache_output(model, prompt, kv_dtype):
+    expected = _greedy(model, prompt, DynamicCache())
+    assert torch.equal(
+        _greedy(model, prompt, KVBankQuantizedCache(kv_dtype, residual_length=128, group_size=16)), expected
+    )
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_old_blocks_are_stored_in_the_engine_format(model, prompt, kv_dtype):
+    cache = KVBankQuantizedCache(kv_dtype, residual_length=0, group_size=16)
+    out = _greedy(model, prompt, cache)
+    tokens = out.shape[1] - 1  # the last token is sampled, never cached
+    assert cache.get_seq_length() == tokens
+    blocks = tokens // BLOCK_SIZE
+    key, value = codecs_for(kv_dtype, torch.float32, 16)
+    per_block = key.bytes_per_block(BLOCK_SIZE, KV_HEADS, DIM) + value.bytes_per_block(BLOCK_SIZE, KV_HEADS, DIM)
+    exact = 2 * (tokens - blocks * BLOCK_SIZE) * KV_HEADS * DIM * 4  # float32 K and V of the residual
+    assert cache.nbytes == LAYERS * prompt.shape[0] * (blocks * per_block + exact)
+    dynamic = DynamicCache()
+    _greedy(model, prompt, dynamic)
+    full = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    assert cache.nbytes < full / (1.9 if kv_dtype in ("int8", "fp8_e4m3") else 3)
+
+
+def test_beam_search_reorders_the_stored_blocks(model, prompt):
+    expected = model.generate(prompt, max_new_tokens=12, num_beams=3, do_sample=False)
+    covering = KVBankQuantizedCache("int8", residual_length=128, group_size=16)
+    beams = model.generate(prompt, max_new_tokens=12, num_beams=3, do_sample=False, past_key_values=covering)
+    assert torch.equal(beams, expected)
+    stored = KVBankQuantizedCache("int8", residual_length=0, group_size=16)
+    beams = model.generate(prompt, max_new_tokens=12, num_beams=3, do_sample=False, past_key_values=stored)
+    assert beams.shape == expected.shape and stored.get_seq_length() > BLOCK_SIZE
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="kv_dtype='int3' is not one of"):
+        KVBankQuantizedCache("int3")
+    with pytest.raises(ValueError, match="residual_length=-1"):
+        KVBankQuantizedCache("int8", residual_length=-1)
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    with pytest.raises(ValueError, match="group_size=64 must divide the head dimension 24"):
+        tiny.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, past_key_values=KVBankQuantizedCache("int4"))
+
+
+# --- SinkWindowCache -------------------------------------------------------------------------------
+
+
+def test_a_window_covering_the_generation_gives_dynamic_cache_output(model, prompt):
+    expected = _greedy(model, prompt, DynamicCache())
+    assert torch.equal(_greedy(model, prompt, SinkWindowCache(sinks=4, window=200, model=model)), expected)
+
+
+def test_sink_window_memory_is_constant_over_a_4k_token_generation(model, prompt):
+    cache = SinkWindowCache(sinks=4, window=64, model=model)
+    sizes = []
+
+    class Watch(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            sizes.append(cache.nbytes)
+            return scores
+
+    out = model.generate(
+        prompt[:1],
+        max_new_tokens=4000,
+        min_new_tokens=4000,
+        do_sample=False,
+        past_key_values=cache,
+        logits_processor=LogitsProcessorList([Watch()]),
+    )
+    assert out.shape[1] == prompt.shape[1] + 4000 and cache.get_seq_length() == out.shape[1] - 1
+    assert len(set(sizes[100:])) == 1, "the cache holds the same bytes once the window is full"
+    assert all(layer.keys.shape[-2] == 4 + 64 for layer in cache.layers)
+
+
+def test_sinks_are_handed_over_rotated_to_sit_just_before_the_window(model):
+    rotary = model.model.rotary_emb
+    base = torch.randn(1, KV_HEADS, 200, DIM)
+
+    def at(positions):
+        cos, sin = rotary(base, torch.tensor([positions]))
+        return (
+            base[..., : len(positions), :] * cos[:, None] + rotate_half(base[..., : len(positions), :]) * sin[:, None]
+        )
+
+    cache = SinkWindowCache(sinks=4, window=16, model=model)
+    keys = at(list(range(100)))  # a prompt of 100 tokens, rotated at their positions by the model's rotary
+    cache.update(keys, keys.clone(), 0)
+    step = base[..., 100:101, :]  # the next token's key (its rotation does not matter here)
+    handed, _ = cache.update(step, step.clone(), 0)
+    # Kept: the sinks and tokens 84..99, computed there; the sinks are handed over as if at 80..83.
+    sinks = base[..., :4, :]
+    cos, sin = rotary(base, torch.tensor([list(range(80, 84))]))
+    torch.testing.assert_close(handed[..., :4, :], sinks * cos[:, None] + rotate_half(sinks) * sin[:, None])
+    torch.testing.assert_close(handed[..., 4:20, :], keys[..., 84:100, :])
+    assert cache.get_seq_length() == 101 and cache.get_mask_sizes(1, 0) == (4 + 16 + 1, 101 - 20)
+
+
+def test_bytes_per_token_match_the_engine_for_the_bundled_model_shape():
+    config = LlamaConfig(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        torch_dtype="bfloat16",
+    )
+    sizes = bytes_per_token(config)
+    assert sizes["auto"] == 23040 and sizes["int8"] == 11880
+    assert sizes["int4"] == pytest.approx(6423.75) and sizes["int2"] == pytest.approx(3543.75)
+
+
+# --- the bundled model, loaded by transformers from its GGUF ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    folder = os.path.dirname(importlib.util.find_spec(BUNDLED_PACKAGE).origin)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=BUNDLED_FILE, dtype=torch.float32).eval()
+
+
+def test_the_bundled_model_generates_the_same_with_covering_caches(smollm):
+    ids = torch.tensor([[1, 504, 3575, 282, 4649, 314, 12, 504, 3575, 282, 4649, 314]])
+    expected = smollm.generate(
+        ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=DynamicCache()
+    )
+    for cache in (
+        KVBankQuantizedCache("int4", residual_length=64),
+        KVBankQuantizedCache("int8", residual_length=64),
+        SinkWindowCache(sinks=4, window=64, model=smollm),
+    ):
+        assert torch.equal(
+            smollm.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=cache), expected
+        )
+    stored = KVBankQuantizedCache("int4", residual_length=0)  # head dim 64: groups of 64
+    out = smollm.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=stored)
+    assert out.shape == expected.shape and stored.layers[0].num_stored == 32
