@@ -15,8 +15,9 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import rotate_half
 
+from kvbank.cache.policies import keep_top
 from kvbank.cache.quant import codecs_for
-from kvbank.integrations.hf import BLOCK_SIZE, KVBankQuantizedCache, SinkWindowCache, bytes_per_token
+from kvbank.integrations.hf import BLOCK_SIZE, KVBankQuantizedCache, SinkWindowCache, SnapKVCache, bytes_per_token
 from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
 
 DTYPES = ["int8", "fp8_e4m3", "int4", "int2"]
@@ -167,6 +168,43 @@ def test_bytes_per_token_match_the_engine_for_the_bundled_model_shape():
     sizes = bytes_per_token(config)
     assert sizes["auto"] == 23040 and sizes["int8"] == 11880
     assert sizes["int4"] == pytest.approx(6423.75) and sizes["int2"] == pytest.approx(3543.75)
+
+
+# --- SnapKVCache ---------------------------------------------------------------------------------
+
+
+def test_a_budget_covering_the_prompt_gives_dynamic_cache_output(model, prompt):
+    expected = _greedy(model, prompt, DynamicCache())
+    assert torch.equal(_greedy(model, prompt, SnapKVCache(budget=100, window=16, model=model)), expected)
+
+
+def test_snapkv_keeps_what_the_window_attends_to_most_and_unhooks_itself(model, prompt):
+    cache = SnapKVCache(budget=24, window=8, kernel=5, model=model)
+    _greedy(model, prompt, cache)
+    assert all(layer.keys.shape[-2] == 24 + 29 for layer in cache.layers)  # the budget, then 29 generated
+    assert cache.get_seq_length() == prompt.shape[1] + 29
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    # The same choice from the model's own attention weights over the whole prompt.
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(prompt, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    length = prompt.shape[1]
+    for layer, weights in zip(cache.layers, attentions):
+        votes = weights[:, :, -8:, : length - 8].sum(2).view(prompt.shape[0], KV_HEADS, -1, length - 8).sum(2)
+        pooled = torch.nn.functional.avg_pool1d(votes.flatten(0, 1).unsqueeze(1), 5, 1, 2, False, False)
+        assert torch.equal(layer.kept, keep_top(pooled.view(votes.shape), 24 - 8, 8))
+
+
+def test_snapkv_arguments_are_checked(model):
+    with pytest.raises(ValueError, match="budget=8 must be an integer > window=8"):
+        SnapKVCache(budget=8, window=8, model=model)
+    with pytest.raises(ValueError, match="kernel=4 must be a positive odd integer"):
+        SnapKVCache(budget=32, window=8, kernel=4, model=model)
+    with pytest.raises(ValueError, match="needs the model"):
+        SnapKVCache(budget=32, window=8)
 
 
 # --- the bundled model, loaded by transformers from its GGUF ----------------------------------------

@@ -11,6 +11,11 @@ the exact recent ones.
   stored copy, so rounding never piles up) to sit just before the window, which gives every kept
   pair of tokens its distance within the cache, as kvbank's `sink_window` does.
   `get_seq_length()` counts every token seen (positions follow it) and the mask covers the kept.
+- `SnapKVCache(budget=1024, window=64, kernel=5, model=model)`: at the end of the prompt, the
+  last `window` prompt tokens' attention (average-pooled over `kernel` neighbours) chooses, per
+  layer and KV head, the `budget - window` earlier tokens kept beside the window (kvbank's
+  `snapkv`). A Cache never sees queries, so the cache hooks the model's attention modules to
+  recompute the window's queries from their inputs, until every layer has compressed its prompt.
 
 Written against transformers' layered caches (5.x): a `Cache` of per-layer objects, each a
 `DynamicLayer` whose `update(key_states, value_states, *args, **kwargs)` takes and returns
@@ -25,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbank.attention.rope import apply_rope, rotation_tables
+from kvbank.cache.policies import keep_top
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, Codec, Stored, codecs_for
 
 BLOCK_SIZE = 16
@@ -276,3 +282,123 @@ def bytes_per_token(config, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, f
             key.bytes_per_block(BLOCK_SIZE, heads, dim) + value.bytes_per_block(BLOCK_SIZE, heads, dim)
         ) / BLOCK_SIZE
     return {name: size * config.num_hidden_layers for name, size in sizes.items()}
+
+
+class SnapKVLayer(DynamicLayer):
+    """One layer of `SnapKVCache`: the compressed prompt (the same count per KV head), then every
+    generated token."""
+
+    is_croppable = False
+
+    def __init__(self, budget: int, window: int, kernel: int, queries) -> None:
+        super().__init__()
+        self.budget, self.window, self.kernel, self.queries = budget, window, kernel, queries
+        self.seen = 0
+        self.compressed = False
+        #: per batch row and KV head, the prompt positions kept (after compressing)
+        self.kept: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """The first call (the prompt) attends over everything, then keeps `budget` tokens per head."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.seen += key_states.shape[-2]
+        keys, values = self.keys, self.values
+        if not self.compressed:
+            self.compressed = True
+            if self.keys.shape[-2] > self.budget:
+                self._compress(self.queries())
+        return keys, values
+
+    def _compress(self, queries: torch.Tensor) -> None:
+        # queries: [batch, heads, window, dim], rotated; the window's rows attend causally.
+        batch, heads, window, dim = queries.shape
+        kv_heads, length = self.keys.shape[1], self.keys.shape[-2]
+        group = heads // kv_heads
+        keys = self.keys.repeat_interleave(group, dim=1).float()
+        logits = queries.float() @ keys.transpose(-1, -2) / dim**0.5
+        future = torch.arange(length) > torch.arange(length - window, length).unsqueeze(1)
+        weights = logits.masked_fill(future.to(logits.device), float("-inf")).softmax(dim=-1)
+        votes = weights[..., : length - window].sum(dim=-2).view(batch, kv_heads, group, -1).sum(dim=2)
+        pooled = torch.nn.functional.avg_pool1d(
+            votes.flatten(0, 1).unsqueeze(1), self.kernel, 1, self.kernel // 2, False, False
+        ).view(votes.shape)
+        self.kept = keep_top(pooled, self.budget - window, window).to(self.keys.device)
+        index = self.kept.unsqueeze(-1).expand(-1, -1, -1, dim)
+        self.keys, self.values = self.keys.gather(2, index), self.values.gather(2, index)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        """(kept + new, seen - kept); `query_length` may be 5.0's cache_position."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        kept = self.keys.shape[-2] if self.is_initialized else 0
+        return kept + query_length, self.seen - kept
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+
+class SnapKVCache(Cache):
+    """SnapKV for `generate`: the prompt compressed to `budget` tokens per layer and KV head.
+
+    `model` is hooked (its attention modules' inputs, for the window's queries) until every layer
+    has compressed its prompt; `close()` removes the hooks earlier. One cache serves one prompt.
+    """
+
+    def __init__(self, budget: int = 1024, window: int = 64, kernel: int = 5, model: torch.nn.Module | None = None):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be an integer >= 1")
+        if not isinstance(budget, int) or budget <= window:
+            raise ValueError(f"budget={budget!r} must be an integer > window={window}")
+        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel={kernel!r} must be a positive odd integer (pooling is centred)")
+        if model is None:
+            raise ValueError("SnapKVCache needs the model: the window's queries come from its attention modules")
+        self.window = window
+        self._inputs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")}
+        if not self._modules:
+            raise ValueError(f"{type(model).__name__} has no attention modules with q_proj and layer_idx")
+        self._hooks = [m.register_forward_pre_hook(self._capture, with_kwargs=True) for m in self._modules.values()]
+        self._layer_args = (budget, window, kernel)
+        super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def _new_layer(self) -> SnapKVLayer:
+        # Layers are made in order as update() first meets them: this one's index is the count so far.
+        index = len(self.layers)
+        return SnapKVLayer(*self._layer_args, lambda: self._queries(index))
+
+    def _capture(self, module, args, kwargs) -> None:
+        if not (
+            self.layers and all(layer.compressed for layer in self.layers) and len(self.layers) == len(self._modules)
+        ):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self._inputs[module.layer_idx] = (hidden[:, -self.window :], kwargs["position_embeddings"])
+        else:
+            self.close()
+
+    def _queries(self, layer_idx: int) -> torch.Tensor:
+        module = self._modules[layer_idx]
+        hidden, (cos, sin) = self._inputs.pop(layer_idx)
+        batch, window, _ = hidden.shape
+        queries = module.q_proj(hidden).view(batch, window, -1, module.head_dim)
+        norm = getattr(module, "q_norm", None)
+        queries = (norm(queries) if norm is not None else queries).transpose(1, 2)
+        cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
+        half = queries.shape[-1] // 2
+        turned = torch.cat((-queries[..., half:], queries[..., :half]), dim=-1)
+        return queries * cos + turned * sin
+
+    def close(self) -> None:
+        """Remove the hooks from the model (done by itself once every layer has compressed)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
