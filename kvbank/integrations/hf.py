@@ -164,16 +164,37 @@ class KVBankQuantizedCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
 
-class SinkWindowLayer(DynamicLayer):
-    """One layer of `SinkWindowCache`: `keys`/`values` hold the sinks then the window, keys rotated
-    at the positions they were computed at."""
+class EvictingLayer(DynamicLayer):
+    """A layer that drops tokens: `seen` counts every token it was given (positions follow it),
+    `keys`/`values` hold the kept ones, and the mask shows every kept token to every query."""
 
     is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        """(kept + new, seen - kept); `query_length` may be 5.0's cache_position tensor."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        kept = self.keys.shape[-2] if self.is_initialized else 0
+        return kept + query_length, self.seen - kept
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SinkWindowLayer(EvictingLayer):
+    """One layer of `SinkWindowCache`: `keys`/`values` hold the sinks then the window, keys rotated
+    at the positions they were computed at."""
 
     def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor) -> None:
         super().__init__()
         self.sinks, self.window, self.inv_freq = sinks, window, inv_freq.float().cpu()
-        self.seen = 0
         #: the position the first kept token after the sinks was computed at
         self.window_start = sinks
 
@@ -193,19 +214,6 @@ class SinkWindowLayer(DynamicLayer):
             self.keys, self.values = keep(self.keys), keep(self.values)
             self.window_start += extra
         return keys, values
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        """(kept + new, seen - kept): every kept token is visible; `query_length` may be 5.0's cache_position."""
-        if isinstance(query_length, torch.Tensor):
-            query_length = query_length.shape[0]
-        kept = self.keys.shape[-2] if self.is_initialized else 0
-        return kept + query_length, self.seen - kept
-
-    def get_max_length(self) -> int:
-        return -1
 
     def get_max_cache_shape(self) -> int:
         return self.sinks + self.window
@@ -284,16 +292,13 @@ def bytes_per_token(config, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, f
     return {name: size * config.num_hidden_layers for name, size in sizes.items()}
 
 
-class SnapKVLayer(DynamicLayer):
+class SnapKVLayer(EvictingLayer):
     """One layer of `SnapKVCache`: the compressed prompt (the same count per KV head), then every
     generated token."""
-
-    is_croppable = False
 
     def __init__(self, budget: int, window: int, kernel: int, queries) -> None:
         super().__init__()
         self.budget, self.window, self.kernel, self.queries = budget, window, kernel, queries
-        self.seen = 0
         self.compressed = False
         #: per batch row and KV head, the prompt positions kept (after compressing)
         self.kept: torch.Tensor | None = None
@@ -328,19 +333,6 @@ class SnapKVLayer(DynamicLayer):
         self.kept = keep_top(pooled, self.budget - window, window).to(self.keys.device)
         index = self.kept.unsqueeze(-1).expand(-1, -1, -1, dim)
         self.keys, self.values = self.keys.gather(2, index), self.values.gather(2, index)
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        """(kept + new, seen - kept); `query_length` may be 5.0's cache_position."""
-        if isinstance(query_length, torch.Tensor):
-            query_length = query_length.shape[0]
-        kept = self.keys.shape[-2] if self.is_initialized else 0
-        return kept + query_length, self.seen - kept
-
-    def get_max_length(self) -> int:
-        return -1
 
     def get_max_cache_shape(self) -> int:
         return -1
