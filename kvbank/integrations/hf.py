@@ -1,10 +1,11 @@
 """kvbank's KV formats inside Hugging Face transformers: caches for `model.generate(past_key_values=...)`.
 
 - `KVBankQuantizedCache(kv_dtype="int4")` keeps each layer's most recent tokens (at least
-`residual_length`) in the model dtype and stores older ones, a block of 16 tokens at a time, in one
-of kvbank's codecs (kvbank/cache/quant.py): the same bytes per token as the engine's pool. As
-transformers' own `QuantizedCache` does, every step attends over the dequantized old tokens and
-the exact recent ones.
+`residual_length`) in the model dtype and stores older ones in one of kvbank's codecs
+(kvbank/cache/quant.py), a token (int8, fp8) or a block of 16 tokens (int4, int2) at a time: the
+same bytes per token as the engine's pool. As transformers' own `QuantizedCache` does, every step
+attends over the dequantized old tokens and the exact recent ones; with `residual_length=0` the
+numbers are the engine's (prompts in 16-token chunks for int4/int2).
 - `SinkWindowCache(sinks=4, window=1024, model=model)` is StreamingLLM: the first `sinks` tokens
   and the last `window`, so memory stays flat however long `generate` runs. Keys are stored
   rotated at their own positions; the sinks are handed to attention rotated forward (from their
@@ -46,11 +47,42 @@ def _check(kv_dtype: str, residual_length: int, group_size: int) -> None:
         raise ValueError(f"group_size={group_size!r} must be a positive integer")
 
 
-class KVBankQuantizedLayer(DynamicLayer):
-    """One layer: `keys`/`values` hold the recent tokens exactly; older whole blocks are stored
-    through kvbank's codecs, as [batch, blocks, ...] tensors so that beams can be reordered."""
+class _Layer(DynamicLayer):
+    """What kvbank's layers share across transformers 5.x: they cannot be cropped, `reset` empties them
+    (up to 5.12 `DynamicLayer.reset` zeroes the tensors in place and keeps their length), and the
+    maximum length answers to both names (`get_max_cache_shape` up to 5.12, `get_max_length` since)."""
 
-    is_croppable = False
+    is_croppable = False  # read by 5.24+ (assisted decoding refuses the cache)
+
+    def crop(self, length: int) -> None:
+        # 5.24+: crop(-n) removes n tokens, crop(0) is a no-op; up to 5.12: crop(n >= 0) keeps n tokens.
+        if length < 0 or 0 < length < self.get_seq_length():
+            raise ValueError(f"{type(self).__name__} cannot be cropped: dropped or quantized tokens cannot be restored")
+
+    def reset(self) -> None:
+        super().reset()
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return self.get_max_length()
+
+
+class KVBankQuantizedLayer(_Layer):
+    """One layer: `keys`/`values` hold the recent tokens exactly; older ones are stored through
+    kvbank's codecs, as [batch, units, ...] tensors so that beams can be reordered.
+
+    The unit is what the engine's pool stores at once. int8/fp8 scale each token: tokens beyond
+    the residual are stored before attention reads them, so with `residual_length=0` every token,
+    the new ones included, is attended in its stored form, as in the engine. int4/int2 scale keys
+    per channel over a 16-token block: a block is stored once a step has completed it (beyond the
+    residual), so a token attends to earlier blocks stored and to its own block exactly, as in the
+    engine; a prompt given in one call attends to itself exactly (give it in 16-token chunks to
+    score it as the engine does).
+    """
 
     def __init__(
         self, kv_dtype: str = "int4", residual_length: int = 128, group_size: int = DEFAULT_GROUP_SIZE
@@ -58,21 +90,24 @@ class KVBankQuantizedLayer(DynamicLayer):
         _check(kv_dtype, residual_length, group_size)
         super().__init__()
         self.kv_dtype, self.residual_length, self.group_size = kv_dtype, residual_length, group_size
-        self.stored: list[tuple[Stored, Stored]] = []
+        self.stored: tuple[Stored, Stored] | None = None
         self.num_stored = 0
         self._codecs: tuple[Codec, Codec] | None = None
+        self.unit = BLOCK_SIZE if kv_dtype in ("int4", "int2") else 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new tokens; return every token's K and V (old ones dequantized). Blocks that
-        fall out of the residual are quantized afterwards, for the steps that follow."""
+        """Append the new tokens; return every token's K and V (stored ones dequantized)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             dim = key_states.shape[-1]
-            if self.kv_dtype in ("int4", "int2") and dim % self.group_size:
+            if self.unit > 1 and dim % self.group_size:
                 raise ValueError(f"group_size={self.group_size} must divide the head dimension {dim}")
             self._codecs = codecs_for(self.kv_dtype, key_states.dtype, self.group_size)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.unit == 1:
+            self._store_overflow()
+            return self._everything()
         keys, values = self._everything()
         self._store_overflow()
         return keys, values
@@ -87,12 +122,12 @@ class KVBankQuantizedLayer(DynamicLayer):
         """Bytes this layer holds: the stored codes and scales, and the exact recent tokens."""
         if not self.is_initialized:
             return 0
-        stored = sum(t.nbytes for pair in self.stored for part in pair for t in part.values())
+        stored = sum(t.nbytes for part in self.stored or () for t in part.values())
         return stored + self.keys.nbytes + self.values.nbytes
 
     def reset(self) -> None:
         super().reset()
-        self.stored, self.num_stored = [], 0
+        self.stored, self.num_stored = None, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -107,47 +142,48 @@ class KVBankQuantizedLayer(DynamicLayer):
         self._select(lambda t: t[indices, ...])
 
     def _select(self, pick) -> None:
-        self.stored = [tuple({k: pick(t) for k, t in part.items()} for part in pair) for pair in self.stored]
+        if self.stored is not None:
+            self.stored = tuple({k: pick(t) for k, t in part.items()} for part in self.stored)
 
     def _store_overflow(self) -> None:
-        blocks = max(0, self.keys.shape[-2] - self.residual_length) // BLOCK_SIZE
-        if not blocks:
+        units = max(0, self.keys.shape[-2] - self.residual_length) // self.unit
+        if not units:
             return
-        count = blocks * BLOCK_SIZE
+        count = units * self.unit
         pair = tuple(
-            self._quantize(codec, states[..., :count, :], blocks)
+            self._quantize(codec, states[..., :count, :], units)
             for codec, states in zip(self._codecs, (self.keys, self.values))
         )
-        self.stored.append(pair)
+        if self.stored is not None:
+            pair = tuple({k: torch.cat([old[k], new[k]], dim=1) for k in new} for old, new in zip(self.stored, pair))
+        self.stored = pair
         self.num_stored += count
         self.keys, self.values = self.keys[..., count:, :], self.values[..., count:, :]
 
-    @staticmethod
-    def _quantize(codec: Codec, states: torch.Tensor, blocks: int) -> Stored:
-        # [batch, heads, tokens, dim] -> the codec's [n, block, heads, dim], kept as [batch, blocks, ...]
+    def _quantize(self, codec: Codec, states: torch.Tensor, units: int) -> Stored:
+        # [batch, heads, tokens, dim] -> the codec's [n, unit, heads, dim], kept as [batch, units, ...]
         batch, heads, _, dim = states.shape
-        x = states.transpose(1, 2).reshape(batch * blocks, BLOCK_SIZE, heads, dim).contiguous()
-        return {k: t.view(batch, blocks, *t.shape[1:]) for k, t in codec.quantize(x).items()}
+        x = states.transpose(1, 2).reshape(batch * units, self.unit, heads, dim).contiguous()
+        return {k: t.view(batch, units, *t.shape[1:]) for k, t in codec.quantize(x).items()}
 
     def _everything(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.stored:
+        if self.stored is None:
             return self.keys, self.values
-        parts = [[], []]
-        for pair in self.stored:
-            for i, (codec, part) in enumerate(zip(self._codecs, pair)):
-                batch, blocks = next(iter(part.values())).shape[:2]
-                flat = {k: t.flatten(0, 1) for k, t in part.items()}
-                x = codec.dequantize(flat, self.keys.dtype)  # [batch * blocks, block, heads, dim]
-                parts[i].append(x.view(batch, blocks * BLOCK_SIZE, *x.shape[2:]).transpose(1, 2))
-        keys = torch.cat([*parts[0], self.keys], dim=-2)
-        return keys, torch.cat([*parts[1], self.values], dim=-2)
+        out = []
+        for codec, part, recent in zip(self._codecs, self.stored, (self.keys, self.values)):
+            batch, units = next(iter(part.values())).shape[:2]
+            x = codec.dequantize({k: t.flatten(0, 1) for k, t in part.items()}, recent.dtype)
+            old = x.view(batch, units * self.unit, *x.shape[2:]).transpose(1, 2)
+            out.append(torch.cat([old, recent], dim=-2))
+        return out[0], out[1]
 
 
 class KVBankQuantizedCache(Cache):
     """`past_key_values` for `generate`: kvbank's int8 / fp8 / int4 / int2 KV formats.
 
-    `residual_length` recent tokens (and up to a block more) stay exact; `group_size` is the
-    channels sharing a scale in int4/int2 values (it must divide the head dimension).
+    The `residual_length` most recent tokens stay exact (int4/int2: up to a block more);
+    `group_size` is the channels sharing a scale in int4/int2 values (it must divide the head
+    dimension). `residual_length=0` attends exactly as the engine's quantized pool does.
     """
 
     def __init__(
@@ -164,11 +200,9 @@ class KVBankQuantizedCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
 
-class EvictingLayer(DynamicLayer):
+class EvictingLayer(_Layer):
     """A layer that drops tokens: `seen` counts every token it was given (positions follow it),
     `keys`/`values` hold the kept ones, and the mask shows every kept token to every query."""
-
-    is_croppable = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -184,8 +218,9 @@ class EvictingLayer(DynamicLayer):
         kept = self.keys.shape[-2] if self.is_initialized else 0
         return kept + query_length, self.seen - kept
 
-    def get_max_length(self) -> int:
-        return -1
+    def reset(self) -> None:
+        super().reset()
+        self.seen = 0
 
 
 class SinkWindowLayer(EvictingLayer):
@@ -215,12 +250,12 @@ class SinkWindowLayer(EvictingLayer):
             self.window_start += extra
         return keys, values
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:
         return self.sinks + self.window
 
     def reset(self) -> None:
         super().reset()
-        self.seen, self.window_start = 0, self.sinks
+        self.window_start = self.sinks
 
     def _sinks_moved(self, keys: torch.Tensor) -> torch.Tensor:
         delta = self.window_start - self.sinks
@@ -254,6 +289,7 @@ class SinkWindowCache(Cache):
         if inv_freq is None:
             if model is None:
                 raise ValueError("SinkWindowCache needs the model (or its rotary inv_freq) to re-rotate the sinks")
+            _refuse_sliding_window(model, "SinkWindowCache")
             inv_freq = _rotary_inv_freq(model)
         super().__init__(layer_class_to_replicate=functools.partial(SinkWindowLayer, sinks, window, inv_freq))
 
@@ -261,6 +297,19 @@ class SinkWindowCache(Cache):
     def nbytes(self) -> int:
         """Bytes of the kept keys and values in every layer."""
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
+
+
+def _refuse_sliding_window(model: torch.nn.Module, cache: str) -> None:
+    """Sliding-window layers mask by position, which an evicting cache no longer keeps contiguous."""
+    config = getattr(model, "config", None)
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in types if types is not None else window is not None
+    if sliding:
+        raise ValueError(
+            f"{type(model).__name__} has attention layers with a sliding window of {window} tokens: "
+            f"{cache} evicts by its own rule and cannot serve them (use KVBankQuantizedCache or DynamicCache)"
+        )
 
 
 def _rotary_inv_freq(model: torch.nn.Module) -> torch.Tensor:
@@ -334,9 +383,6 @@ class SnapKVLayer(EvictingLayer):
         index = self.kept.unsqueeze(-1).expand(-1, -1, -1, dim)
         self.keys, self.values = self.keys.gather(2, index), self.values.gather(2, index)
 
-    def get_max_cache_shape(self) -> int:
-        return -1
-
 
 class SnapKVCache(Cache):
     """SnapKV for `generate`: the prompt compressed to `budget` tokens per layer and KV head.
@@ -354,6 +400,7 @@ class SnapKVCache(Cache):
             raise ValueError(f"kernel={kernel!r} must be a positive odd integer (pooling is centred)")
         if model is None:
             raise ValueError("SnapKVCache needs the model: the window's queries come from its attention modules")
+        _refuse_sliding_window(model, "SnapKVCache")
         self.window = window
         self._inputs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")}
@@ -388,6 +435,9 @@ class SnapKVCache(Cache):
         half = queries.shape[-1] // 2
         turned = torch.cat((-queries[..., half:], queries[..., :half]), dim=-1)
         return queries * cos + turned * sin
+
+    def reset(self) -> None:
+        raise ValueError("a SnapKVCache serves one prompt (its hooks are gone once it compressed): make a new one")
 
     def close(self) -> None:
         """Remove the hooks from the model (done by itself once every layer has compressed)."""
