@@ -31,8 +31,17 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: lint
+# The transformers caches are also tested under the oldest transformers they support (the
+# newest is what the test extra installs): 5.0.0 and the hub/tokenizers it needs, beside the venv.
+HF_OLDEST := $(VENV)/transformers-5.0.0
+
+$(HF_OLDEST): $(STAMP)
+	$(PIP) install -q --no-deps --target $(HF_OLDEST) -c constraints.txt \
+		transformers==5.0.0 tokenizers==0.22.2 huggingface_hub==1.33.0
+
+test: lint $(HF_OLDEST)
 	$(PY) -m pytest -q
+	PYTHONPATH=$(HF_OLDEST) $(PY) -m pytest -q -p no:cacheprovider tests/test_hf_cache.py -k "not bundled"
 
 bench: install
 	$(PY) bench/throughput.py

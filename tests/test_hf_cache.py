@@ -1,7 +1,9 @@
-"""kvbank's KV formats as transformers caches: against DynamicCache on a tiny random Llama."""
+"""kvbank's KV formats as transformers caches: against DynamicCache on tiny random checkpoints of
+every architecture kvbank supports (Llama, Mistral, Qwen2, Qwen3) and on the bundled model."""
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,22 +14,43 @@ from transformers import (
     LlamaForCausalLM,
     LogitsProcessor,
     LogitsProcessorList,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
 )
 from transformers.models.llama.modeling_llama import rotate_half
 
+from kvbank import LLM, SamplingParams
 from kvbank.cache.policies import keep_top
 from kvbank.cache.quant import codecs_for
-from kvbank.integrations.hf import BLOCK_SIZE, KVBankQuantizedCache, SinkWindowCache, SnapKVCache, bytes_per_token
+from kvbank.integrations.hf import (
+    BLOCK_SIZE,
+    QUANTIZED_DTYPES,
+    KVBankQuantizedCache,
+    SinkWindowCache,
+    SnapKVCache,
+    bytes_per_token,
+)
 from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
 
 DTYPES = ["int8", "fp8_e4m3", "int4", "int2"]
+TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
 HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 2
 
 
-@pytest.fixture(scope="module")
-def model():
+ARCHS = {
+    "llama": (LlamaConfig, {}),
+    "mistral": (MistralConfig, {"sliding_window": None}),
+    "qwen2-bias": (Qwen2Config, {}),
+    "qwen3-qknorm": (Qwen3Config, {"head_dim": DIM}),
+}
+
+
+def _tiny(arch: str, folder=None):
+    """A tiny random checkpoint of `arch` (saved and loaded again when `folder` is given)."""
+    config_cls, extra = ARCHS[arch]
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=256,
         hidden_size=HEADS * DIM,
         intermediate_size=128,
@@ -35,8 +58,28 @@ def model():
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **extra,
     )
-    return LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # biases and norms start at 0 and 1; make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    if folder is None:
+        return model
+    model.save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny("llama")
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def arch_model(request, tmp_path_factory):
+    return _tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +105,12 @@ def test_old_blocks_are_stored_in_the_engine_format(model, prompt, kv_dtype):
     out = _greedy(model, prompt, cache)
     tokens = out.shape[1] - 1  # the last token is sampled, never cached
     assert cache.get_seq_length() == tokens
-    blocks = tokens // BLOCK_SIZE
+    unit = BLOCK_SIZE if kv_dtype in ("int4", "int2") else 1  # int8/fp8 store every token at once
+    units = tokens // unit
     key, value = codecs_for(kv_dtype, torch.float32, 16)
-    per_block = key.bytes_per_block(BLOCK_SIZE, KV_HEADS, DIM) + value.bytes_per_block(BLOCK_SIZE, KV_HEADS, DIM)
-    exact = 2 * (tokens - blocks * BLOCK_SIZE) * KV_HEADS * DIM * 4  # float32 K and V of the residual
-    assert cache.nbytes == LAYERS * prompt.shape[0] * (blocks * per_block + exact)
+    per_unit = key.bytes_per_block(unit, KV_HEADS, DIM) + value.bytes_per_block(unit, KV_HEADS, DIM)
+    exact = 2 * (tokens - units * unit) * KV_HEADS * DIM * 4  # float32 K and V of the partial block
+    assert cache.nbytes == LAYERS * prompt.shape[0] * (units * per_unit + exact)
     dynamic = DynamicCache()
     _greedy(model, prompt, dynamic)
     full = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
@@ -103,6 +147,67 @@ def test_bad_arguments_name_the_value():
         tiny.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, past_key_values=KVBankQuantizedCache("int4"))
 
 
+def test_every_architecture_generates_as_dynamic_cache_with_covering_caches(arch_model, prompt):
+    expected = _greedy(arch_model, prompt, DynamicCache())
+    for cache in (
+        KVBankQuantizedCache("int4", residual_length=128, group_size=16),
+        KVBankQuantizedCache("fp8_e4m3", residual_length=128),
+        SinkWindowCache(sinks=4, window=200, model=arch_model),
+        SnapKVCache(budget=100, window=16, model=arch_model),
+    ):
+        assert torch.equal(_greedy(arch_model, prompt, cache), expected), type(cache).__name__
+    stored = KVBankQuantizedCache("int4", residual_length=0, group_size=16)
+    out = _greedy(arch_model, prompt, stored)
+    assert out.shape == expected.shape and stored.layers[0].num_stored == 64
+
+
+def test_sliding_window_models_keep_quantized_caches_and_refuse_evicting_ones(prompt):
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=256,
+        hidden_size=HEADS * DIM,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        sliding_window=24,
+    )
+    mistral = AutoModelForCausalLM.from_config(config).eval()
+    expected = _greedy(mistral, prompt, DynamicCache())
+    assert torch.equal(_greedy(mistral, prompt, KVBankQuantizedCache("int8", residual_length=128)), expected)
+    with pytest.raises(ValueError, match="sliding window of 24 tokens"):
+        SinkWindowCache(sinks=4, window=64, model=mistral)
+    with pytest.raises(ValueError, match="sliding window of 24 tokens"):
+        SnapKVCache(budget=32, window=8, model=mistral)
+
+
+def test_caches_are_reset_for_reuse_and_refuse_to_be_cropped(model, prompt):
+    expected = _greedy(model, prompt, DynamicCache())
+    for cache in (
+        KVBankQuantizedCache("int8", residual_length=0),
+        KVBankQuantizedCache("int4", residual_length=16, group_size=16),
+        SinkWindowCache(sinks=4, window=200, model=model),
+    ):
+        first = _greedy(model, prompt, cache)
+        cache.reset()
+        assert cache.get_seq_length() == 0
+        assert torch.equal(_greedy(model, prompt, cache), first), type(cache).__name__
+        if isinstance(cache, SinkWindowCache):
+            assert torch.equal(first, expected)
+        # Assisted decoding crops the cache after rejected guesses: refused, never silently wrong
+        # (5.24+ refuses caches that are not croppable; before, the crop itself raises).
+        cache.reset()
+        repeats = torch.tensor([[5, 6, 7, 8, 9] * 6])
+        with pytest.raises(ValueError, match="crop"):
+            model.generate(
+                repeats, max_new_tokens=30, do_sample=False, past_key_values=cache, prompt_lookup_num_tokens=3
+            )
+    snap = SnapKVCache(budget=24, window=8, model=model)
+    _greedy(model, prompt, snap)
+    with pytest.raises(ValueError, match="serves one prompt"):
+        snap.reset()
+
+
 # --- SinkWindowCache -------------------------------------------------------------------------------
 
 
@@ -133,7 +238,8 @@ def test_sink_window_memory_is_constant_over_a_4k_token_generation(model, prompt
     assert all(layer.keys.shape[-2] == 4 + 64 for layer in cache.layers)
 
 
-def test_sinks_are_handed_over_rotated_to_sit_just_before_the_window(model):
+def test_sinks_are_handed_over_rotated_to_sit_just_before_the_window(arch_model):
+    model = arch_model
     rotary = model.model.rotary_emb
     base = torch.randn(1, KV_HEADS, 200, DIM)
 
@@ -178,7 +284,8 @@ def test_a_budget_covering_the_prompt_gives_dynamic_cache_output(model, prompt):
     assert torch.equal(_greedy(model, prompt, SnapKVCache(budget=100, window=16, model=model)), expected)
 
 
-def test_snapkv_keeps_what_the_window_attends_to_most_and_unhooks_itself(model, prompt):
+def test_snapkv_keeps_what_the_window_attends_to_most_and_unhooks_itself(arch_model, prompt):
+    model = arch_model
     cache = SnapKVCache(budget=24, window=8, kernel=5, model=model)
     _greedy(model, prompt, cache)
     assert all(layer.keys.shape[-2] == 24 + 29 for layer in cache.layers)  # the budget, then 29 generated
@@ -232,3 +339,39 @@ def test_the_bundled_model_generates_the_same_with_covering_caches(smollm):
     stored = KVBankQuantizedCache("int4", residual_length=0)  # head dim 64: groups of 64
     out = smollm.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=stored)
     assert out.shape == expected.shape and stored.layers[0].num_stored == 32
+
+
+def test_the_bundled_model_scores_text_as_the_engine_does_in_each_codec(smollm):
+    """Per-token log-probabilities of 64 tokens of text (4 blocks: int4/int2 tokens see earlier
+    blocks stored and their own block exact; int8/fp8 see every token stored), float32, the text
+    fed in 16-token chunks, against the engine's prompt_logprobs in the same format through its
+    reference attention (--no-batch-invariant; the default native kernel rounds differently, and
+    a quantized cache turns rounding into different codes: over longer texts both paths and this
+    cache agree in perplexity within 0.5%, bench/hf_cache.py)."""
+    scores = {}
+    for kv in ["auto", *QUANTIZED_DTYPES]:
+        llm = LLM(
+            dtype="float32",
+            kv_cache_dtype=kv,
+            kv_cache_memory_gb=0.05,
+            enable_prefix_caching=False,
+            batch_invariant=False,
+        )
+        ids = llm.get_tokenizer().encode(TEXT)[:64]
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        engine = torch.tensor([scored[t].logprob for scored, t in zip(out.prompt_logprobs[1:], ids[1:])])
+        del llm
+        cache = DynamicCache() if kv == "auto" else KVBankQuantizedCache(kv, residual_length=0)
+        ours = []
+        with torch.no_grad():
+            for start in range(0, 64, BLOCK_SIZE):
+                logits = smollm(torch.tensor([ids[start : start + BLOCK_SIZE]]), past_key_values=cache).logits[0]
+                targets = (ids + [0])[start + 1 : start + BLOCK_SIZE + 1]  # the last one is cut below
+                ours.append(logits.log_softmax(-1)[torch.arange(BLOCK_SIZE), targets])
+        ours = torch.cat(ours)[:63]
+        assert (ours - engine).abs().max() < 2e-3, kv
+        assert abs(ours.mean() - engine.mean()) < 1e-3, kv  # perplexity within 0.1%
+        scores[kv] = engine
+    # The formats do change the scores (int2 and fp8_e5m2 by far more than the tolerance above).
+    for kv in ("int2", "fp8_e5m2"):
+        assert (scores[kv] - scores["auto"]).abs().max() > 0.05, kv
