@@ -46,9 +46,10 @@ ARCHS = {
 }
 
 
-def _tiny(arch: str, folder=None):
+def _tiny(arch: str, folder=None, **overrides):
     """A tiny random checkpoint of `arch` (saved and loaded again when `folder` is given)."""
     config_cls, extra = ARCHS[arch]
+    extra = {**extra, **overrides}
     torch.manual_seed(0)
     config = config_cls(
         vocab_size=256,
@@ -162,17 +163,7 @@ def test_every_architecture_generates_as_dynamic_cache_with_covering_caches(arch
 
 
 def test_sliding_window_models_keep_quantized_caches_and_refuse_evicting_ones(prompt):
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=256,
-        hidden_size=HEADS * DIM,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        sliding_window=24,
-    )
-    mistral = AutoModelForCausalLM.from_config(config).eval()
+    mistral = _tiny("mistral", sliding_window=24)
     expected = _greedy(mistral, prompt, DynamicCache())
     assert torch.equal(_greedy(mistral, prompt, KVBankQuantizedCache("int8", residual_length=128)), expected)
     with pytest.raises(ValueError, match="sliding window of 24 tokens"):
