@@ -123,11 +123,6 @@ class Stream:
     archive: FrameArchive | None = None
     neutral_queries: torch.Tensor | None = None
 
-    @property
-    def ready(self) -> bool:
-        """Every frame sent so far is in the cache."""
-        return self.seq.num_pending == 0 and self.seq.block_table != []
-
     def stats(self) -> dict[str, int]:
         """Frames appended, kept and evicted, tokens kept, and the KV blocks the stream holds."""
         log = self.seq.frames
