@@ -391,8 +391,14 @@ class SnapKV(ScoredPolicy):
             return 0
         window = min(self.window, budget)
         scores = seq.kv_state.scores[..., : length - window]
-        pooled = F.avg_pool1d(scores.flatten(0, 1).unsqueeze(1), self.kernel, 1, self.kernel // 2, False, False)
-        return editor.compact(seq, keep_top(pooled.view(scores.shape), budget - window, window))
+        return editor.compact(seq, snapkv_keep(scores, self.kernel, budget - window, window))
+
+
+def snapkv_keep(votes: torch.Tensor, kernel: int, top: int, window: int) -> torch.Tensor:
+    """SnapKV's choice: the window's votes for each earlier token ([..., heads, tokens]) pooled
+    over `kernel` neighbours, then `keep_top` of them beside the window."""
+    pooled = F.avg_pool1d(votes.flatten(0, -2).unsqueeze(1), kernel, 1, kernel // 2, False, False)
+    return keep_top(pooled.view(votes.shape), top, window)
 
 
 def keep_top(ranked: torch.Tensor, top: int, recent: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbank.attention.rope import apply_rope, rotation_tables
-from kvbank.cache.policies import keep_top
+from kvbank.cache.policies import snapkv_keep
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, Codec, Stored, codecs_for
 
 BLOCK_SIZE = 16
@@ -376,10 +376,7 @@ class SnapKVLayer(EvictingLayer):
         future = torch.arange(length) > torch.arange(length - window, length).unsqueeze(1)
         weights = logits.masked_fill(future.to(logits.device), float("-inf")).softmax(dim=-1)
         votes = weights[..., : length - window].sum(dim=-2).view(batch, kv_heads, group, -1).sum(dim=2)
-        pooled = torch.nn.functional.avg_pool1d(
-            votes.flatten(0, 1).unsqueeze(1), self.kernel, 1, self.kernel // 2, False, False
-        ).view(votes.shape)
-        self.kept = keep_top(pooled, self.budget - window, window).to(self.keys.device)
+        self.kept = snapkv_keep(votes, self.kernel, self.budget - window, window).to(self.keys.device)
         index = self.kept.unsqueeze(-1).expand(-1, -1, -1, dim)
         self.keys, self.values = self.keys.gather(2, index), self.values.gather(2, index)
 
