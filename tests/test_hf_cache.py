@@ -118,6 +118,25 @@ def test_old_blocks_are_stored_in_the_engine_format(model, prompt, kv_dtype):
     assert cache.nbytes < full / (1.9 if kv_dtype in ("int8", "fp8_e4m3") else 3)
 
 
+def test_bfloat16_covering_caches_give_dynamic_cache_output_and_store_the_engine_bytes(prompt):
+    model = _tiny("llama").to(torch.bfloat16)
+    expected = _greedy(model, prompt, DynamicCache())
+    for cache in (
+        KVBankQuantizedCache("int4", residual_length=128, group_size=16),
+        SinkWindowCache(sinks=4, window=200, model=model),
+        SnapKVCache(budget=100, window=16, model=model),
+    ):
+        assert torch.equal(_greedy(model, prompt, cache), expected), type(cache).__name__
+    for kv_dtype in DTYPES:
+        cache = KVBankQuantizedCache(kv_dtype, residual_length=0, group_size=16)
+        tokens = _greedy(model, prompt, cache).shape[1] - 1
+        unit = BLOCK_SIZE if kv_dtype in ("int4", "int2") else 1
+        key, value = codecs_for(kv_dtype, torch.bfloat16, 16)
+        per_unit = key.bytes_per_block(unit, KV_HEADS, DIM) + value.bytes_per_block(unit, KV_HEADS, DIM)
+        exact = 2 * (tokens % unit) * KV_HEADS * DIM * 2  # bfloat16 K and V of the partial block
+        assert cache.nbytes == LAYERS * prompt.shape[0] * ((tokens // unit) * per_unit + exact), kv_dtype
+
+
 def test_beam_search_reorders_the_stored_blocks(model, prompt):
     expected = model.generate(prompt, max_new_tokens=12, num_beams=3, do_sample=False)
     covering = KVBankQuantizedCache("int8", residual_length=128, group_size=16)
