@@ -15,13 +15,14 @@ from typing import Any
 
 import uvicorn
 
-from kvbank import memory
+from kvbank import kernels, memory
 from kvbank.cache.quant import KV_CACHE_DTYPES
 from kvbank.cache.storage import plan_pool
 from kvbank.config import EngineConfig
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
+from kvbank.kernels import isa
 from kvbank.models.loader import BUNDLED_FILE, describe_model
 from kvbank.server.api import ServerLimits, build_app, system_prompt_prefix
 from kvbank.server.async_engine import AsyncEngine
@@ -195,6 +196,7 @@ def _plan(args: argparse.Namespace) -> int:
                     "context_len": context,
                     "block_size": config.block_size,
                     "max_num_seqs": config.max_num_seqs,
+                    "kernel_isa": isa.report(kernels.native()),
                     "rows": rows,
                 },
                 indent=1,
@@ -207,6 +209,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"--kv-cache-dtype {config.kv_cache_dtype}"
     )
     print("\n".join(predicted.lines()))
+    print(f"kernels  {isa.describe(kernels.native())}")
     print()
     print(
         f"KV pool  {_mib(budget)}, blocks of {config.block_size} tokens, context {context} tokens; "
@@ -291,6 +294,7 @@ def _load(args: argparse.Namespace) -> LLM:
         file=sys.stderr,
     )
     print("\n".join(f"memory: {line}" for line in engine.memory.lines()), file=sys.stderr, flush=True)
+    print(f"kernels: {isa.describe(kernels.native())}", file=sys.stderr, flush=True)
     return llm
 
 

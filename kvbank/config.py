@@ -92,7 +92,7 @@ class EngineConfig:
         True,
         "greedy output independent of what else runs: every step uses the 4-bit "
         "weights and every token attends through the decode kernel (bfloat16 on an "
-        "AVX-512 BF16 CPU with a Q4 GGUF); --no-batch-invariant prefills faster",
+        "x86 CPU with AVX2 or above, with a Q4 GGUF); --no-batch-invariant prefills faster",
     )
 
     kv_host_gb: float = option(

@@ -35,6 +35,28 @@ def native():
     return module
 
 
+def cpu_levels(lowest: str = "scalar") -> list[str]:
+    """The instruction-set levels (kvbank/kernels/isa.h) this CPU runs, from `lowest` up; none
+    without the native kernels (the `native` fixture then fails under CI and skips elsewhere)."""
+    from kvbank import kernels
+    from kvbank.kernels import isa
+
+    module = kernels.native()
+    if module is None:
+        return []
+    levels = isa.levels_below_cpu(module)
+    return levels[levels.index(lowest) :]
+
+
+@pytest.fixture(scope="module")
+def isa_level(request, native):
+    """Parametrize with `indirect=True` over levels: the module's kernels run capped at the level."""
+    from kvbank.kernels import isa
+
+    with isa.capped(native, request.param):
+        yield request.param
+
+
 # --- the bundled model, loaded once per session ---------------------------------------------------
 #
 # About fifty tests build an engine on the bundled model, each loading it again: parsing the GGUF

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import cpu_levels
 
 from kvbank.attention import AttentionMetadata, PrefillChunk, fast, write_kv
 from kvbank.attention.cascade import find_shared_prefixes, share_prefixes
@@ -133,7 +134,9 @@ def test_write_kv_puts_tokens_in_their_slots():
         (torch.float32, 6, 2, 8, 4, [3, 9, 30], 8),  # the portable path (no AVX-512 needed)
     ],
 )
-def test_native_decode_kernel_matches_reference(native, dtype, heads, kv_heads, dim, block, lens, partition):
+@pytest.mark.parametrize("isa_level", cpu_levels(), indirect=True, scope="module")
+def test_native_decode_kernel_matches_reference(native, isa_level, dtype, heads, kv_heads, dim, block, lens, partition):
+    # every variant of the dense kernel (scalar, 8 lanes, 16 lanes, bfloat16 pairs) against the reference
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-n // block) for n in lens) + 3
     k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
@@ -181,8 +184,7 @@ def test_native_decode_kernel_rejects_bad_input_by_name(native):
 
 def test_the_quantized_kernel_reads_a_bf16_cache_as_format_0(native):
     # The AVX2 kernel's dense bfloat16 format: the same attention as the reference.
-    if not native.has_quant_decode():
-        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    assert native.has_quant_decode(), "every x86 CPU kvbank runs on has AVX2, FMA and F16C"
     q, k, v, k_cache, v_cache, meta, _ = _step([(40, 1), (300, 1), (0, 1)], num_blocks=160)
     q, k_cache, v_cache = [x.to(torch.bfloat16).repeat_interleave(8, dim=-1) for x in (q, k_cache, v_cache)]
     n, heads, dim = q.shape
@@ -205,12 +207,14 @@ def test_the_quantized_kernel_reads_a_bf16_cache_as_format_0(native):
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_decodes_use_the_native_kernel_where_it_has_a_fast_path(native):
+@pytest.mark.parametrize("isa_level", cpu_levels(), indirect=True, scope="module")
+def test_decodes_use_the_native_kernel_where_it_has_a_vector_variant(native, isa_level):
     cpu = torch.device("cpu")
     kernel = fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 64, 16)
-    assert (kernel is not None) == native.has_bf16_fast_path()
+    assert (kernel is not None) == (isa_level != "scalar")
     if kernel is None:
-        pytest.skip("this CPU lacks AVX-512 BF16: decodes keep PyTorch's path, the fast path is untested here")
+        return  # the scalar variant is the others' reference (test_native_decode_kernel_matches_reference)
+    assert native.dense_attention_isa() == {"avx512_vnni": "avx512"}.get(isa_level, isa_level)
     assert fast.native_decode_kernel(cpu, torch.float32, 9, 3, 64, 16) is None  # float32 keeps PyTorch's path
     assert fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 48, 16) is None  # no fast path for this head size
     q, k, v, k_cache, v_cache, meta, _ = _step([(40, 1), (70, 1)])

@@ -1,24 +1,30 @@
 """Greedy output of the default configuration (bfloat16, packed 4-bit weights, CPU) does not depend
 on what else runs: the same request gives the same tokens, and the same log-probabilities to the
 bit, alone, among copies of itself, among other prompts, and after a busy period filled the prefix
-cache with K/V from batched steps."""
+cache with K/V from batched steps. Every test runs at each instruction-set level the CPU has from
+avx2 up (kvbank/kernels/isa.h): the property holds for every variant of the kernels."""
 
 import pytest
 import torch
+from conftest import cpu_levels
 
 from kvbank import LLM, SamplingParams
 from kvbank.attention import AttentionMetadata
 from kvbank.attention.fast import DECODE_PARTITION, DenseStep, native_decode_kernel, paged_attention
 
+pytestmark = pytest.mark.parametrize("isa_level", cpu_levels("avx2"), indirect=True, scope="module")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=0)
 
 
 @pytest.fixture(scope="module")
-def llm(native):
+def llm(native, isa_level):
     # A small token budget makes longer prompts prefill in chunks whose size depends on the load.
     llm = LLM(max_num_batched_tokens=96, num_gpu_blocks=512)
-    if not llm.engine.runner.storage.kind("dense").attend_rows:
-        pytest.skip("batch-invariant attention needs the native kernel's AVX-512 BF16 path")
+    assert llm.engine.runner.storage.kind("dense").attend_rows, (
+        f"the default configuration attends by rows at {isa_level}"
+    )
+    assert llm.engine.runner.model.layers[0].native is not None, f"the model runs on the integer kernels at {isa_level}"
+    assert llm.engine.stats()["kernel_isa"]["active"] == isa_level
     return llm
 
 
@@ -98,11 +104,10 @@ def _attend(q: torch.Tensor, k_cache, v_cache, rows: list[tuple[list[int], int]]
     return paged_attention(q, None, None, k_cache, v_cache, meta, step, 0.125)
 
 
-def test_a_query_rows_attention_is_the_same_however_its_prompt_is_chunked_and_batched(native):
+def test_a_query_rows_attention_is_the_same_however_its_prompt_is_chunked_and_batched(native, isa_level):
     heads, kv_heads, dim, block = 9, 3, 64, 16
     kernel = native_decode_kernel(torch.device("cpu"), torch.bfloat16, heads, kv_heads, dim, block)
-    if kernel is None:
-        pytest.skip("no AVX-512 BF16 fast path on this CPU")
+    assert kernel is not None and kernel.dense_attention_isa() != "scalar"
     prompt, other = 600, 2 * DECODE_PARTITION + 40  # both span several partitions
     k_cache, v_cache, (table, other_table) = _pool_with([prompt, other], kv_heads, dim, block, seed=0)
     queries = torch.randn(prompt, heads, dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -120,7 +125,7 @@ def test_a_tokens_kv_is_the_same_from_prefill_and_from_decode(llm, monkeypatch):
     rows: list[int] = []  # per step: how many tokens it computed
     layers = llm.engine.runner.storage.layers
     # The layer-by-layer path, whose writes go through `write`; the one-call decoder stack writes
-    # the same bits in native code (tests/test_qmatmul.py compares the two).
+    # the same bits in native code (the last test here compares the two).
     monkeypatch.setattr(type(llm.engine.runner.model), "_stack_attention", lambda *args: None)
     for layer in layers:
 
@@ -147,8 +152,6 @@ def test_a_tokens_kv_is_the_same_from_prefill_and_from_decode(llm, monkeypatch):
 
 def test_the_one_call_decoder_stack_gives_the_layer_by_layer_bits(llm, monkeypatch):
     model = llm.engine.runner.model
-    if model.layers[0].native is None:
-        pytest.skip("the model does not run on the integer kernels here")
     prompts = [_chat(llm, f"Give me {i + 2} reasons to learn {'the history of ' * i}chemistry.") for i in range(4)]
     steps = []
     stack = type(model)._stack_attention

@@ -18,7 +18,7 @@ native = kernels.native()
 if native is None and os.environ.get("CI"):
     raise RuntimeError(f"CI must build the native kernels: {kernels.failure()}")
 pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels unavailable: {kernels.failure()}")
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = ["scalar", "avx2", "avx512_vnni"]  # the matmul family's variants (kvbank/kernels/isa.h)
 
 
 def _isas() -> list[str]:

@@ -110,7 +110,7 @@ def test_native_quantized_attention_matches_the_reference_over_shapes(kernel, kv
         # value), and for bfloat16 out the output's own rounding
         largest = expected.abs().amax(dim=-1, keepdim=True)
         bound = expected.abs() * (0 if dtype == torch.float32 else 2**-8) + largest * 1e-5
-        if isa == "tables" and dtype == torch.bfloat16 and not kivi:
+        if isa == "avx512_bf16" and dtype == torch.bfloat16 and not kivi:
             # the weights (times the value scales) meet the values as bfloat16: each one rounded
             # by at most 2^-8 of itself (bfloat16's unit roundoff)
             bound += magnitude * 2**-8
@@ -124,7 +124,7 @@ def test_bad_arguments_are_refused_with_the_numbers(kernel):
     q = torch.randn(1, 2, 3, 64)
     args = _stored_args(stored_k, stored_v)
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="isa must be auto, tables, avx512 or avx2, got avx9"):
+    with pytest.raises(RuntimeError, match="isa must be auto, avx2, avx512 or avx512_bf16, got avx9"):
         kernel.quant_decode_attention(q, 1, *args, tables, lens, 0.125, DECODE_PARTITION, isa="avx9")
     with pytest.raises(RuntimeError, match="unknown quantized KV format 9"):
         kernel.quant_decode_attention(q, 9, *args, tables, lens, 0.125, DECODE_PARTITION)

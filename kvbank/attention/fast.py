@@ -1,7 +1,7 @@
 """Batched paged attention on top of scaled_dot_product_attention.
 
-Decodes: all single-token sequences in one call. Where the native kernel runs (bfloat16 on an
-AVX-512 BF16 CPU, kvbank/kernels/paged_decode.cpp), it reads each sequence's blocks in place
+Decodes: all single-token sequences in one call. Where the native kernel runs (bfloat16 on an x86
+CPU with AVX2 or above, kvbank/kernels/dense_decode.cpp), it reads each sequence's blocks in place
 through the block table. Otherwise the cached blocks are gathered whole into a padded
 [batch, heads, blocks*block_size, dim] view and padding is masked; query heads of one KV head are
 laid along the query axis, so grouped-query attention needs no K/V expansion, and leading blocks
@@ -40,13 +40,14 @@ DECODE_PARTITION = 256
 def native_decode_kernel(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ):
-    """The native decode-attention module if it has a fast path for this model and cache, else None."""
+    """The native decode-attention module if it has a vector variant for this model and cache at the
+    active instruction-set level (avx2 and above, kvbank/kernels/isa.h), else None."""
     if device.type != "cpu" or dtype != torch.bfloat16 or num_heads % num_kv_heads:
         return None
     if num_heads // num_kv_heads > 8 or head_dim not in (64, 128) or block_size > 64 or DECODE_PARTITION % block_size:
         return None
     module = kernels.native()
-    return module if module is not None and module.has_bf16_fast_path() else None
+    return module if module is not None and module.dense_attention_isa() != "scalar" else None
 
 
 def row_tables(spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device):

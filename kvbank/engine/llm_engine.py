@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvbank import memory
+from kvbank import kernels, memory
 from kvbank.cache.editor import KVEditor, ScoreState
 from kvbank.cache.frames import FrameLog, frame_digest
 from kvbank.cache.manager import KVCacheManager, blocks_for
@@ -32,6 +32,7 @@ from kvbank.engine.sampler import Sampled, Sampler, token_logprobs
 from kvbank.engine.scheduler import ScheduledSeq, Scheduler
 from kvbank.engine.sequence import Request, Sequence, SequenceStatus
 from kvbank.engine.streams import FrameRequest, FrameType, PoolFull, Stream
+from kvbank.kernels import isa
 from kvbank.kernels.allocator import keep_freed_memory
 from kvbank.models.build import build_model
 from kvbank.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -938,8 +939,9 @@ class LLMEngine:
         """One byte per KV block: 0 free (empty), 1 in use, 2 cached and evictable, 3 pinned."""
         return self.manager.block_states()
 
-    def stats(self) -> dict[str, float]:
-        """Counters and gauges: prefix-cache hit rate, pool usage, queue depths, preemptions."""
+    def stats(self) -> dict[str, float | dict]:
+        """Counters and gauges: prefix-cache hit rate, pool usage, queue depths, preemptions; and
+        `kernel_isa`, the instruction-set level of the native kernels and each family's variant."""
         queries = self.counters["prefix_cache_queries"]
         return {
             **self.counters,
@@ -955,4 +957,5 @@ class LLMEngine:
             "swap_bytes_used": self.swapper.bytes_used,
             "num_pinned_blocks": len(self.manager.pinned_blocks),
             **{f"evicted_tokens_{name}": count for name, count in self.evicted_tokens.items()},
+            "kernel_isa": isa.report(kernels.native()),
         }

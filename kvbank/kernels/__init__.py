@@ -19,11 +19,22 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvbank.kernels import isa
+
 logger = logging.getLogger("kvbank.kernels")
 
 _SOURCE_DIR = Path(__file__).parent
 #: bindings.cpp includes the kernels' sources; all of them (and native.h) name the build.
-SOURCES = ("bindings.cpp", "native.h", "layers.cpp", "paged_decode.cpp", "quant_decode.cpp", "qmatmul.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "native.h",
+    "isa.h",
+    "layers.cpp",
+    "paged_decode.cpp",
+    "quant_decode.cpp",
+    "dense_decode.cpp",
+    "qmatmul.cpp",
+)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # after the one attempt: "module", or "failure" (why it failed)
 
@@ -36,9 +47,12 @@ def native():
     """The native module, or None; built (or loaded from the cache) once per process."""
     if not enabled():
         return None
+    isa.parse_level(os.environ.get(isa.ENV, ""))  # a bad KVBANK_ISA is the caller's error, not a failed build
     with _lock:
         if not _state:
             _state.update(_build())
+            if "module" in _state:
+                isa.apply_env_cap(_state["module"])
         return _state.get("module")
 
 

@@ -7,6 +7,7 @@
 #include "layers.cpp"
 #include "paged_decode.cpp"
 #include "quant_decode.cpp"
+#include "dense_decode.cpp"
 #include "qmatmul.cpp"
 
 // Fills `bytes` of stack below the call on every thread of the kernels' pool with 0xFF bytes (NaN as
@@ -24,14 +25,43 @@ void poison_stacks(int64_t bytes) {
   fill();
 }
 
+// The registry's state: the CPU's level, the cap, the active level and each family's variant.
+py::dict isa_report() {
+  py::dict report, families;
+  report["cpu"] = kvbank::isa_name(kvbank::cpu_isa());
+  report["cap"] = kvbank::isa_name(static_cast<kvbank::Isa>(kvbank::isa_cap_storage().load()));
+  report["active"] = kvbank::isa_name(kvbank::active_isa());
+  for (int f = 0; f < kvbank::kFamilies; ++f) {
+    kvbank::Isa variant;
+    const auto family = static_cast<kvbank::Family>(f);
+    families[kvbank::family_info(family).name] =
+        kvbank::family_variant(family, &variant) ? py::cast(kvbank::isa_name(variant)) : py::none();
+  }
+  report["families"] = families;
+  return report;
+}
+
+void set_isa_cap(const std::string& name) {
+  kvbank::Isa cap;
+  TORCH_CHECK(kvbank::isa_from_name(name, &cap), "unknown instruction-set level ", name,
+              "; the levels are scalar, avx2, avx512, avx512_vnni, avx512_bf16");
+  kvbank::set_isa_cap(cap);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa_report", &isa_report,
+        "The instruction-set registry: the CPU's level, the cap, the active level, and the variant each kernel family "
+        "runs (None: the family has no variant at that level)");
+  m.def("set_isa_cap", &set_isa_cap, py::arg("level"),
+        "Cap the level every kernel family runs at (process-wide; a cap above the CPU's level leaves the CPU's)");
+  m.def("dense_attention_isa", &dense_attention_isa, "The variant of the bfloat16 dense attention that runs now");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache: q [n, kv_heads, group, dim], caches [blocks, block_size, kv_heads, "
         "dim], block tables [n, width] and context lengths [n] (int64), scale, partition (tokens per work item)");
   m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         "RMSNorm of x, or of residual += x when a residual is given (updated in place); returns the normed rows");
   m.def("rope_", &rope_, "Rotary embedding in place on the first `heads` heads of x [rows, heads * dim]; cos/sin [rows, dim]");
-  m.def("qmatmul_isa", &qmatmul_isa, "The instruction set the integer GGUF matmuls use here: avx512, avx2 or scalar");
+  m.def("qmatmul_isa", &qmatmul_isa, "The variant the integer GGUF matmuls run now: avx512_vnni, avx2 or scalar");
   m.def("qlinear", &qlinear, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
         py::arg("isa") = "auto",
         "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 8: Q8 records), x quantized to 8 bits per 32; "
@@ -75,7 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = "auto",
         "Decode attention read in place from a quantized paged cache (format 0 bfloat16 dense, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
         "4 int4, 5 int2: k_scale holds the key range bytes); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
-        "row, or -1); isa: auto (the best this CPU runs), tables, avx512 or avx2");
+        "row, or -1); isa: auto (the active variant), avx512_bf16 (int8/fp8 keys through bfloat16 tables), avx512 or avx2");
   m.def("quant_write_tokens", &quant_write_tokens, py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"),
         py::arg("slots"),
         "Quantize tokens [n, heads, dim] per token and head (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2) into the cache's "
@@ -90,6 +120,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fill stack below the call on every kernel thread with 0xFF bytes (NaN): a test calls it before a kernel to "
         "make reads of unwritten scratch show");
   m.def("quant_decode_isas", &quant_decode_isas, "The versions of the quantized attention this CPU runs, best last");
-  m.def("has_quant_decode", &has_quant_decode, "Whether this CPU runs the quantized decode attention (AVX2, FMA, F16C)");
-  m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether this CPU runs the AVX-512 bfloat16 path");
+  m.def("has_quant_decode", &has_quant_decode, "Whether the quantized attention runs at the active level (avx2 or above)");
 }

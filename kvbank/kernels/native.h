@@ -8,16 +8,12 @@
 #include <string>
 #include <vector>
 
+#include "isa.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVBANK_X86 1
 #include <immintrin.h>
 #define KVBANK_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-inline bool avx512_bf16_supported() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512bf16");
-  return supported;
-}
 
 // e^x for x <= 0, 16 lanes. AVX-512F alone, so that every AVX-512 kernel can inline it; its
 // power-of-two scaling is exact, so it gives the 8-lane and scalar versions' bits.
@@ -43,12 +39,11 @@ KVBANK_AVX512 inline __m512 bf16_to_f32(const uint16_t* p) {
 }
 #endif
 
-// paged_decode.cpp
+// dense_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t partition);
 
-bool has_bf16_fast_path();
 
 // quant_decode.cpp
 torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
@@ -63,6 +58,9 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
                                       torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots);
 bool has_quant_decode();
+
+// dense_decode.cpp
+std::string dense_attention_isa();
 std::vector<std::string> quant_decode_isas();
 
 // layers.cpp

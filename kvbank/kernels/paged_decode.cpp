@@ -214,7 +214,9 @@ template <int D>
 FastRange fast_range(int64_t group) {
 #ifdef KVBANK_X86
   if constexpr (D == 64 || D == 128) {
-    if (!avx512_bf16_supported()) return nullptr;
+    kvbank::Isa variant;
+    if (!kvbank::family_variant(kvbank::Family::DenseAttention, &variant) || variant != kvbank::Isa::Avx512Bf16)
+      return nullptr;
     switch (group) {
       case 1: return attend_range_bf16<1, D>;
       case 2: return attend_range_bf16<2, D>;
@@ -341,36 +343,6 @@ struct DecodeJob {
   void merge(int64_t pair) { partials.merge(pair, o_p); }
 };
 
-// A bfloat16 decode job for any head dim: the kernel's fast paths for 64 and 128.
-struct Bf16DecodeJob {
-  std::unique_ptr<DecodeJob<c10::BFloat16, 64>> d64;
-  std::unique_ptr<DecodeJob<c10::BFloat16, 128>> d128;
-  std::unique_ptr<DecodeJob<c10::BFloat16, 0>> any;
-
-  template <typename... Args>
-  Bf16DecodeJob(int64_t dim, Args... args) {
-    if (dim == 64) {
-      d64.reset(new DecodeJob<c10::BFloat16, 64>(args...));
-    } else if (dim == 128) {
-      d128.reset(new DecodeJob<c10::BFloat16, 128>(args...));
-    } else {
-      any.reset(new DecodeJob<c10::BFloat16, 0>(args...));
-    }
-  }
-  int64_t items() const { return d64 ? d64->items() : d128 ? d128->items() : any->items(); }
-  int64_t pairs() const { return d64 ? d64->pairs() : d128 ? d128->pairs() : any->pairs(); }
-  void item(int64_t i, const c10::BFloat16* k, const c10::BFloat16* v) {
-    if (d64) return d64->item(i, k, v);
-    if (d128) return d128->item(i, k, v);
-    any->item(i, k, v);
-  }
-  void merge(int64_t pair) {
-    if (d64) return d64->merge(pair);
-    if (d128) return d128->merge(pair);
-    any->merge(pair);
-  }
-};
-
 template <typename T, int D>
 void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& tables, const torch::Tensor& lens, double scale, int64_t partition,
@@ -397,39 +369,3 @@ void decode_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 }
 
 }  // namespace
-
-bool has_bf16_fast_path() {
-#ifdef KVBANK_X86
-  return avx512_bf16_supported();
-#else
-  return false;
-#endif
-}
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t partition) {
-  TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and caches must share a dtype");
-  TORCH_CHECK(q.size(1) == k_cache.size(2) && q.size(3) == k_cache.size(3), "q heads/dim do not match the cache");
-  TORCH_CHECK(q.size(2) <= kMaxGroup && q.size(3) <= kMaxDim && k_cache.size(1) <= kMaxBlock,
-              "group <= ", kMaxGroup, ", head dim <= ", kMaxDim, ", block size <= ", kMaxBlock);
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
-              "block tables and lengths must be int64");
-  TORCH_CHECK(partition > 0 && partition % k_cache.size(1) == 0, "partition must be a multiple of the block size");
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  auto out = torch::empty_like(q);
-  switch (q.scalar_type()) {
-    case torch::kFloat: decode_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
-    case torch::kBFloat16: decode_dim<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
-    case torch::kHalf: decode_dim<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
-    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
-  }
-  return out;
-}
-

@@ -37,27 +37,18 @@ constexpr int64_t SPLIT_ROWS = 8;
 // Weights stream from memory once per step: ask for them this far ahead of the records in use.
 constexpr int64_t PREFETCH_BYTES = KVBANK_PREFETCH;
 
-enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+using kvbank::Isa;
 
 #ifdef KVBANK_X86
 #define KVBANK_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
 #define KVBANK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
+// The matmul family's variant at the active level (isa.h): scalar, avx2 or avx512_vnni.
 Isa best_isa() {
-#ifdef KVBANK_X86
-  static const Isa isa = [] {
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
-      return Isa::Avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      return Isa::Avx2;
-    return Isa::Scalar;
-  }();
-  return isa;
-#else
-  return Isa::Scalar;
-#endif
+  Isa variant = Isa::Scalar;
+  kvbank::family_variant(kvbank::Family::Matmul, &variant);
+  return variant;
 }
 
 inline float half_to_float(uint16_t h) {
@@ -101,7 +92,7 @@ struct QuantRows {
   // Row `r` from float32 values: amax / 127 scales, round to nearest even.
   void quantize_row(int64_t r, const float* x) {
 #ifdef KVBANK_X86
-    if (best_isa() == Isa::Avx512) return quantize_row_avx512(r, x);
+    if (best_isa() == Isa::Avx512Vnni) return quantize_row_avx512(r, x);
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + b * QK;
@@ -356,7 +347,7 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
 
 void group_kernel(bool q8, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
 #ifdef KVBANK_X86
-  if (isa == Isa::Avx512) {
+  if (isa == Isa::Avx512Vnni) {
     switch (tile) {
       case 4: return q8 ? q8_group_avx512<4>(w, a, r0, out) : q4_group_avx512<4>(w, a, r0, out);
       case 3: return q8 ? q8_group_avx512<3>(w, a, r0, out) : q4_group_avx512<3>(w, a, r0, out);
@@ -394,12 +385,15 @@ void qmatmul_rows(bool q8, Isa isa, const uint8_t* weights, int64_t groups, cons
   });
 }
 
+// The matmul variant called `name` (auto: the active one); refused above the active level.
 Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
-  const Isa wanted = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Scalar;
-  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar", "isa must be auto, avx512, avx2 or scalar, not ",
-              name);
-  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best_isa()), "this CPU cannot run the ", name, " path");
+  Isa wanted = Isa::Scalar;
+  TORCH_CHECK(kvbank::isa_from_name(name, &wanted) &&
+                  (wanted == Isa::Scalar || wanted == Isa::Avx2 || wanted == Isa::Avx512Vnni),
+              "isa must be auto, avx512_vnni, avx2 or scalar, not ", name);
+  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best_isa()), "this CPU (capped at ",
+              kvbank::isa_name(kvbank::active_isa()), ") cannot run the ", name, " path");
   return wanted;
 }
 
@@ -424,8 +418,31 @@ void store_rows(const float* src, T* dst, int64_t count) {
 
 // --- fused decode steps ---------------------------------------------------------------------------
 
+// silu(g) * u rounds to T after each op, as the unfused layer's ops do, and takes e^-g from the
+// attention kernels' polynomial (exp_neg, clamped to [-87, 89]: beyond 88.7 it is inf and silu -0)
+// with fused multiply-adds, so the scalar, 8-lane and 16-lane variants give the same bits.
+inline float silu_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 89.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t);
+  const float f = (t - n) * 0.69314718055994531f;
+  float p = 1.0f / 5040;
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = std::fma(p, f, c);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+inline float silu_mul_one(float gate, float up) {
+  const float g = round_as<T>(gate), u = round_as<T>(up);
+  return round_as<T>(round_as<T>(g / (1.0f + silu_exp(-g))) * u);
+}
+
 #ifdef KVBANK_X86
-KVBANK_AVX512 inline __m512 round_bf16_v(__m512 x) {
+#define KVBANK_AVX512_F __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+KVBANK_AVX512_F inline __m512 round_bf16_v(__m512 x) {
   // Round to nearest even at bfloat16 (finite values), as narrow_to does.
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -434,31 +451,50 @@ KVBANK_AVX512 inline __m512 round_bf16_v(__m512 x) {
 }
 
 // The whole 16s of silu_mul_row for bfloat16; returns how many it did.
-KVBANK_AVX512 int64_t silu_mul_bf16_avx512(const float* gate, const float* up, float* out, int64_t n) {
+KVBANK_AVX512_F int64_t silu_mul_bf16_avx512(const float* gate, const float* up, float* out, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
     const __m512 g = round_bf16_v(_mm512_loadu_ps(gate + k)), u = round_bf16_v(_mm512_loadu_ps(up + k));
-    // e^-g: the decode kernel's polynomial (it clamps below; above 88 it gives inf, and silu 0).
+    // scalef saturates to inf past the top of the range, as silu_exp's clamp to 89 does
     const __m512 e = exp_neg_v(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 silu = round_bf16_v(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
     _mm512_storeu_ps(out + k, round_bf16_v(_mm512_mul_ps(silu, u)));
   }
   return k;
 }
+
+KVBANK_AVX2 inline __m256 round_bf16_8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The whole 8s of silu_mul_row for bfloat16; returns how many it did.
+KVBANK_AVX2 int64_t silu_mul_bf16_avx2(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m256 g = round_bf16_8(_mm256_loadu_ps(gate + k)), u = round_bf16_8(_mm256_loadu_ps(up + k));
+    const __m256 e = exp_neg8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(89.0f)));
+    const __m256 silu = round_bf16_8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    _mm256_storeu_ps(out + k, round_bf16_8(_mm256_mul_ps(silu, u)));
+  }
+  return k;
+}
 #endif
 
-// out[k] = silu(gate[k]) * up[k] from the projections rounded to T, each op rounding to T as the
-// unfused layer's do; the same function serves every fused path, so they agree bit for bit.
+// out[k] = silu(gate[k]) * up[k] from the projections rounded to T; the same bits from every
+// variant of the activation family, and the same function in every fused path.
 template <typename T>
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   int64_t k = 0;
 #ifdef KVBANK_X86
-  if (std::is_same_v<T, c10::BFloat16> && avx512_bf16_supported()) k = silu_mul_bf16_avx512(gate, up, out, n);
+  Isa variant = Isa::Scalar;
+  kvbank::family_variant(kvbank::Family::Activation, &variant);
+  if (std::is_same_v<T, c10::BFloat16> && variant == Isa::Avx512) k = silu_mul_bf16_avx512(gate, up, out, n);
+  if (std::is_same_v<T, c10::BFloat16> && variant == Isa::Avx2) k = silu_mul_bf16_avx2(gate, up, out, n);
 #endif
-  for (; k < n; ++k) {
-    const float g = round_as<T>(gate[k]), u = round_as<T>(up[k]);
-    out[k] = round_as<T>(round_as<T>(g / (1.0f + std::exp(-g))) * u);
-  }
+  for (; k < n; ++k) out[k] = silu_mul_one<T>(gate[k], up[k]);
 }
 
 // residual (+)= x, rounded to T as an add of two T tensors is; returns the rows RMS-normed in float32.
@@ -535,13 +571,7 @@ void check_rows(const torch::Tensor& x, int64_t cols, const char* what) {
 
 }  // namespace
 
-std::string qmatmul_isa() {
-  switch (best_isa()) {
-    case Isa::Avx512: return "avx512";
-    case Isa::Avx2: return "avx2";
-    default: return "scalar";
-  }
-}
+std::string qmatmul_isa() { return kvbank::isa_name(best_isa()); }
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float_out, std::string isa_name) {
   const PackedWeight pw = check_weight(w, kind);
@@ -813,7 +843,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   const T* sin_p = sin.data_ptr<T>();
   const Isa isa = best_isa();
   const int threads = std::max(1, at::get_num_threads());
-  std::unique_ptr<Bf16DecodeJob> dense_job;
+  std::unique_ptr<DenseJob> dense_job;
 #ifdef KVBANK_X86
   std::unique_ptr<QuantJob<T>> quant_job;
   std::vector<QuantLayer> quant_layers;
@@ -823,7 +853,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   std::vector<T> scratch_k(kivi ? scratch_rows * block_size * kv_size : 0),
       scratch_v(kivi ? scratch_rows * block_size * kv_size : 0);
   if (!quantized) {
-    dense_job.reset(new Bf16DecodeJob(head_dim_, q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
+    dense_job.reset(new DenseJob(q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
                                       block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group,
                                       head_dim_, block_size, block_tables.size(1), scale, partition));
   } else {

@@ -137,12 +137,6 @@ KVBANK_AVX2_F16C inline void kivi_key_ranges8(const QuantLayer& L, int64_t block
   }
 }
 
-inline bool avx2_f16c_supported() {
-  static const bool supported =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return supported;
-}
-
 // e^x for x <= 0, 8 lanes: the scalar exp_neg's polynomial and rounding.
 KVBANK_AVX2_F16C inline __m256 exp_neg8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -444,13 +438,6 @@ using QuantRange = void (*)(const QuantLayer&, const T*, const int64_t*, int64_t
 // runs per token.
 #define KVBANK_AVX512_Q __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
 
-inline bool avx512_quant_supported() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                                avx2_f16c_supported();
-  return supported;
-}
-
 template <typename T>
 KVBANK_AVX512_Q inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -729,12 +716,6 @@ KVBANK_AVX512_Q void quant_range512_f(const QuantLayer& L, const T* q, const int
 // low and high bytes leaves the channels in a fixed order, which the query takes too.
 #define KVBANK_AVX512_LUT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,f16c")))
 
-inline bool avx512_lut_supported() {
-  static const bool supported =
-      avx512_quant_supported() && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
-  return supported;
-}
-
 struct CodeTables {
   alignas(64) uint8_t hi[3][128];  // int8, e4m3, e5m2: the bfloat16's high byte (sign clear)
   alignas(64) uint8_t lo[3][128];
@@ -908,9 +889,14 @@ void quant_range512(const QuantLayer& L, const T* q, const int64_t* table, int64
 // lanes (AVX-512 F/BW/DQ/VL), and 16 lanes with int8/fp8 keys through bfloat16 tables (+ VBMI, BF16).
 enum QuantIsa : int { kQuantAvx2 = 0, kQuantAvx512 = 1, kQuantTables = 2 };
 
-inline int best_quant_isa() {
-  return avx512_lut_supported() ? kQuantTables : avx512_quant_supported() ? kQuantAvx512 : kQuantAvx2;
+// The version for a registry level (isa.h): the quant_attention family's variant at that level.
+inline int quant_isa_at(kvbank::Isa level) {
+  kvbank::Isa variant = kvbank::Isa::Avx2;
+  kvbank::family_variant_at(kvbank::Family::QuantAttention, level, &variant);
+  return variant == kvbank::Isa::Avx512Bf16 ? kQuantTables : variant == kvbank::Isa::Avx512 ? kQuantAvx512 : kQuantAvx2;
 }
+
+inline int best_quant_isa() { return quant_isa_at(kvbank::active_isa()); }
 
 template <typename T, int D, int G>
 QuantRange<T, D> quant_range_of(int isa) {
@@ -1369,7 +1355,7 @@ KiviWrite<T> kivi_pointers(int64_t format, const torch::Tensor& k_codes, const t
 
 bool has_quant_decode() {
 #ifdef KVBANK_X86
-  return avx2_f16c_supported();
+  return kvbank::family_available(kvbank::Family::QuantAttention);
 #else
   return false;
 #endif
@@ -1379,9 +1365,10 @@ std::vector<std::string> quant_decode_isas() {
   std::vector<std::string> names;
 #ifdef KVBANK_X86
   if (!has_quant_decode()) return names;
-  const int best = best_quant_isa();
-  for (const char* name : {"avx2", "avx512", "tables"})
-    if (static_cast<int>(names.size()) <= best) names.emplace_back(name);
+  kvbank::Isa best = kvbank::Isa::Avx2;
+  kvbank::family_variant(kvbank::Family::QuantAttention, &best);
+  for (kvbank::Isa v : kvbank::family_info(kvbank::Family::QuantAttention).variants)
+    if (static_cast<int>(v) <= static_cast<int>(best)) names.emplace_back(kvbank::isa_name(v));
 #endif
   return names;
 }
@@ -1395,9 +1382,12 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
   TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU with AVX2, FMA and F16C");
   int level = 0;
 #ifdef KVBANK_X86
-  level = isa == "auto" ? best_quant_isa() : isa == "tables" ? kQuantTables : isa == "avx512" ? kQuantAvx512 : isa == "avx2" ? kQuantAvx2 : -1;
-  TORCH_CHECK(level >= 0, "isa must be auto, tables, avx512 or avx2, got ", isa);
-  TORCH_CHECK(level <= best_quant_isa(), "this CPU does not run the ", isa, " version of the quantized kernel");
+  kvbank::Isa wanted = kvbank::active_isa();
+  TORCH_CHECK(isa == "auto" || kvbank::isa_from_name(isa, &wanted),
+              "isa must be auto, avx2, avx512 or avx512_bf16, got ", isa);
+  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(kvbank::active_isa()), "this CPU (capped at ",
+              kvbank::isa_name(kvbank::active_isa()), ") does not run the ", isa, " version of the quantized kernel");
+  level = quant_isa_at(wanted);
 #endif
   TORCH_CHECK(format >= kBf16 && format <= kInt2, "unknown quantized KV format ", format);
   TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
@@ -1494,7 +1484,8 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
 }
 
 void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots) {
-  TORCH_CHECK(has_quant_decode(), "quantized KV writes need an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite),
+              "quantized KV writes need an x86 CPU with AVX2, FMA and F16C");
   TORCH_CHECK(format == kInt8 || format == kFp8E4M3 || format == kFp8E5M2,
               "per-token quantized writes are int8 (1), fp8_e4m3 (2) or fp8_e5m2 (3), got format ", format);
   TORCH_CHECK(x.dim() == 3, "x must be [tokens, heads, dim], got ", x.sizes());
@@ -1529,7 +1520,7 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
                                       torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
                                       torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots) {
-  TORCH_CHECK(has_quant_decode(), "KIVI writes need an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite), "KIVI writes need an x86 CPU with AVX2, FMA and F16C");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [tokens, heads, dim], got ", k.sizes(), " and ",
               v.sizes());
   TORCH_CHECK(k.scalar_type() == v.scalar_type() &&

@@ -169,6 +169,7 @@ def render_metrics(
     for name, value in (extra_gauges or {}).items():
         lines += [f"# TYPE {name} gauge", f"{name} {value}"]
     lines += render_evictions(stats)
+    lines += render_isa(stats.get("kernel_isa"))
     lines += timer.render()
     if memory is not None:
         lines += render_memory(memory)
@@ -195,6 +196,19 @@ def render_evictions(stats: dict[str, float]) -> list[str]:
     for key, value in stats.items():
         if key.startswith(EVICTED_PREFIX):
             lines.append(f'{name}{{policy="{key[len(EVICTED_PREFIX) :]}"}} {value}')
+    return lines
+
+
+def render_isa(report: dict | None) -> list[str]:
+    """`kvbank:cpu_isa_info{family=...,isa=...,cpu=...} 1`: the variant each native kernel family runs
+    (isa="pytorch" where the native kernels are unavailable or a family has no variant there)."""
+    if not report:
+        return []
+    name = "kvbank:cpu_isa_info"
+    lines = [f"# HELP {name} The instruction-set variant each native kernel family runs.", f"# TYPE {name} gauge"]
+    cpu = report.get("cpu") or "none"
+    for family, variant in report.get("families", {}).items():
+        lines.append(f'{name}{{family="{family}",isa="{variant or "pytorch"}",cpu="{cpu}"}} 1')
     return lines
 
 

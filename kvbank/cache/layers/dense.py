@@ -1,7 +1,7 @@
 """Dense storage: K and V in the model dtype, [num_blocks, block_size, kv_heads, dim] each.
 
-Decodes are read in place by the native kernel where it has a fast path (bfloat16 on an AVX-512
-BF16 CPU); otherwise blocks are gathered, and leading blocks that several decodes share are read
+Decodes are read in place by the native kernel where it has a vector variant (bfloat16 on an x86
+CPU with AVX2 or above); otherwise blocks are gathered, and leading blocks that several decodes share are read
 once (attention/cascade.py).
 """
 

@@ -1,0 +1,121 @@
+// The one registry of instruction-set levels for kvbank's native kernels.
+//
+// A level names a set of x86 features, each level holding the ones below it:
+//   scalar       plain C++ (any CPU; the reference every family is tested against)
+//   avx2         AVX2, FMA, F16C                                  (Zen 2/3, Intel client chips)
+//   avx512       + AVX-512 F/BW/DQ/VL                             (Skylake-SP)
+//   avx512_vnni  + AVX-512 VNNI                                   (Cascade Lake, Ice Lake)
+//   avx512_bf16  + AVX-512 BF16 and VBMI                          (Sapphire Rapids, Zen 4)
+// Every kernel family lists the levels it has a variant for; a call runs the family's best variant
+// at or below the active level: the CPU's own, capped by KVBANK_ISA (set_isa_cap), never above what
+// the CPU has. So every variant can be run and tested on a machine that has its features, and the
+// variant in use is a fact that can be reported rather than guessed.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
+
+namespace kvbank {
+
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx512Bf16 = 4 };
+constexpr int kIsaLevels = 5;
+
+inline const char* isa_name(Isa isa) {
+  static const char* const names[kIsaLevels] = {"scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16"};
+  return names[static_cast<int>(isa)];
+}
+
+// The level called `name`; false for an unknown name.
+inline bool isa_from_name(const std::string& name, Isa* out) {
+  for (int i = 0; i < kIsaLevels; ++i) {
+    if (name == isa_name(static_cast<Isa>(i))) {
+      *out = static_cast<Isa>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+// The highest level this CPU runs, detected once.
+inline Isa cpu_isa() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const Isa level = [] {
+    __builtin_cpu_init();
+#define KVBANK_HAS(feature) __builtin_cpu_supports(feature)
+    if (!(KVBANK_HAS("avx2") && KVBANK_HAS("fma") && KVBANK_HAS("f16c"))) return Isa::Scalar;
+    if (!(KVBANK_HAS("avx512f") && KVBANK_HAS("avx512bw") && KVBANK_HAS("avx512dq") && KVBANK_HAS("avx512vl")))
+      return Isa::Avx2;
+    if (!KVBANK_HAS("avx512vnni")) return Isa::Avx512;
+    if (!(KVBANK_HAS("avx512bf16") && KVBANK_HAS("avx512vbmi"))) return Isa::Avx512Vnni;
+#undef KVBANK_HAS
+    return Isa::Avx512Bf16;
+  }();
+  return level;
+#else
+  return Isa::Scalar;
+#endif
+}
+
+inline std::atomic<int>& isa_cap_storage() {
+  static std::atomic<int> cap{kIsaLevels - 1};
+  return cap;
+}
+
+// The level kernels run at: the CPU's, capped.
+inline Isa active_isa() {
+  const int cap = isa_cap_storage().load(std::memory_order_relaxed);
+  return static_cast<Isa>(std::min(cap, static_cast<int>(cpu_isa())));
+}
+
+// Cap the level kernels use (a cap above the CPU's level leaves the CPU's).
+inline void set_isa_cap(Isa cap) { isa_cap_storage().store(static_cast<int>(cap), std::memory_order_relaxed); }
+
+// The kernel families and the levels each has a variant for (lowest first).
+enum class Family : int { Matmul = 0, DenseAttention = 1, QuantAttention = 2, QuantWrite = 3, Activation = 4 };
+constexpr int kFamilies = 5;
+
+struct FamilyInfo {
+  const char* name;
+  std::vector<Isa> variants;
+};
+
+inline const FamilyInfo& family_info(Family family) {
+  static const FamilyInfo families[kFamilies] = {
+      // integer GGUF matmuls, and the one-call decoder stack built on them (qmatmul.cpp)
+      {"matmul", {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni}},
+      // decode and row attention over a bfloat16 paged cache (dense_decode.h)
+      {"dense_attention", {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
+      // attention read in place from int8/fp8/int4/int2 caches (quant_decode.h)
+      {"quant_attention", {Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
+      // int8/fp8 and int4/int2 cache writes (quant_decode.h)
+      {"quant_write", {Isa::Avx2}},
+      // silu(gate) * up of the fused MLP (qmatmul.cpp)
+      {"activation", {Isa::Scalar, Isa::Avx2, Isa::Avx512}},
+  };
+  return families[static_cast<int>(family)];
+}
+
+// The variant `family` runs at `level`: its best one at or below it; false when it has none.
+inline bool family_variant_at(Family family, Isa level, Isa* out) {
+  bool found = false;
+  for (Isa v : family_info(family).variants) {
+    if (static_cast<int>(v) <= static_cast<int>(level)) {
+      *out = v;
+      found = true;
+    }
+  }
+  return found;
+}
+
+// The variant `family` runs now; false when it has none at the active level.
+inline bool family_variant(Family family, Isa* out) { return family_variant_at(family, active_isa(), out); }
+
+// Whether `family` runs natively at the active level.
+inline bool family_available(Family family) {
+  Isa unused;
+  return family_variant(family, &unused);
+}
+
+}  // namespace kvbank

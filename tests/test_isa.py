@@ -1,0 +1,97 @@
+"""The instruction-set registry (kvbank/kernels/isa.h, kvbank/kernels/isa.py): one level for the
+CPU, a cap that lowers every family's variant and never raises it, reported where users look."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import cpu_levels
+
+from kvbank.kernels import isa
+from kvbank.server.metrics import render_isa
+
+# every family and the levels it has a variant for (isa.h)
+VARIANTS = {
+    "matmul": ["scalar", "avx2", "avx512_vnni"],
+    "dense_attention": ["scalar", "avx2", "avx512", "avx512_bf16"],
+    "quant_attention": ["avx2", "avx512", "avx512_bf16"],
+    "quant_write": ["avx2"],
+    "activation": ["scalar", "avx2", "avx512"],
+}
+
+
+def _expected_variant(family: str, level: str) -> str | None:
+    below = [v for v in VARIANTS[family] if isa.LEVELS.index(v) <= isa.LEVELS.index(level)]
+    return below[-1] if below else None
+
+
+@pytest.mark.parametrize("level", cpu_levels())
+def test_a_cap_picks_each_familys_best_variant_at_or_below_it(native, level):
+    with isa.capped(native, level):
+        report = native.isa_report()
+        assert report["active"] == level
+        assert report["families"] == {family: _expected_variant(family, level) for family in VARIANTS}
+        assert native.qmatmul_isa() == report["families"]["matmul"]
+        assert native.dense_attention_isa() == report["families"]["dense_attention"]
+        assert native.has_quant_decode() == (level != "scalar")
+        at_or_below = [v for v in VARIANTS["quant_attention"] if isa.LEVELS.index(v) <= isa.LEVELS.index(level)]
+        assert native.quant_decode_isas() == at_or_below
+
+
+def test_a_cap_above_the_cpu_runs_at_the_cpus_level(native):
+    cpu = native.isa_report()["cpu"]
+    with isa.capped(native, "avx512_bf16"):
+        assert native.isa_report()["active"] == cpu
+    with pytest.raises(RuntimeError, match="unknown instruction-set level avx9"):
+        native.set_isa_cap("avx9")
+
+
+def test_levels_are_parsed_by_name_and_refused_naming_the_levels():
+    assert isa.parse_level("AVX2") == "avx2"
+    assert isa.parse_level("auto") is None and isa.parse_level("") is None
+    with pytest.raises(ValueError, match="KVBANK_ISA='sse9' is not an instruction-set level; the levels are auto"):
+        isa.parse_level("sse9")
+
+
+def test_kvbank_isa_caps_a_new_process_and_a_bad_value_is_an_error(kvbank_env):
+    code = "from kvbank import kernels; print(kernels.native().isa_report()['active'])"
+    run = lambda value: subprocess.run(
+        [sys.executable, "-c", code], env={**kvbank_env, "KVBANK_ISA": value}, capture_output=True, text=True
+    )
+    assert run("avx2").stdout.strip() == "avx2"
+    failed = run("avx1024")
+    assert failed.returncode != 0 and "KVBANK_ISA='avx1024' is not an instruction-set level" in failed.stderr
+
+
+def test_the_mlp_gives_the_same_bits_at_every_level(native):
+    # silu(gate) * up takes e^x from one polynomial with the same fused multiply-adds in every
+    # variant, and the matmuls are exact per block: the fused MLP is bit-identical across levels.
+    from test_qmatmul import _weights
+
+    generator = torch.Generator().manual_seed(0)
+    o_w, o_kind, _ = _weights("Q4_1", 64, 64, seed=1)
+    gate_up_w, gate_up_kind, _ = _weights("Q4_1", 2 * 1600, 64, seed=2)
+    down_w, down_kind, _ = _weights("Q8_0", 64, 1600, seed=3)
+    attn = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    residual = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    norm = torch.full((64,), 30.0, dtype=torch.bfloat16)  # gates of a few hundred: e^-g past both clamps
+    outputs = {}
+    for level in cpu_levels("avx2"):  # the fused layer calls run on the integer matmuls
+        with isa.capped(native, level):
+            outputs[level] = native.qlayer_mlp(
+                attn, residual.clone(), o_w, o_kind, norm, 1e-5, gate_up_w, gate_up_kind, down_w, down_kind
+            )
+    assert outputs and all(torch.isfinite(out.float()).all() for out in outputs.values())
+    first = next(iter(outputs.values()))
+    assert all(torch.equal(out, first) for out in outputs.values()), list(outputs)
+
+
+def test_the_registry_is_in_stats_metrics_and_the_log_line(native):
+    report = isa.report(native)
+    lines = render_isa(report)
+    matmul, cpu = report["families"]["matmul"], report["cpu"]
+    assert f'kvbank:cpu_isa_info{{family="matmul",isa="{matmul}",cpu="{cpu}"}} 1' in lines
+    assert 'isa="pytorch"' in "\n".join(render_isa({**report, "families": {"quant_write": None}}))
+    assert isa.describe(native).startswith(f"CPU level {report['cpu']}")
+    assert isa.describe(None) == "native kernels unavailable: PyTorch only"
