@@ -21,7 +21,9 @@ from serving import free_port
 
 STARTUP_TIMEOUT_S = 10
 CLUSTER_NODES = 3
-PORT_ATTEMPTS = 3  # another process may take a free port between our probe and redis-server's bind
+# Another listener (a parallel test run) may take a probed port before redis-server binds it.
+PORT_ATTEMPTS = 20
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000 (so refuses ports above 55535)
 
 
 def require_redis_binaries() -> None:
@@ -89,13 +91,18 @@ class RedisServer:
                     self.process = None
                     raise RuntimeError(f"redis-server exited:\n{self.log_path.read_text()[-2000:]}")
                 try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    time.sleep(0.02)
+                    if self._answering(client):
+                        return
+                except redis.RedisError:  # not up yet, or a stranger's server that refuses us
+                    pass
+                time.sleep(0.02)
         raise RuntimeError(
             f"redis-server did not answer in {STARTUP_TIMEOUT_S} s:\n{self.log_path.read_text()[-2000:]}"
         )
+
+    def _answering(self, client: redis.Redis) -> bool:
+        # A server that took our port first answers too, until ours fails to bind and exits.
+        return client.info("server")["process_id"] == self.process.pid
 
 
 def start_redis_server(directory: Path, unix_socket: bool = False, cluster: bool = False) -> RedisServer:
@@ -107,14 +114,22 @@ def start_redis_server(directory: Path, unix_socket: bool = False, cluster: bool
         server.start()
         return server
     for attempt in range(PORT_ATTEMPTS):
-        server = RedisServer(directory, port=free_port(), cluster=cluster)
+        server = RedisServer(directory, port=free_port(also_free=CLUSTER_BUS_OFFSET), cluster=cluster)
         try:
             server.start()
             return server
         except RuntimeError:
+            _discard(server)
             if attempt == PORT_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def _discard(server: RedisServer) -> None:
+    """Stop a server that failed to start, so the next attempt starts afresh in its directory."""
+    server.kill()
+    # a cluster node records its address in nodes.conf, which would outlive the port it failed on
+    (server.directory / "nodes.conf").unlink(missing_ok=True)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -12,12 +13,51 @@ import urllib.request
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 120
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+EPHEMERAL_LOW_DEFAULT = 32768  # Linux's default, for a system that does not say
+PORT_FLOOR = 10000  # below: well-known and registered services
+PORT_TRIES = 1000
+_random = random.SystemRandom()
 
 
-def free_port() -> int:
+def ephemeral_low() -> int:
+    """The lowest port the OS hands to outgoing connections and to `bind(port 0)`."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return EPHEMERAL_LOW_DEFAULT
+
+
+def free_port(also_free: int = 0) -> int:
+    """A loopback port that is free now, as is `port + also_free` (a Redis Cluster node's bus: 10000).
+
+    Not `bind(port 0)`: that draws from the ephemeral range, where any outgoing connection can take
+    the port before the server binds it, and may draw one too high for `port + also_free`. Ports drawn
+    at random below that range can only be taken by another listener (a parallel test run, rarely),
+    which the caller notices when its server fails to start, and then asks again.
+    """
+    low, high = _candidate_range(also_free)
+    for _ in range(PORT_TRIES):
+        port = _random.randrange(low, high)
+        if all(_bindable(p) for p in {port, port + also_free}):
+            return port
+    raise RuntimeError(f"no free loopback port (and port + {also_free}) in [{low}, {high})")
+
+
+def _candidate_range(also_free: int) -> tuple[int, int]:
+    high = ephemeral_low() - also_free
+    if high <= PORT_FLOOR:  # an ephemeral range reaching this low leaves no room below it: share it
+        high = 65536 - also_free
+    return PORT_FLOOR, high
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def start_server(args: list[str], env: dict, log_path: Path) -> tuple[subprocess.Popen, str]:

@@ -255,28 +255,50 @@ def test_prompt_embeds_of_the_token_embeddings_give_the_text_path_exactly(llm):
 
 
 def test_embedding_frames_equal_token_frames_and_repeats_are_recognised(llm):
-    tokenizer = llm.get_tokenizer()
-    answers, infos = [], []
+    runs = []
     for as_embeds in (False, True):
-        session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
-        for i in [0, 1, 2, 2, 3, 4, 5]:
-            ids = tokenizer.encode(_frame(i) + "\n")
-            infos.append(session.append(llm.embed_tokens(ids) if as_embeds else ids))
-        answers.append(session.ask("Which ids are in view?", _greedy(logprobs=2)).outputs[0])
-        asked = llm.engine.ask_stream(session.stream_id, "Which ids?", _greedy())
-        seen = asked.seqs[0].seen_token_ids
-        assert len(seen) == len(asked.prompt_token_ids) - (sum(i.num_tokens for i in infos[-4:]) if as_embeds else 0)
-        llm.engine.abort_request(asked.request_id)
-        ids = tokenizer.encode(_frame(5) + "\n")
-        skipped = session.append(llm.embed_tokens(ids) if as_embeds else ids, skip_repeat=True)
-        assert skipped.skipped and skipped.repeat_of == 6 and session.stats()["frames"] == 7
-        session.close()
-    assert answers[0].token_ids == answers[1].token_ids
-    for got, want in zip(answers[1].logprobs, answers[0].logprobs):  # the second hits the cached system prompt
-        expected = {t: p.logprob for t, p in want.items()}
-        assert {t: p.logprob for t, p in got.items()} == pytest.approx(expected, abs=1e-5)
-    assert [i.repeat_of for i in infos[:7]] == [None, None, None, 2, None, None, None]
+        llm.reset_prefix_cache()
+        runs.append(_frames_run(llm, as_embeds))
+    (tokens, token_infos, token_hits), (embeds, embed_infos, embed_hits) = runs
+    # Equal by construction: with no cached prefix both runs compute the same tokens in the same
+    # steps and shapes, and embed_tokens' rows are the very rows the model looks up for those ids.
+    assert token_hits == embed_hits == 0
+    assert embeds.token_ids == tokens.token_ids
+    assert embeds.logprobs == tokens.logprobs
+    for infos in (token_infos, embed_infos):
+        assert [i.repeat_of for i in infos] == [None, None, None, 2, None, None, None]
+    # Embedding frames after a system prompt taken from the cache (computed in other chunks).
+    cached, cached_infos, cached_hits = _frames_run(llm, as_embeds=True)
+    assert cached_hits > 0
+    assert cached.token_ids == tokens.token_ids
+    assert [i.repeat_of for i in cached_infos] == [i.repeat_of for i in embed_infos]
     _assert_all_free(llm)
+
+
+def _frames_run(llm, as_embeds: bool):
+    """Frames 0, 1, 2, 2, 3, 4, 5 (token ids, or their embeddings) into a new stream, then a question.
+
+    Returns the answer, the frames' infos and the system prompt's tokens found in the prefix cache;
+    checks on the way what a question counts as seen and that a repeated last frame is skipped.
+    """
+    tokenizer = llm.get_tokenizer()
+    hits = llm.stats()["prefix_cache_hits"]
+    session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
+    hits = llm.stats()["prefix_cache_hits"] - hits
+    infos = []
+    for i in [0, 1, 2, 2, 3, 4, 5]:
+        ids = tokenizer.encode(_frame(i) + "\n")
+        infos.append(session.append(llm.embed_tokens(ids) if as_embeds else ids))
+    answer = session.ask("Which ids are in view?", _greedy(logprobs=2)).outputs[0]
+    asked = llm.engine.ask_stream(session.stream_id, "Which ids?", _greedy())
+    seen = asked.seqs[0].seen_token_ids
+    assert len(seen) == len(asked.prompt_token_ids) - (sum(i.num_tokens for i in infos[-4:]) if as_embeds else 0)
+    llm.engine.abort_request(asked.request_id)
+    ids = tokenizer.encode(_frame(5) + "\n")
+    skipped = session.append(llm.embed_tokens(ids) if as_embeds else ids, skip_repeat=True)
+    assert skipped.skipped and skipped.repeat_of == 6 and session.stats()["frames"] == 7
+    session.close()
+    return answer, infos, hits
 
 
 @pytest.mark.parametrize(
