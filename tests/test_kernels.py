@@ -2,11 +2,15 @@
 
 import os
 import select
+import shutil
 import stat
 import subprocess
 import sys
 import time
 
+import pytest
+
+from kvbank import kernels
 from kvbank.kernels import path_with_ninja
 
 
@@ -38,6 +42,34 @@ def test_torch_finds_ninja_on_the_build_path_of_a_process_without_one(tmp_path, 
     env = dict(kvbank_env, PATH=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda mp: mp.setattr(sys, "prefix", "/elsewhere/.venv"),
+        lambda mp: mp.setattr(sys, "executable", "/elsewhere/.venv/bin/python"),
+        lambda mp: mp.setenv("CXX", "/elsewhere/bin/c++"),
+        lambda mp: mp.setattr(kernels, "CFLAGS", (*kernels.CFLAGS, "-g")),
+    ],
+    ids=["prefix", "executable", "compiler", "cflags"],
+)
+def test_the_build_name_is_stable_and_follows_the_environment_that_builds(monkeypatch, change):
+    name = kernels.module_name()
+    assert kernels.module_name() == name
+    change(monkeypatch)
+    assert kernels.module_name() != name
+
+
+def test_the_build_name_follows_the_sources_bytes_not_their_folder(monkeypatch, tmp_path):
+    name = kernels.module_name()
+    for source in kernels.SOURCES:
+        shutil.copy(kernels._SOURCE_DIR / source, tmp_path / source)
+    monkeypatch.setattr(kernels, "_SOURCE_DIR", tmp_path)
+    assert kernels.module_name() == name
+    with open(tmp_path / kernels.SOURCES[-1], "a") as source:
+        source.write("\n")
+    assert kernels.module_name() != name
 
 
 _LOAD = (

@@ -35,6 +35,9 @@ SOURCES = (
     "dense_decode.cpp",
     "qmatmul.cpp",
 )
+# parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # after the one attempt: "module", or "failure" (why it failed)
 
@@ -62,9 +65,33 @@ def failure() -> str | None:
 
 
 def module_name() -> str:
-    """The build's name: the sources' digest, so an edited source builds anew."""
-    digest = hashlib.sha256(b"".join((_SOURCE_DIR / f).read_bytes() for f in SOURCES)).hexdigest()[:12]
-    return f"kvbank_native_{digest}"
+    """The build's name: a digest of the sources and of everything else that shapes the build command.
+
+    torch keeps one build folder per name, shared by every environment on the machine. Two
+    environments with the same sources but another torch, Python or compiler would each rewrite the
+    other's build.ninja and rebuild there in turn; named apart, each keeps its own build.
+    """
+    digest = hashlib.sha256()
+    for part in (*(_SOURCE_DIR / f for f in SOURCES), *_build_inputs()):
+        digest.update(part.read_bytes() if isinstance(part, Path) else part.encode())
+        digest.update(b"\0")  # parts apart: bytes moved from one part to the next change the name
+    return f"kvbank_native_{digest.hexdigest()[:12]}"
+
+
+def _build_inputs() -> list[str]:
+    """What besides the sources goes into the build command: torch, Python, compiler and flags."""
+    import torch
+
+    compiler = os.environ.get("CXX", "c++")
+    return [
+        torch.__version__,
+        str(Path(torch.__file__).resolve().parent),
+        sys.prefix,
+        os.path.realpath(sys.executable),
+        " ".join(CFLAGS),
+        " ".join(LDFLAGS),
+        os.path.realpath(shutil.which(compiler) or compiler),
+    ]
 
 
 def build_folder(name: str) -> Path:
@@ -86,13 +113,12 @@ def _build() -> dict[str, object]:
                 file=sys.stderr,
                 flush=True,
             )
-        # parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.
         with _ninja_on_path(), _build_lock(name):
             module = load(
                 name=name,
                 sources=[str(_SOURCE_DIR / SOURCES[0])],
-                extra_cflags=["-O3", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 verbose=False,
             )
         return {"module": module}
