@@ -21,8 +21,7 @@ QUANTIZED = list(NATIVE_FORMATS)
 
 @pytest.fixture(scope="module")
 def kernel(native):
-    if not native.has_quant_decode():
-        pytest.skip("the quantized decode kernel needs an x86 CPU with AVX2, FMA and F16C")
+    assert native.has_quant_decode(), "every x86 CPU kvbank's kernels target has AVX2, FMA and F16C"
     return native
 
 
@@ -472,8 +471,7 @@ def test_the_one_call_decoder_stack_on_quantized_kv_gives_the_layer_by_layer_bit
     # logprobs.
     llm = LLM(kv_cache_dtype=kv, max_num_batched_tokens=96, num_gpu_blocks=256, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    if model.layers[0].native is None:
-        pytest.skip("the model does not run on the integer kernels here")
+    assert model.layers[0].native is not None, "the default configuration runs on the integer kernels"
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
 
     prompts = [
