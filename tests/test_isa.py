@@ -66,7 +66,8 @@ def test_kvbank_isa_caps_a_new_process_and_a_bad_value_is_an_error(kvbank_env):
 
 def test_the_mlp_gives_the_same_bits_at_every_level(native):
     # silu(gate) * up takes e^x from one polynomial with the same fused multiply-adds in every
-    # variant, and the matmuls are exact per block: the fused MLP is bit-identical across levels.
+    # variant, activations quantize alike, and the matmuls are exact per block: the fused MLP is
+    # bit-identical across levels, the scalar one included.
     from test_qmatmul import _weights
 
     generator = torch.Generator().manual_seed(0)
@@ -77,7 +78,7 @@ def test_the_mlp_gives_the_same_bits_at_every_level(native):
     residual = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
     norm = torch.full((64,), 30.0, dtype=torch.bfloat16)  # gates of a few hundred: e^-g past both clamps
     outputs = {}
-    for level in cpu_levels("avx2"):  # the fused layer calls run on the integer matmuls
+    for level in cpu_levels():  # activations quantized, multiplied and gated by each level's variants
         with isa.capped(native, level):
             outputs[level] = native.qlayer_mlp(
                 attn, residual.clone(), o_w, o_kind, norm, 1e-5, gate_up_w, gate_up_kind, down_w, down_kind

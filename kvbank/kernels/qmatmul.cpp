@@ -93,6 +93,7 @@ struct QuantRows {
   void quantize_row(int64_t r, const float* x) {
 #ifdef KVBANK_X86
     if (best_isa() == Isa::Avx512Vnni) return quantize_row_avx512(r, x);
+    if (best_isa() == Isa::Avx2) return quantize_row_avx2(r, x);
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + b * QK;
@@ -127,6 +128,38 @@ struct QuantRows {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qhi));
       const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      d[r * blocks + b] = scale;
+      sum[r * blocks + b] = total;
+      s[r * blocks + b] = scale * static_cast<float>(total);
+    }
+  }
+
+  // The same arithmetic 8 lanes at a time; packing interleaves the 128-bit halves, which the
+  // final permute puts back in order.
+  KVBANK_AVX2 void quantize_row_avx2(int64_t r, const float* x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 v[4];
+      __m256 top = _mm256_setzero_ps();
+      for (int k = 0; k < 4; ++k) {
+        v[k] = _mm256_loadu_ps(x + b * QK + 8 * k);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[k]));
+      }
+      const __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
+      const float scale = amax / 127.0f;
+      const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+      __m256i qi[4];
+      for (int k = 0; k < 4; ++k) qi[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      int8_t* qb = q.data() + r * cols + b * QK;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_permutevar8x32_epi32(packed, order));
+      const __m256i both = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+      const __m128i pair = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+      const __m128i two = _mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0x4E));
+      const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 0xB1)));
       d[r * blocks + b] = scale;
       sum[r * blocks + b] = total;
       s[r * blocks + b] = scale * static_cast<float>(total);
@@ -291,56 +324,84 @@ KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+// A block's weights are decoded once and meet every row of the tile; per row and lane the
+// float sums run in block order as in the scalar version, so the bits do not depend on the tile.
+template <int R>
+KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t i = 0; i < tile; ++i) {
-    const int8_t* row = a.q.data() + (r0 + i) * a.cols;
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * Q4_RECORD;
-        const int8_t* qa = row + b * QK;
-        __m256i sum = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
-          sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_and_si256(v, low), _mm256_set1_epi32(load_i32(qa + 4 * j))));
-          sum = _mm256_add_epi32(
-              sum, dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc);
-        acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc);
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* rec = w + b * Q4_RECORD;
+      if (h == 0) {
+        for (int line = 0; line < Q4_RECORD; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
       }
-      _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc);
+      __m256i lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+        lo[j] = _mm256_and_si256(v, low);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+      for (int i = 0; i < R; ++i) {
+        const int8_t* qa = rows[i] + b * QK;
+        __m256i s0 = dot_u8s8(lo[0], _mm256_set1_epi32(load_i32(qa)));
+        __m256i s1 = dot_u8s8(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
+        for (int j = 1; j < 4; ++j) {
+          s0 = _mm256_add_epi32(s0, dot_u8s8(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
+          s1 = _mm256_add_epi32(s1, dot_u8s8(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
+        }
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])),
+                                 acc[i]);
+        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
+      }
     }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
   }
 }
 
-KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+template <int R>
+KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t i = 0; i < tile; ++i) {
-    const int8_t* row = a.q.data() + (r0 + i) * a.cols;
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * Q8_RECORD;
-        const int8_t* qa = row + b * QK;
-        __m256i sum = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-          // Signed weights: |w| as the unsigned operand, the activation takes w's sign.
-          const __m256i ws = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
-          const __m256i av = _mm256_set1_epi32(load_i32(qa + 4 * c));
-          sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(ws), _mm256_sign_epi8(av, ws)));
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc);
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* rec = w + b * Q8_RECORD;
+      if (h == 0) {
+        for (int line = 0; line < Q8_RECORD; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
       }
-      _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc);
+      // Signed weights: |w| as the unsigned operand, the activation takes w's sign.
+      __m256i ws[8], mag[8];
+      for (int c = 0; c < 8; ++c) {
+        ws[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
+        mag[c] = _mm256_abs_epi8(ws[c]);
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
+      for (int i = 0; i < R; ++i) {
+        const int8_t* qa = rows[i] + b * QK;
+        __m256i s0 = dot_u8s8(mag[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), ws[0]));
+        __m256i s1 = dot_u8s8(mag[1], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4)), ws[1]));
+        for (int c = 2; c < 8; c += 2) {
+          s0 = _mm256_add_epi32(s0, dot_u8s8(mag[c], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c)), ws[c])));
+          s1 = _mm256_add_epi32(
+              s1, dot_u8s8(mag[c + 1], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c + 4)), ws[c + 1])));
+        }
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])),
+                                 acc[i]);
+      }
     }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
   }
 }
 #endif
@@ -355,7 +416,14 @@ void group_kernel(bool q8, Isa isa, const uint8_t* w, const QuantRows& a, int64_
       default: return q8 ? q8_group_avx512<1>(w, a, r0, out) : q4_group_avx512<1>(w, a, r0, out);
     }
   }
-  if (isa == Isa::Avx2) return q8 ? q8_group_avx2(w, a, r0, tile, out) : q4_group_avx2(w, a, r0, tile, out);
+  if (isa == Isa::Avx2) {
+    switch (tile) {
+      case 4: return q8 ? q8_group_avx2<4>(w, a, r0, out) : q4_group_avx2<4>(w, a, r0, out);
+      case 3: return q8 ? q8_group_avx2<3>(w, a, r0, out) : q4_group_avx2<3>(w, a, r0, out);
+      case 2: return q8 ? q8_group_avx2<2>(w, a, r0, out) : q4_group_avx2<2>(w, a, r0, out);
+      default: return q8 ? q8_group_avx2<1>(w, a, r0, out) : q4_group_avx2<1>(w, a, r0, out);
+    }
+  }
 #endif
   return q8 ? q8_group_scalar(w, a, r0, tile, out) : q4_group_scalar(w, a, r0, tile, out);
 }
