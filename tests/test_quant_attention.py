@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cpu_levels
 
 from kvbank import LLM, SamplingParams
 from kvbank.attention import quantized
@@ -97,9 +98,9 @@ def test_native_quantized_attention_matches_the_reference_over_shapes(kernel, kv
         # value group size (None: per-token scales) and residual (scratch) blocks present
         ((64, True), (64, False), (32, True), (16, False)) if kivi else ((None, False),),
     )
-    # every version of the kernel this CPU runs (8 lanes; 16; 16 with int8/fp8 keys by tables)
+    # every version of the kernel this CPU runs (scalar; 8 lanes; 16; 16 with int8/fp8 keys by tables)
     isas = kernel.quant_decode_isas()
-    assert isas[0] == "avx2"
+    assert isas[:2] == ["scalar", "avx2"]
     for seed, (isa, (dim, block, group, dtype, (value_group, scratch))) in enumerate(itertools.product(isas, shapes)):
         out, expected, magnitude = _case(
             kernel, kv, dim, block, group, dtype, value_group or 32, lens, scratch, seed, isa
@@ -116,6 +117,26 @@ def test_native_quantized_attention_matches_the_reference_over_shapes(kernel, kv
         assert (err <= bound).all(), (isa, dim, block, group, dtype, value_group, scratch, err.max().item())
 
 
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_every_vector_variant_agrees_with_the_scalar_reference(kernel, kv):
+    # The scalar variant is plain C++ over one token at a time; the vector variants decode the same
+    # codes and differ from it only in the order of their float32 sums (and, for avx512_bf16's
+    # int8/fp8 keys, bfloat16 weights: allowed as in the test above).
+    kivi = kv in ("int4", "int2")
+    lens = [3, DECODE_PARTITION + 5, 2 * DECODE_PARTITION + 37]
+    for seed, (dim, group, dtype) in enumerate(itertools.product((64, 128), (1, 3), (torch.float32, torch.bfloat16))):
+        scalar, expected, magnitude = _case(kernel, kv, dim, 16, group, dtype, 32, lens, kivi, seed, "scalar")
+        largest = expected.abs().amax(dim=-1, keepdim=True)
+        for isa in kernel.quant_decode_isas()[1:]:
+            out, _, _ = _case(kernel, kv, dim, 16, group, dtype, 32, lens, kivi, seed, isa)
+            assert not torch.equal(out, torch.zeros_like(out))
+            bound = largest * 2e-5 + scalar.double().abs() * (0 if dtype == torch.float32 else 2**-7)
+            if isa == "avx512_bf16" and dtype == torch.bfloat16 and not kivi:
+                bound += magnitude * 2**-8
+            err = (out.double() - scalar.double()).abs()
+            assert (err <= bound).all(), (isa, kv, dim, group, dtype, err.max().item())
+
+
 def test_bad_arguments_are_refused_with_the_numbers(kernel):
     key_codec, value_codec = codecs_for("int8", torch.float32)
     stored_k = key_codec.quantize(torch.randn(4, 16, 2, 64))
@@ -123,7 +144,7 @@ def test_bad_arguments_are_refused_with_the_numbers(kernel):
     q = torch.randn(1, 2, 3, 64)
     args = _stored_args(stored_k, stored_v)
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="isa must be auto, avx2, avx512 or avx512_bf16, got avx9"):
+    with pytest.raises(RuntimeError, match="isa must be auto, scalar, avx2, avx512 or avx512_bf16, got avx9"):
         kernel.quant_decode_attention(q, 1, *args, tables, lens, 0.125, DECODE_PARTITION, isa="avx9")
     with pytest.raises(RuntimeError, match="unknown quantized KV format 9"):
         kernel.quant_decode_attention(q, 9, *args, tables, lens, 0.125, DECODE_PARTITION)
@@ -162,9 +183,10 @@ def _write_inputs(dtype, dim, seed):
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("isa_level", cpu_levels()[:2], indirect=True)  # the scalar variant and avx2
 @pytest.mark.parametrize("kv", PER_TOKEN)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_native_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype):
+def test_native_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype, isa_level):
     codec = codecs_for(kv, dtype)[0]
     for dim, seed in ((64, 0), (128, 1), (16, 2)):
         x = _write_inputs(dtype, dim, seed)
@@ -278,9 +300,10 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("isa_level", cpu_levels()[:2], indirect=True)  # the scalar variant and avx2
 @pytest.mark.parametrize("kv", ["int4", "int2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_native_kivi_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype):
+def test_native_kivi_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype, isa_level):
     # A prefill of whole blocks, then one open block filled over three steps through its
     # residual slot; every stored tensor equals the codecs' block quantization bit for bit.
     for dim, group, block, seed in ((64, 32, 16, 0), (128, 64, 16, 1), (64, 16, 32, 2), (128, 128, 64, 3)):

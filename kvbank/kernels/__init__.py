@@ -24,17 +24,10 @@ from kvbank.kernels import isa
 logger = logging.getLogger("kvbank.kernels")
 
 _SOURCE_DIR = Path(__file__).parent
-#: bindings.cpp includes the kernels' sources; all of them (and native.h) name the build.
-SOURCES = (
-    "bindings.cpp",
-    "native.h",
-    "isa.h",
-    "layers.cpp",
-    "paged_decode.cpp",
-    "quant_decode.cpp",
-    "dense_decode.cpp",
-    "qmatmul.cpp",
-)
+#: The translation units, compiled apart (in parallel) and linked into one module.
+UNITS = ("bindings.cpp", "layers.cpp", "quant_decode.cpp", "dense_decode.cpp", "qmatmul.cpp")
+#: Everything that names the build: the units and the headers they share.
+SOURCES = (*UNITS, "native.h", "isa.h", "layers.h", "paged_decode.h", "quant_decode.h", "dense_decode.h")
 # parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
@@ -116,7 +109,7 @@ def _build() -> dict[str, object]:
         with _ninja_on_path(), _build_lock(name):
             module = load(
                 name=name,
-                sources=[str(_SOURCE_DIR / SOURCES[0])],
+                sources=[str(_SOURCE_DIR / unit) for unit in UNITS],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
                 verbose=False,

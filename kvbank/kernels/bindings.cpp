@@ -1,14 +1,13 @@
-// The Python module of kvbank's native kernels, built as one translation unit: the PyTorch
-// headers dominate the build time, so they are parsed once.
+// The Python module of kvbank's native kernels: the registry's state and the operators of the
+// other units (layers.cpp, quant_decode.cpp, dense_decode.cpp, qmatmul.cpp), declared in native.h.
+// Every unit compiles alone; job types they share live in headers (layers.h, paged_decode.h,
+// quant_decode.h, dense_decode.h), each including what it uses.
+#include <torch/extension.h>
+
 #include "native.h"
 
 #include <alloca.h>
 
-#include "layers.cpp"
-#include "paged_decode.cpp"
-#include "quant_decode.cpp"
-#include "dense_decode.cpp"
-#include "qmatmul.cpp"
 
 // Fills `bytes` of stack below the call on every thread of the kernels' pool with 0xFF bytes (NaN as
 // float32 and bfloat16), so that a kernel called next reads NaN from any scratch it did not write.

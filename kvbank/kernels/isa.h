@@ -88,9 +88,9 @@ inline const FamilyInfo& family_info(Family family) {
       // decode and row attention over a bfloat16 paged cache (dense_decode.h)
       {"dense_attention", {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
       // attention read in place from int8/fp8/int4/int2 caches (quant_decode.h)
-      {"quant_attention", {Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
+      {"quant_attention", {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
       // int8/fp8 and int4/int2 cache writes (quant_decode.h)
-      {"quant_write", {Isa::Avx2}},
+      {"quant_write", {Isa::Scalar, Isa::Avx2}},
       // silu(gate) * up of the fused MLP (qmatmul.cpp)
       {"activation", {Isa::Scalar, Isa::Avx2, Isa::Avx512}},
   };

@@ -1,7 +1,7 @@
 // Helpers shared by kvbank's native CPU kernels.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <optional>

@@ -13,6 +13,9 @@
 // order by the same fused multiply-adds on every path (AVX-512 VNNI, AVX2, scalar), so all paths
 // give bit-identical results, and a row's result never depends on the other rows of the batch.
 #include "native.h"
+#include "dense_decode.h"
+#include "layers.h"
+#include "quant_decode.h"
 
 #include <ATen/Parallel.h>
 #include <omp.h>

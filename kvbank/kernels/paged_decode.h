@@ -2,6 +2,8 @@
 // heads, the context read block by block through the block table (no gathered copy), in float32
 // with an online softmax. Long contexts are split into partitions merged by log-sum-exp, so that
 // a few sequences still keep every core busy.
+#pragma once
+
 #include "native.h"
 
 #include <ATen/Parallel.h>

@@ -1,0 +1,84 @@
+// Attention over a bfloat16 paged cache, one query row at a time, in the variant the ISA registry
+// (isa.h) picks for the dense_attention family:
+//   avx512_bf16  bfloat16 pair dot products (paged_decode.cpp, attend_range_bf16)
+//   avx512       16 float32 lanes, keys widened by shifts (quant_decode.cpp, format 0)
+//   avx2         8 float32 lanes, the same (quant_decode.cpp, format 0)
+//   scalar       plain C++ (paged_decode.cpp, attend_range): the reference the others are tested against
+// Every variant runs the same work items and log-sum-exp merge (Partials), so within a variant a
+// row's result depends on its own sequence alone: batch invariance holds on every CPU.
+#pragma once
+
+#include "native.h"
+#include "paged_decode.h"
+#include "quant_decode.h"
+
+#include <ATen/Parallel.h>
+
+#include <memory>
+
+namespace {
+
+using Bf16 = c10::BFloat16;
+
+// The dense attention of one step, as Partials work items over any layer's caches of one shape.
+class DenseJob {
+ public:
+  DenseJob(const Bf16* q, const Bf16* k, const Bf16* v, const int64_t* tables, const int64_t* lens, Bf16* out,
+           int64_t n, int64_t heads, int64_t group, int64_t dim, int64_t block_size, int64_t width, double scale,
+           int64_t partition)
+      : heads_(heads), dim_(dim), block_size_(block_size) {
+    kvbank::Isa variant = kvbank::Isa::Scalar;
+    kvbank::family_variant(kvbank::Family::DenseAttention, &variant);
+    const bool lanes = variant == kvbank::Isa::Avx2 || variant == kvbank::Isa::Avx512;
+    if (lanes && (dim == 64 || dim == 128) && group <= 8) {
+      const int isa = variant == kvbank::Isa::Avx512 ? kQuantAvx512 : kQuantAvx2;
+      quant_.reset(new QuantJob<Bf16>(q, tables, lens, out, n, heads, group, dim, block_size, width, scale, partition,
+                                      isa));
+    } else if (dim == 64) {
+      d64_.reset(new DecodeJob<Bf16, 64>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                         partition));
+    } else if (dim == 128) {
+      d128_.reset(new DecodeJob<Bf16, 128>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                           partition));
+    } else {
+      any_.reset(new DecodeJob<Bf16, 0>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                        partition));
+    }
+  }
+
+  int64_t items() const {
+    return quant_ ? quant_->items() : d64_ ? d64_->items() : d128_ ? d128_->items() : any_->items();
+  }
+  int64_t pairs() const {
+    return quant_ ? quant_->pairs() : d64_ ? d64_->pairs() : d128_ ? d128_->pairs() : any_->pairs();
+  }
+
+  // Work item `i` over the caches `k`, `v` ([blocks, block_size, heads, dim]).
+  void item(int64_t i, const Bf16* k, const Bf16* v) {
+    if (quant_) {
+      const QuantLayer layer{kBf16,    reinterpret_cast<const uint8_t*>(k), nullptr, nullptr, nullptr,
+                             reinterpret_cast<const uint8_t*>(v), nullptr, nullptr, heads_, dim_, block_size_,
+                             2 * dim_, 1,       nullptr,  nullptr, nullptr};
+      return quant_->item(i, layer);
+    }
+    if (d64_) return d64_->item(i, k, v);
+    if (d128_) return d128_->item(i, k, v);
+    any_->item(i, k, v);
+  }
+
+  void merge(int64_t pair) {
+    if (quant_) return quant_->merge(pair);
+    if (d64_) return d64_->merge(pair);
+    if (d128_) return d128_->merge(pair);
+    any_->merge(pair);
+  }
+
+ private:
+  int64_t heads_, dim_, block_size_;
+  std::unique_ptr<QuantJob<Bf16>> quant_;
+  std::unique_ptr<DecodeJob<Bf16, 64>> d64_;
+  std::unique_ptr<DecodeJob<Bf16, 128>> d128_;
+  std::unique_ptr<DecodeJob<Bf16, 0>> any_;
+};
+
+}  // namespace
