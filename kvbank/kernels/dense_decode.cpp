@@ -12,9 +12,7 @@ void dense_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
                tables.size(1), scale, partition);
   const Bf16* k_p = k.data_ptr<Bf16>();
   const Bf16* v_p = v.data_ptr<Bf16>();
-  at::parallel_for(0, job.items(), 1, [&](int64_t from, int64_t to) {
-    for (int64_t item = from; item < to; ++item) job.item(item, k_p, v_p);
-  });
+  run_items(job.partials(), [&](int64_t item) { job.item(item, k_p, v_p); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });

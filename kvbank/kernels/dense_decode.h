@@ -46,6 +46,11 @@ class DenseJob {
     }
   }
 
+  // The work items' schedule and results (Partials).
+  const Partials& partials() const {
+    return quant_ ? quant_->partials : d64_ ? d64_->partials : d128_ ? d128_->partials : any_->partials;
+  }
+
   int64_t items() const {
     return quant_ ? quant_->items() : d64_ ? d64_->items() : d128_ ? d128_->items() : any_->items();
   }

@@ -961,6 +961,9 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     shared_attn.resize(rows, q_size);
     shared_inter.resize(rows, inter);
   }
+  // The attention's work items, taken by the threads on demand: one queue per layer, so no thread
+  // resets a queue another may still be reading.
+  std::unique_ptr<ItemQueue[]> item_queues(new ItemQueue[num_layers()]);
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -1067,12 +1070,10 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
 #endif
       if (!quantized) {
-        const auto [i0, i1] = share(dense_job->items(), tid, nt);
-        for (int64_t i = i0; i < i1; ++i) dense_job->item(i, kc, vc);
+        item_queues[l].drain(dense_job->partials(), nt, [&](int64_t i) { dense_job->item(i, kc, vc); });
       } else {
 #ifdef KVBANK_X86
-        const auto [i0, i1] = share(quant_job->items(), tid, nt);
-        for (int64_t i = i0; i < i1; ++i) quant_job->item(i, quant_layers[l]);
+        item_queues[l].drain(quant_job->partials, nt, [&](int64_t i) { quant_job->item(i, quant_layers[l]); });
 #endif
       }
 #pragma omp barrier

@@ -1217,9 +1217,7 @@ void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tens
                   double scale, int64_t partition, torch::Tensor& out, int isa) {
   QuantJob<T> job(q.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0),
                   q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition, isa);
-  at::parallel_for(0, job.items(), 1, [&](int64_t from, int64_t to) {
-    for (int64_t item = from; item < to; ++item) job.item(item, L);
-  });
+  run_items(job.partials, [&](int64_t item) { job.item(item, L); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });
