@@ -263,28 +263,17 @@ KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
     const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
     for (int i = 0; i < R; ++i) {
       const int8_t* qa = rows[i] + b * QK;
-      __m512i sum;
-      if constexpr (R >= 4) {  // the rows are independent chains already
-        sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], quad(qa + 0));
-        sum = _mm512_dpbusd_epi32(sum, lo[1], quad(qa + 4));
-        sum = _mm512_dpbusd_epi32(sum, lo[2], quad(qa + 8));
-        sum = _mm512_dpbusd_epi32(sum, lo[3], quad(qa + 12));
-        sum = _mm512_dpbusd_epi32(sum, hi[0], quad(qa + 16));
-        sum = _mm512_dpbusd_epi32(sum, hi[1], quad(qa + 20));
-        sum = _mm512_dpbusd_epi32(sum, hi[2], quad(qa + 24));
-        sum = _mm512_dpbusd_epi32(sum, hi[3], quad(qa + 28));
-      } else {
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        s0 = _mm512_dpbusd_epi32(s0, lo[0], quad(qa + 0));
-        s1 = _mm512_dpbusd_epi32(s1, lo[1], quad(qa + 4));
-        s0 = _mm512_dpbusd_epi32(s0, lo[2], quad(qa + 8));
-        s1 = _mm512_dpbusd_epi32(s1, lo[3], quad(qa + 12));
-        s0 = _mm512_dpbusd_epi32(s0, hi[0], quad(qa + 16));
-        s1 = _mm512_dpbusd_epi32(s1, hi[1], quad(qa + 20));
-        s0 = _mm512_dpbusd_epi32(s0, hi[2], quad(qa + 24));
-        s1 = _mm512_dpbusd_epi32(s1, hi[3], quad(qa + 28));
-        sum = _mm512_add_epi32(s0, s1);
-      }
+      // two chains of four: a vpdpbusd's latency is hidden behind the other chain and the other rows
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      s0 = _mm512_dpbusd_epi32(s0, lo[0], quad(qa + 0));
+      s1 = _mm512_dpbusd_epi32(s1, lo[1], quad(qa + 4));
+      s0 = _mm512_dpbusd_epi32(s0, lo[2], quad(qa + 8));
+      s1 = _mm512_dpbusd_epi32(s1, lo[3], quad(qa + 12));
+      s0 = _mm512_dpbusd_epi32(s0, hi[0], quad(qa + 16));
+      s1 = _mm512_dpbusd_epi32(s1, hi[1], quad(qa + 20));
+      s0 = _mm512_dpbusd_epi32(s0, hi[2], quad(qa + 24));
+      s1 = _mm512_dpbusd_epi32(s1, hi[3], quad(qa + 28));
+      const __m512i sum = _mm512_add_epi32(s0, s1);
       const int64_t ab = (r0 + i) * a.blocks + b;
       const __m512 dot = _mm512_cvtepi32_ps(sum);
       acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
@@ -292,6 +281,55 @@ KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
+}
+
+// Two groups (32 output rows) against R rows: each activation broadcast meets both groups'
+// weights, and a weight chunk is decoded once for the R rows. Per row and group the integer dot
+// products are exact and the float sums run in block order, as in q4_group_avx512: same bits.
+template <int R>
+KVBANK_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0,
+                                float* out1) {
+  __m512 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec0 = w0 + b * Q4_RECORD;
+    const uint8_t* rec1 = w1 + b * Q4_RECORD;
+    for (int line = 0; line < Q4_RECORD; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec0 + PREFETCH_BYTES + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec1 + PREFETCH_BYTES + line), _MM_HINT_T0);
+    }
+    __m512i s0[R], s1[R];
+    for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v0 = _mm512_loadu_si512(rec0 + 64 * j), v1 = _mm512_loadu_si512(rec1 + 64 * j);
+      const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+      const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+      for (int i = 0; i < R; ++i) {
+        const __m512i x_lo = quad(rows[i] + b * QK + 4 * j), x_hi = quad(rows[i] + b * QK + 16 + 4 * j);
+        s0[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s0[i], lo0, x_lo), hi0, x_hi);
+        s1[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s1[i], lo1, x_lo), hi1, x_hi);
+      }
+    }
+    const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + 256)));
+    const __m512 mw0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + 288)));
+    const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + 256)));
+    const __m512 mw1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + 288)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t ab = (r0 + i) * a.blocks + b;
+      const __m512 d = _mm512_set1_ps(a.d[ab]), sums = _mm512_set1_ps(a.s[ab]);
+      acc0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_mul_ps(dw0, d), acc0[i]);
+      acc0[i] = _mm512_fmadd_ps(mw0, sums, acc0[i]);
+      acc1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_mul_ps(dw1, d), acc1[i]);
+      acc1[i] = _mm512_fmadd_ps(mw1, sums, acc1[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(out0 + i * GROUP_ROWS, acc0[i]);
+    _mm512_storeu_ps(out1 + i * GROUP_ROWS, acc1[i]);
+  }
 }
 
 template <int R>
@@ -437,6 +475,29 @@ void qmatmul_groups(bool q8, Isa isa, const uint8_t* weights, int64_t begin, int
                     int64_t out_stride) {
   const int64_t group_bytes = a.blocks * (q8 ? Q8_RECORD : Q4_RECORD);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
+#ifdef KVBANK_X86
+  if (!q8 && isa == Isa::Avx512Vnni) {
+    // 4-bit weights on VNNI: groups two at a time (q4_pair_avx512), the odd one below
+    alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
+    for (; begin + 1 < end; begin += 2) {
+      const uint8_t* w = weights + begin * group_bytes;
+      for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
+        const int64_t tile = std::min(ROW_TILE, a.rows - r0);
+        switch (tile) {
+          case 4: q4_pair_avx512<4>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+          case 3: q4_pair_avx512<3>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+          case 2: q4_pair_avx512<2>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+          default: q4_pair_avx512<1>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+        }
+        for (int64_t i = 0; i < tile; ++i) {
+          for (int h = 0; h < 2; ++h)
+            std::memcpy(out + (r0 + i) * out_stride + (begin + h) * GROUP_ROWS, pair_out[h] + i * GROUP_ROWS,
+                        GROUP_ROWS * sizeof(float));
+        }
+      }
+    }
+  }
+#endif
   for (int64_t g = begin; g < end; ++g) {
     const uint8_t* w = weights + g * group_bytes;
     for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
