@@ -359,6 +359,47 @@ KVBANK_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
 }
 
+// q8_group_avx512 for two groups at once, as q4_pair_avx512: same bits.
+template <int R>
+KVBANK_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0,
+                                float* out1) {
+  __m512 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec0 = w0 + b * Q8_RECORD;
+    const uint8_t* rec1 = w1 + b * Q8_RECORD;
+    for (int line = 0; line < Q8_RECORD; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec0 + PREFETCH_BYTES + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec1 + PREFETCH_BYTES + line), _MM_HINT_T0);
+    }
+    __m512i s0[R], s1[R];
+    for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(rec0 + 64 * c), v1 = _mm512_loadu_si512(rec1 + 64 * c);
+      for (int i = 0; i < R; ++i) {
+        const __m512i x = quad(rows[i] + b * QK + 4 * c);
+        s0[i] = _mm512_dpbusd_epi32(s0[i], v0, x);
+        s1[i] = _mm512_dpbusd_epi32(s1[i], v1, x);
+      }
+    }
+    const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + 512)));
+    const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + 512)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t ab = (r0 + i) * a.blocks + b;
+      const __m512i bias = _mm512_set1_epi32(128 * a.sum[ab]);
+      const __m512 d = _mm512_set1_ps(a.d[ab]);
+      acc0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0[i], bias)), _mm512_mul_ps(dw0, d), acc0[i]);
+      acc1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1[i], bias)), _mm512_mul_ps(dw1, d), acc1[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(out0 + i * GROUP_ROWS, acc0[i]);
+    _mm512_storeu_ps(out1 + i * GROUP_ROWS, acc1[i]);
+  }
+}
+
 // AVX2: each record is two halves of 8 rows (bytes 32h.. of every 64-byte chunk); maddubs + madd
 // give the same exact integer dot products (no pair can saturate: |u8 x s8 x 2| < 2^15 here).
 KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -476,18 +517,30 @@ void qmatmul_groups(bool q8, Isa isa, const uint8_t* weights, int64_t begin, int
   const int64_t group_bytes = a.blocks * (q8 ? Q8_RECORD : Q4_RECORD);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
 #ifdef KVBANK_X86
-  if (!q8 && isa == Isa::Avx512Vnni) {
-    // 4-bit weights on VNNI: groups two at a time (q4_pair_avx512), the odd one below
+  if (isa == Isa::Avx512Vnni) {
+    // on VNNI: groups two at a time (q4_pair_avx512, q8_pair_avx512), the odd one below
     alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
     for (; begin + 1 < end; begin += 2) {
       const uint8_t* w = weights + begin * group_bytes;
       for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
         const int64_t tile = std::min(ROW_TILE, a.rows - r0);
         switch (tile) {
-          case 4: q4_pair_avx512<4>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
-          case 3: q4_pair_avx512<3>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
-          case 2: q4_pair_avx512<2>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
-          default: q4_pair_avx512<1>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+          case 4:
+            q8 ? q8_pair_avx512<4>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
+               : q4_pair_avx512<4>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
+            break;
+          case 3:
+            q8 ? q8_pair_avx512<3>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
+               : q4_pair_avx512<3>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
+            break;
+          case 2:
+            q8 ? q8_pair_avx512<2>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
+               : q4_pair_avx512<2>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
+            break;
+          default:
+            q8 ? q8_pair_avx512<1>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
+               : q4_pair_avx512<1>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
+            break;
         }
         for (int64_t i = 0; i < tile; ++i) {
           for (int h = 0; h < 2; ++h)
