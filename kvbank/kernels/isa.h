@@ -91,7 +91,7 @@ inline const FamilyInfo& family_info(Family family) {
       {"quant_attention", {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
       // int8/fp8 and int4/int2 cache writes (quant_decode.h)
       {"quant_write", {Isa::Scalar, Isa::Avx2}},
-      // silu(gate) * up of the fused MLP (qmatmul.cpp)
+      // silu(gate) * up of the fused MLP, and the stack's residual adds, norm scaling and stores (qmatmul.cpp)
       {"activation", {Isa::Scalar, Isa::Avx2, Isa::Avx512}},
   };
   return families[static_cast<int>(family)];

@@ -655,6 +655,60 @@ KVBANK_AVX2 inline __m256 round_bf16_8(__m256 x) {
   return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// bfloat16 bits of 16 floats as narrow_to gives them: round to nearest even, NaN to 0x7FC0.
+KVBANK_AVX512_F inline __m256i narrow16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+KVBANK_AVX512_F inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The whole 16s of the stack's elementwise loops for bfloat16 (the scalar loops do the rest, the
+// same operations one value at a time); each returns how many it did.
+// dst[i] = src[i] rounded to bfloat16
+KVBANK_AVX512_F int64_t store_bf16_avx512(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), narrow16(_mm512_loadu_ps(src + k)));
+  return k;
+}
+
+// residual[i] = residual[i] + x[i], rounded to bfloat16
+KVBANK_AVX512_F int64_t add_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* residual, int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual + k),
+                        narrow16(_mm512_add_ps(widen16(x + k), widen16(residual + k))));
+  return k;
+}
+
+// out[i] = x[i] + add[i] rounded to bfloat16, as float (no add: x[i])
+KVBANK_AVX512_F int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m512 v = add ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(narrow16(_mm512_add_ps(widen16(x + k), widen16(add + k)))), 16))
+                         : widen16(x + k);
+    _mm512_storeu_ps(out + k, v);
+  }
+  return k;
+}
+
+// values[i] = values[i] * inv * weight[i]
+KVBANK_AVX512_F int64_t scale_bf16_avx512(float* values, float inv, const c10::BFloat16* weight, int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16)
+    _mm512_storeu_ps(values + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(values + k), _mm512_set1_ps(inv)),
+                                               widen16(weight + k)));
+  return k;
+}
+
 // The whole 8s of silu_mul_row for bfloat16; returns how many it did.
 KVBANK_AVX2 int64_t silu_mul_bf16_avx2(const float* gate, const float* up, float* out, int64_t n) {
   int64_t k = 0;
@@ -680,6 +734,36 @@ void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   if (std::is_same_v<T, c10::BFloat16> && variant == Isa::Avx2) k = silu_mul_bf16_avx2(gate, up, out, n);
 #endif
   for (; k < n; ++k) out[k] = silu_mul_one<T>(gate[k], up[k]);
+}
+
+// The stack's elementwise loops: 16 lanes where the activation family runs its avx512 variant,
+// else one value at a time; the same operations in the same order, so the same bits.
+inline bool elementwise16() {
+  Isa variant = Isa::Scalar;
+  kvbank::family_variant(kvbank::Family::Activation, &variant);
+  return variant == Isa::Avx512;
+}
+
+template <typename T>
+void store_values(const float* src, T* dst, int64_t n, bool wide) {
+  int64_t k = 0;
+#ifdef KVBANK_X86
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (wide) k = store_bf16_avx512(src, dst, n);
+  }
+#endif
+  for (; k < n; ++k) dst[k] = narrow_to(src[k], static_cast<T*>(nullptr));
+}
+
+template <typename T>
+void add_values(const T* x, T* residual, int64_t n, bool wide) {
+  int64_t k = 0;
+#ifdef KVBANK_X86
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (wide) k = add_bf16_avx512(x, residual, n);
+  }
+#endif
+  for (; k < n; ++k) residual[k] = narrow_to(widen(x[k]) + widen(residual[k]), static_cast<T*>(nullptr));
 }
 
 // residual (+)= x, rounded to T as an add of two T tensors is; returns the rows RMS-normed in float32.
@@ -1075,6 +1159,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     shared_attn.resize(rows, q_size);
     shared_inter.resize(rows, inter);
   }
+  const bool wide = elementwise16();
   // The attention's work items, taken by the threads on demand: one queue per layer, so no thread
   // resets a queue another may still be reading.
   std::unique_ptr<ItemQueue[]> item_queues(new ItemQueue[num_layers()]);
@@ -1107,14 +1192,25 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     };
     // RMSNorm of h (+ residual, rounded as an add of two bfloat16 tensors) of row r.
     auto norm_row = [&](int64_t r, const T* add, const T* weight) {
-      float squares = 0.0f;
-      for (int64_t d = 0; d < hidden; ++d) {
-        const float v = add ? round_as<T>(widen(h[r * hidden + d]) + widen(add[r * hidden + d])) : widen(h[r * hidden + d]);
-        values[d] = v;
-        squares += v * v;
+      int64_t d = 0;
+#ifdef KVBANK_X86
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (wide) d = sum_bf16_avx512(h.data() + r * hidden, add ? add + r * hidden : nullptr, values.data(), hidden);
       }
+#endif
+      for (; d < hidden; ++d) {
+        values[d] = add ? round_as<T>(widen(h[r * hidden + d]) + widen(add[r * hidden + d])) : widen(h[r * hidden + d]);
+      }
+      float squares = 0.0f;
+      for (d = 0; d < hidden; ++d) squares += values[d] * values[d];  // in order: one chain, as every path sums
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps_));
-      for (int64_t d = 0; d < hidden; ++d) values[d] = values[d] * inv * widen(weight[d]);
+      d = 0;
+#ifdef KVBANK_X86
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (wide) d = scale_bf16_avx512(values.data(), inv, weight, hidden);
+      }
+#endif
+      for (; d < hidden; ++d) values[d] = values[d] * inv * widen(weight[d]);
     };
     for (int64_t l = 0; l < layers; ++l) {
       const PackedWeight &wqkv = w[4 * l], &wo = w[4 * l + 1], &wgu = w[4 * l + 2], &wdown = w[4 * l + 3];
@@ -1140,12 +1236,13 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
-        for (int64_t d = 0; d < hidden; ++d) {
-          const int64_t i = r * hidden + d;
-          residual[i] = l ? narrow_to(widen(h[i]) + widen(residual[i]), static_cast<T*>(nullptr)) : h[i];
+        if (l) {
+          add_values(h.data() + r * hidden, residual.data() + r * hidden, hidden, wide);
+        } else {
+          std::memcpy(residual.data() + r * hidden, h.data() + r * hidden, hidden * sizeof(T));
         }
         T* row = qkv.data() + r * width;
-        store_rows(acc.data() + r * width, row, width);
+        store_values(acc.data() + r * width, row, width, wide);
         rope_rows(row, cos_p + r * head_dim_, sin_p + r * head_dim_, 1, num_heads_ + num_kv_heads_, head_dim_, width);
         if (r < tokens) {
           if (kivi) {
@@ -1218,7 +1315,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         qmatmul_groups(wo.q8, isa, wo.data, g0, g1, a2, acc.data(), hidden);
       }
 #pragma omp barrier
-      for (int64_t r = row_begin; r < row_end; ++r) store_rows(acc.data() + r * hidden, h.data() + r * hidden, hidden);
+      for (int64_t r = row_begin; r < row_end; ++r)
+        store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
 #pragma omp barrier
       const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, residual.data(), norm2); });
       {
@@ -1226,12 +1324,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         qmatmul_groups(wgu.q8, isa, wgu.data, g0, g1, a3, acc.data(), wgu.out_features);
       }
 #pragma omp barrier
-      for (int64_t r = row_begin; r < row_end; ++r) {
-        for (int64_t d = 0; d < hidden; ++d) {
-          const int64_t i = r * hidden + d;
-          residual[i] = narrow_to(widen(h[i]) + widen(residual[i]), static_cast<T*>(nullptr));
-        }
-      }
+      for (int64_t r = row_begin; r < row_end; ++r)
+        add_values(h.data() + r * hidden, residual.data() + r * hidden, hidden, wide);
       const QuantRows& a4 = quantize(shared_inter, local_inter, [&](int64_t r) {
         const float* g = acc.data() + r * wgu.out_features;
         silu_mul_row<T>(g, g + inter, values.data(), inter);
@@ -1244,7 +1338,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         qmatmul_groups(wdown.q8, isa, wdown.data, g0, g1, a4, acc.data(), hidden);
       }
 #pragma omp barrier
-      for (int64_t r = row_begin; r < row_end; ++r) store_rows(acc.data() + r * hidden, h.data() + r * hidden, hidden);
+      for (int64_t r = row_begin; r < row_end; ++r)
+        store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
 #pragma omp barrier
     }
   }
