@@ -432,15 +432,18 @@ KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
       const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
       for (int i = 0; i < R; ++i) {
         const int8_t* qa = rows[i] + b * QK;
-        __m256i s0 = dot_u8s8(lo[0], _mm256_set1_epi32(load_i32(qa)));
-        __m256i s1 = dot_u8s8(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
+        // 4-bit weights (0..15) times activations (|q| <= 127): a maddubs pair sum is at most
+        // 2 * 15 * 127, so all eight of a block add up in 16 bits (|sum| <= 30,480) and widen
+        // once: the same exact integer as widening each.
+        __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load_i32(qa)));
+        __m256i p1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
         for (int j = 1; j < 4; ++j) {
-          s0 = _mm256_add_epi32(s0, dot_u8s8(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
-          s1 = _mm256_add_epi32(s1, dot_u8s8(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
+          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
+          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
         }
+        const __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
         const int64_t ab = (r0 + i) * a.blocks + b;
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])),
-                                 acc[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[i]);
         acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
       }
     }
