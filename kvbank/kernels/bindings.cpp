@@ -119,5 +119,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fill stack below the call on every kernel thread with 0xFF bytes (NaN): a test calls it before a kernel to "
         "make reads of unwritten scratch show");
   m.def("quant_decode_isas", &quant_decode_isas, "The versions of the quantized attention this CPU runs, best last");
-  m.def("has_quant_decode", &has_quant_decode, "Whether the quantized attention runs at the active level (avx2 or above)");
+  m.def("has_quant_decode", &has_quant_decode, "Whether the quantized attention runs natively here (any x86 CPU: its scalar variant at the least)");
 }

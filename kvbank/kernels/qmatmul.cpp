@@ -1048,7 +1048,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   TORCH_CHECK(format >= 0 && format <= 5, "the stack's caches are bfloat16 (0), int8 (1), fp8 (2, 3), int4 (4) or int2 (5), got ",
               format);
   TORCH_CHECK(!quantized || (has_quant_decode() && (head_dim_ == 64 || head_dim_ == 128) && group <= 8),
-              "quantized caches in the stack need AVX2, FMA and F16C, head dim 64 or 128 and at most 8 query heads per "
+              "quantized caches in the stack need an x86 CPU, head dim 64 or 128 and at most 8 query heads per "
               "KV head");
   TORCH_CHECK(!quantized || (static_cast<int64_t>(k_scales.size()) == layers &&
                              static_cast<int64_t>(v_scales.size()) == layers),

@@ -29,7 +29,7 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
                                      std::optional<torch::Tensor> own_rows, std::string isa) {
-  TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU");
   int level = 0;
 #ifdef KVBANK_X86
   kvbank::Isa wanted = kvbank::active_isa();
@@ -135,7 +135,7 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
 
 void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots) {
   TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite),
-              "quantized KV writes need an x86 CPU with AVX2, FMA and F16C");
+              "quantized KV writes need an x86 CPU");
   TORCH_CHECK(format == kInt8 || format == kFp8E4M3 || format == kFp8E5M2,
               "per-token quantized writes are int8 (1), fp8_e4m3 (2) or fp8_e5m2 (3), got format ", format);
   TORCH_CHECK(x.dim() == 3, "x must be [tokens, heads, dim], got ", x.sizes());
@@ -170,7 +170,7 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
                                       torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
                                       torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots) {
-  TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite), "KIVI writes need an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite), "KIVI writes need an x86 CPU");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [tokens, heads, dim], got ", k.sizes(), " and ",
               v.sizes());
   TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
