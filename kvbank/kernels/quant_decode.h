@@ -129,18 +129,10 @@ inline uint16_t half_toward(float x, bool up) {
 constexpr float kTinyScale = 0x1p-24f;
 constexpr float kFp8E4M3Unit = 256.0f;  // e4m3 codes read as float16 are their value times 2^-8
 
-inline float element(const float* p, int64_t i) { return p[i]; }
-inline float element(const c10::BFloat16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(p[i].x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // Channel c (of dim) of one head of one token, as float32 before any scale.
 inline float code_value(int64_t format, const uint8_t* p, int64_t c, int64_t dim) {
   switch (format) {
-    case kBf16: return element(reinterpret_cast<const c10::BFloat16*>(p), c);
+    case kBf16: return load(reinterpret_cast<const c10::BFloat16*>(p), c);
     case kInt8: return static_cast<float>(static_cast<int8_t>(p[c]));
     case kFp8E4M3: {
       // the sign, shifted to bit 14 with the rest, carried to bit 15 by adding it to itself
@@ -166,7 +158,7 @@ void quant_range_scalar(const QuantLayer& L, const T* q, const int64_t* table, i
   const int64_t group_size = kivi ? D / L.value_groups : D;
   float qs[G][D], ks[D], km[D], key[D], value[D];
   for (int g = 0; g < G; ++g) {
-    for (int d = 0; d < D; ++d) qs[g][d] = element(q, g * D + d) * scale;
+    for (int d = 0; d < D; ++d) qs[g][d] = load(q, g * D + d) * scale;
     for (int d = 0; d < D; ++d) acc_out[g * D + d] = 0.0f;
     max_out[g] = -std::numeric_limits<float>::infinity();
     sum_out[g] = 0.0f;
@@ -192,8 +184,8 @@ void quant_range_scalar(const QuantLayer& L, const T* q, const int64_t* table, i
       }
       for (int d = 0; d < D; ++d) {
         if (b.own) {
-          key[d] = element(b.sk, t * L.heads * D + d);
-          value[d] = element(b.sv, t * L.heads * D + d);
+          key[d] = load(b.sk, t * L.heads * D + d);
+          value[d] = load(b.sv, t * L.heads * D + d);
         } else if (kivi) {
           key[d] = code_value(L.format, b.kc + t * token_codes, d, D) * ks[d] + km[d];
           const int64_t c = at * L.value_groups + d / group_size;
@@ -228,14 +220,14 @@ template <typename T>
 void quantize_head_scalar(int64_t format, const T* x, int64_t dim, uint8_t* codes, uint16_t* scale_out) {
   const float top = format == kInt8 ? 127.0f : format == kFp8E4M3 ? 448.0f : 57344.0f;
   float peak = 0.0f;
-  for (int64_t c = 0; c < dim; ++c) peak = std::max(peak, std::fabs(element(x, c)));
+  for (int64_t c = 0; c < dim; ++c) peak = std::max(peak, std::fabs(load(x, c)));
   const float wanted = std::max(peak / top, kTinyScale);
   uint16_t h = c10::Half(wanted).x;
   if (half_value(h) < wanted) ++h;  // the next float16 up (wanted is positive)
   *scale_out = h;
   const float exact = half_value(h);
   for (int64_t c = 0; c < dim; ++c) {
-    const float y = std::min(std::max(element(x, c) / exact, -top), top);
+    const float y = std::min(std::max(load(x, c) / exact, -top), top);
     if (format == kInt8) {
       codes[c] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
     } else if (format == kFp8E4M3) {
@@ -260,8 +252,8 @@ void kivi_keys_scalar(int bits, const T* x, int64_t tokens, int64_t stride, int6
     lo[c] = std::numeric_limits<float>::infinity();
     hi[c] = -lo[c];
     for (int64_t t = 0; t < tokens; ++t) {
-      lo[c] = std::min(lo[c], element(x, t * stride + c));
-      hi[c] = std::max(hi[c], element(x, t * stride + c));
+      lo[c] = std::min(lo[c], load(x, t * stride + c));
+      hi[c] = std::max(hi[c], load(x, t * stride + c));
     }
   }
   const float lo_min = *std::min_element(lo, lo + dim), lo_max = *std::max_element(lo, lo + dim);
@@ -293,7 +285,7 @@ void kivi_keys_scalar(int bits, const T* x, int64_t tokens, int64_t stride, int6
   grid[2] = step16;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t c = 0; c < dim; ++c) {
-      const float y = std::nearbyint((element(x, t * stride + c) - low[c]) / scale[c]);
+      const float y = std::nearbyint((load(x, t * stride + c) - low[c]) / scale[c]);
       q[c] = static_cast<uint8_t>(std::min(std::max(y, 0.0f), top_code));
     }
     pack_planar(bits, q, dim, codes + t * code_stride);
@@ -309,10 +301,10 @@ void kivi_values_scalar(int bits, const T* x, int64_t dim, int64_t group, uint8_
   uint8_t q[128];
   const float top = static_cast<float>((1 << bits) - 1);
   for (int64_t g = 0; g * group < dim; ++g) {
-    float lo = element(x, g * group), hi = lo;
+    float lo = load(x, g * group), hi = lo;
     for (int64_t c = 1; c < group; ++c) {
-      lo = std::min(lo, element(x, g * group + c));
-      hi = std::max(hi, element(x, g * group + c));
+      lo = std::min(lo, load(x, g * group + c));
+      hi = std::max(hi, load(x, g * group + c));
     }
     const float want = std::max(std::max((hi - lo) / top, std::fabs(lo) / 127.0f), kTinyScale);
     const uint16_t s16 = half_toward(want, true);
@@ -321,7 +313,7 @@ void kivi_values_scalar(int bits, const T* x, int64_t dim, int64_t group, uint8_
     scale[g] = s16;
     zero[g] = static_cast<int8_t>(z);
     for (int64_t c = 0; c < group; ++c) {
-      const float y = std::nearbyint(element(x, g * group + c) / sf - z);
+      const float y = std::nearbyint(load(x, g * group + c) / sf - z);
       q[g * group + c] = static_cast<uint8_t>(std::min(std::max(y, 0.0f), top));
     }
   }
