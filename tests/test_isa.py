@@ -18,6 +18,7 @@ VARIANTS = {
     "quant_attention": ["scalar", "avx2", "avx512", "avx512_bf16"],
     "quant_write": ["scalar", "avx2"],
     "activation": ["scalar", "avx2", "avx512"],
+    "sampling": ["scalar", "avx2", "avx512"],
 }
 
 

@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from conftest import cpu_levels
 
 from kvbank.engine.params import SamplingParams
-from kvbank.engine.sampler import Sampler, _apply_penalties
+from kvbank.engine.sampler import Sampler, _apply_penalties, greedy_tokens
 from kvbank.engine.sequence import Request, Sequence
+from kvbank.kernels import isa
 
 EOS = 0
 
@@ -79,6 +81,44 @@ def test_token_ids_outside_the_vocabulary_are_rejected_with_the_limit():
 
 def test_greedy_picks_the_first_of_tied_tokens():
     assert _greedy([1.0, 3.0, 3.0, 0.0], _seq([1], temperature=0)) == 1
+
+
+def _hard_rows() -> torch.Tensor:
+    """Rows argmax can get wrong: ties across and within vector lanes, -inf, one element, tails."""
+    rows = torch.randn(12, 49157, generator=torch.Generator().manual_seed(3))
+    rows[1, [7, 23, 40000]] = 9.0  # tied maxima in different lanes: the first wins
+    rows[2, [16, 32]] = 9.0  # tied in the same lane
+    rows[3] = float("-inf")
+    rows[4, -1] = 50.0  # the maximum in the scalar tail
+    rows[5, 100:110] = 7.0
+    rows[6] = 0.0
+    rows[7, 30000] = float("nan")  # torch's argmax picks a NaN (the first one)
+    rows[7, 40000] = float("nan")
+    rows[8, 0] = float("nan")
+    rows[9, -2] = float("nan")
+    rows[10, 5] = float("inf")
+    return rows
+
+
+@pytest.mark.parametrize("level", cpu_levels())
+def test_native_greedy_argmax_matches_torch_at_every_level(native, level):
+    rows = _hard_rows()
+    expected = rows.argmax(dim=-1)
+    for vocab in (1, 5, 8, 16, 17, 49157):
+        part = rows[:, :vocab]  # strided rows: the row pitch is the full width
+        assert torch.equal(
+            native.argmax_rows(part, isa=level if level in ("scalar", "avx2") else "avx512"), part.argmax(dim=-1)
+        ), vocab
+    assert torch.equal(native.argmax_rows(rows, isa=level if level in ("scalar", "avx2") else "avx512"), expected)
+    with isa.capped(native, level):
+        assert torch.equal(greedy_tokens(rows), expected)
+
+
+def test_native_greedy_argmax_refuses_what_it_cannot_read(native):
+    with pytest.raises(RuntimeError, match="logits must be float32 \\[rows, vocab\\]"):
+        native.argmax_rows(torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="isa must be auto, avx512, avx2 or scalar, not avx512_vnni"):
+        native.argmax_rows(torch.zeros(2, 4), isa="avx512_vnni")
 
 
 def test_top_k_keeps_the_k_most_likely_tokens():

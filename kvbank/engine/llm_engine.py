@@ -872,7 +872,9 @@ class LLMEngine:
             rows.extend([row] * len(family))
         if not seqs:
             return
-        samples = self.sampler(result.logits[rows], seqs)
+        # one row per sequence, in order (every batch without n > 1): no copy of the logits
+        logits = result.logits if rows == list(range(result.logits.shape[0])) else result.logits[rows]
+        samples = self.sampler(logits, seqs)
         for seq, sample in zip(seqs, samples):
             self._append_token(seq, sample, now)
 

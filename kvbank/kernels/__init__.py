@@ -25,7 +25,7 @@ logger = logging.getLogger("kvbank.kernels")
 
 _SOURCE_DIR = Path(__file__).parent
 #: The translation units, compiled apart (in parallel) and linked into one module.
-UNITS = ("bindings.cpp", "layers.cpp", "quant_decode.cpp", "dense_decode.cpp", "qmatmul.cpp")
+UNITS = ("bindings.cpp", "layers.cpp", "quant_decode.cpp", "dense_decode.cpp", "qmatmul.cpp", "sampling.cpp")
 #: Everything that names the build: the units and the headers they share.
 SOURCES = (*UNITS, "native.h", "isa.h", "layers.h", "paged_decode.h", "quant_decode.h", "dense_decode.h")
 # parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.

@@ -115,6 +115,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A step's K/V [tokens, heads, dim] into an int4 (4) / int2 (5) KIVI layer: plan rows [block, residual slot, "
         "held, after] get scratch rows (returned, K and V); full blocks are quantized as the codecs do, the others' "
         "new tokens kept in their residual slots");
+  m.def("argmax_rows", &argmax_rows, py::arg("logits"), py::arg("isa") = "auto",
+        "Each row's index of its largest value, as torch.argmax picks it (first maximum; first NaN), float32 rows");
   m.def("poison_stacks", &poison_stacks, py::arg("bytes") = 262144,
         "Fill stack below the call on every kernel thread with 0xFF bytes (NaN): a test calls it before a kernel to "
         "make reads of unwritten scratch show");

@@ -73,8 +73,8 @@ inline Isa active_isa() {
 inline void set_isa_cap(Isa cap) { isa_cap_storage().store(static_cast<int>(cap), std::memory_order_relaxed); }
 
 // The kernel families and the levels each has a variant for (lowest first).
-enum class Family : int { Matmul = 0, DenseAttention = 1, QuantAttention = 2, QuantWrite = 3, Activation = 4 };
-constexpr int kFamilies = 5;
+enum class Family : int { Matmul = 0, DenseAttention = 1, QuantAttention = 2, QuantWrite = 3, Activation = 4, Sampling = 5 };
+constexpr int kFamilies = 6;
 
 struct FamilyInfo {
   const char* name;
@@ -93,6 +93,8 @@ inline const FamilyInfo& family_info(Family family) {
       {"quant_write", {Isa::Scalar, Isa::Avx2}},
       // silu(gate) * up of the fused MLP, and the stack's residual adds, norm scaling and stores (qmatmul.cpp)
       {"activation", {Isa::Scalar, Isa::Avx2, Isa::Avx512}},
+      // greedy sampling: each row's first largest logit (sampling.cpp)
+      {"sampling", {Isa::Scalar, Isa::Avx2, Isa::Avx512}},
   };
   return families[static_cast<int>(family)];
 }

@@ -80,6 +80,8 @@ torch::Tensor q8_rows(torch::Tensor records, torch::Tensor ids, torch::ScalarTyp
 torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torch::Tensor head_w, int64_t kind,
                     std::string isa);
 
+// sampling.cpp
+torch::Tensor argmax_rows(torch::Tensor logits, std::string isa);
 // A decoder stack on packed GGUF weights, run for a whole step in one call (qmatmul.cpp).
 class QuantStack {
  public:
