@@ -1250,7 +1250,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         if (r < tokens) {
           if (kivi) {
 #ifdef KVBANK_X86
-            kivi_writes[l].store(r, row + q_size, row + q_size + kv_size);
+            kivi_writes[l].place(r, row + q_size, row + q_size + kv_size);
 #endif
           } else if (!quantized) {
             std::memcpy(kc + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));

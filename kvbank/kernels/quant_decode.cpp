@@ -198,7 +198,7 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
     at::parallel_for(0, rows, 1, [&](int64_t from, int64_t to) {
       for (int64_t r = from; r < to; ++r) W.preload(r);
     });
-    for (int64_t t = 0; t < tokens; ++t) W.store(t, k_p + t * k.stride(0), v_p + t * v.stride(0));
+    for (int64_t t = 0; t < tokens; ++t) W.place(t, k_p + t * k.stride(0), v_p + t * v.stride(0));
     at::parallel_for(0, rows, 1, [&](int64_t from, int64_t to) {
       for (int64_t r = from; r < to; ++r) W.finish(r);
     });

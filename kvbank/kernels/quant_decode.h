@@ -1450,8 +1450,8 @@ struct KiviWrite {
     std::memcpy(scratch_v + r * block_elems(), res_v + p[kPlanSlot] * block_elems(), n * sizeof(T));
   }
 
-  // Phase 2: token t's K and V ([heads, dim] each).
-  void store(int64_t t, const T* k, const T* v) const {
+  // Phase 2: token t's K and V ([heads, dim] each), placed in its scratch row.
+  void place(int64_t t, const T* k, const T* v) const {
     std::memcpy(scratch_k + scratch_slots[t] * heads * dim, k, heads * dim * sizeof(T));
     std::memcpy(scratch_v + scratch_slots[t] * heads * dim, v, heads * dim * sizeof(T));
   }
