@@ -22,6 +22,7 @@ class Recorder:
         self.config = engine.model_config
         self.keys: list[list[torch.Tensor]] = [[] for _ in model.layers]
         self.values: list[list[torch.Tensor]] = [[] for _ in model.layers]
+        self.queries: list[list[torch.Tensor]] = [[] for _ in model.layers]
         self.logits: list[torch.Tensor] = []
         self._rows = 0
         #: off while the reference path runs the model's modules itself
@@ -55,6 +56,7 @@ class Recorder:
             if not self.recording:
                 return
             rows = output[: self._rows].detach().float().clone()
+            self.queries[index].append(rows[:, :q_size].view(-1, c.num_heads, c.head_dim))
             k = rows[:, q_size : q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
             v = rows[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             self.keys[index].append(k)
@@ -65,6 +67,23 @@ class Recorder:
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, kv_heads, dim] pre-rotation keys and values of every token computed so far."""
         return torch.cat(self.keys[layer]), torch.cat(self.values[layer])
+
+
+def attention_weights(recorder: Recorder, layer: int) -> torch.Tensor:
+    """[kv_heads, queries, keys] causal attention weights of every recorded token over every
+    earlier one, each at its own position, summed over the query heads sharing a KV head; in
+    float64 from the recorded pre-rotation queries and keys, with no engine code but the rotary."""
+    c = recorder.config
+    q, k = torch.cat(recorder.queries[layer]), torch.cat(recorder.keys[layer])
+    positions = torch.arange(q.shape[0])
+    inv_freq = recorder.model.rope_inv_freq
+    q = _rotate(q, positions.unsqueeze(-1), inv_freq).double()
+    k = _rotate(k, positions.unsqueeze(-1), inv_freq).double()
+    k = k.repeat_interleave(c.num_heads // c.num_kv_heads, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q, k) * recorder.model.layers[layer].self_attn.scale
+    logits.masked_fill_(torch.ones_like(logits[0], dtype=torch.bool).triu(1), float("-inf"))
+    weights = logits.softmax(dim=-1)
+    return weights.view(c.num_kv_heads, -1, *weights.shape[1:]).sum(1)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

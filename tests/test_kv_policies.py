@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from policy_reference import Recorder, reference_logits
+from policy_reference import Recorder, attention_weights, reference_logits
 
 from kvbank import LLM, SamplingParams
 from kvbank.cache.policies import H2O, ContextShift, Limits, SinkWindow, SnapKV, parse_policy
@@ -183,6 +183,64 @@ def test_logits_after_eviction_equal_a_fresh_computation_on_the_kept_tokens(llm,
     finally:
         recorder.remove()
     assert engine.stats()[f"evicted_tokens_{policy.name}"] > 0
+    _assert_all_free(llm)
+
+
+def _pooled(votes: torch.Tensor, kernel: int) -> torch.Tensor:
+    """The mean of each token's votes and its neighbours' within kernel // 2, fewer at the edges."""
+    reach, n = kernel // 2, votes.shape[-1]
+    return torch.stack([votes[..., max(0, j - reach) : j + reach + 1].mean(-1) for j in range(n)], dim=-1)
+
+
+def _scores_at_prompt_end(policy, weights: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Each earlier token's score by the policy's documented rule, from attention weights
+    [kv_heads, queries, keys]: H2O sums every prompt query's attention, SnapKV pools the window's."""
+    if isinstance(policy, H2O):
+        return weights.sum(1)[:, : prompt_len - policy.recent]
+    window = weights[:, prompt_len - policy.window :, : prompt_len - policy.window].sum(1)
+    return _pooled(window, policy.kernel)
+
+
+@pytest.mark.parametrize(
+    "policy", [H2O(heavy=40, recent=40), SnapKV(budget=96, window=16, kernel=5), SnapKV(budget=40, window=8, kernel=3)]
+)
+def test_scored_policies_keep_the_tokens_that_attention_computed_independently_ranks_highest(llm, text_ids, policy):
+    # The kept set after the prompt, against scores recomputed in float64 from the recorded
+    # queries and keys: every kept token scores at least as high as every dropped one (up to
+    # rounding), which a choice by position or at random fails.
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    prompt_len, recent = 150, policy.recent if isinstance(policy, H2O) else policy.window
+    recorder = Recorder(engine)
+    try:
+        request = engine.add_request(
+            text_ids[:prompt_len], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, kv_policy=policy)
+        )
+        seq = request.seqs[0]
+        while seq.num_computed_tokens < prompt_len:
+            engine.step()
+        c = engine.model_config
+        kept = engine.editor.held_tokens(seq, c.num_layers, c.num_kv_heads)
+        weights = [attention_weights(recorder, layer) for layer in range(c.num_layers)]
+        while engine.requests:
+            engine.step()
+    finally:
+        recorder.remove()
+    top = policy.heavy if isinstance(policy, H2O) else policy.budget - policy.window
+    assert kept.shape[-1] == top + recent
+    window = torch.arange(prompt_len - recent, prompt_len)
+    flips = 0
+    for layer in range(c.num_layers):
+        scores = _scores_at_prompt_end(policy, weights[layer], prompt_len)
+        for head in range(c.num_kv_heads):
+            chosen = kept[layer, head]
+            assert torch.equal(chosen[top:], window), (layer, head)
+            held = torch.zeros(scores.shape[-1], dtype=torch.bool)
+            held[chosen[:top]] = True
+            lowest_kept, highest_dropped = scores[head][held].min(), scores[head][~held].max()
+            assert lowest_kept >= highest_dropped * (1 - 1e-4) - 1e-9, (layer, head, lowest_kept, highest_dropped)
+            flips += int(lowest_kept < highest_dropped)
+    assert flips <= c.num_layers * c.num_kv_heads // 100  # near-ties, rarely
     _assert_all_free(llm)
 
 
