@@ -24,8 +24,10 @@ from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.kernels import isa
 from kvbank.models.loader import BUNDLED_FILE, describe_model
-from kvbank.server.api import ServerLimits, build_app, system_prompt_prefix
+from kvbank.server.api import build_app
 from kvbank.server.async_engine import AsyncEngine
+from kvbank.server.completions import system_prompt_prefix
+from kvbank.server.limits import ServerLimits
 from kvbank.tokenizer import Tokenizer
 
 CLI_DEFAULT_MAX_TOKENS = 256

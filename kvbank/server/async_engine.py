@@ -65,6 +65,8 @@ class _Stop:
 
 # Sent once the engine has accepted a request, so `add_request` can report a refusal as an exception.
 _ACCEPTED = object()
+# Put by a pump of `merged` when its stream has ended.
+_END = object()
 
 
 class _Mailbox:
@@ -436,3 +438,49 @@ class AsyncEngine:
                 return
             if isinstance(command, (_Add, _Call)):
                 command.mailbox.post(EngineDeadError("the engine thread has stopped"))
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs (deltas) of several streams as they arrive, tagged with the stream's position.
+
+    Leaving early (or being cancelled) closes every stream, which aborts its request. A reader
+    that falls behind (a slow client) holds up the pumps rather than growing a queue here, so
+    the steps it missed pile up merged in each stream's mailbox.
+    """
+    events: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await events.put((index, output))
+        except Exception as error:
+            await events.put((index, error))
+        await events.put((index, _END))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await events.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Each stream's deltas folded into one whole output."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for index, output in merged(streams):
+        if finals[index] is None:
+            finals[index] = output
+        else:
+            finals[index].add(output)
+    return finals

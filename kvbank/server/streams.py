@@ -1,4 +1,4 @@
-"""Streaming sessions over HTTP, and embeddings sent as raw bytes.
+"""Streaming sessions over HTTP: a cached system prompt, frames appended to it, questions asked of it.
 
     POST   /v1/streams               {"system", "policy", "cache_salt", "separator", "chat"} -> the stream
     POST   /v1/streams/{id}/frames   {"text" | "token_ids" | "prompt_embeds", "skip_repeat"} -> what it keeps
@@ -8,115 +8,39 @@
 
 A server holds at most `max_streams` streams; one unused for `stream_idle_timeout_s` is closed.
 A question whose client hangs up is aborted, which frees only the question's own blocks.
-
-Embeddings travel as {"data": base64 of the raw little-endian bytes, "dtype": "float32" |
-"bfloat16" | "float16", "shape": [tokens, hidden]}: never a pickle, whose loading runs code.
+Frames given as embeddings travel as `bodies.EmbedsBody` (raw bytes, never a pickle).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
 
 from kvbank.engine.streams import FrameOutput, PoolFull
-from kvbank.server.api import (
-    APIError,
-    ServerLimits,
-    _completion_choice,
-    _completion_chunks,
-    _event_stream,
-    _final_outputs,
-    _Job,
-    _named_field,
-    _SamplingBody,
-    _Server,
-    _unless_disconnected,
-    _Usage,
-    _usage,
+from kvbank.server.async_engine import AsyncEngine, final_outputs
+from kvbank.server.bodies import AskRequest, FrameRequestBody, RequestChecks, StreamOpenRequest, decode_embeds
+from kvbank.server.errors import APIError
+from kvbank.server.limits import ServerLimits
+from kvbank.server.responses import (
+    Job,
+    Usage,
+    completion_choice,
+    completion_chunks,
+    event_stream,
+    unless_disconnected,
+    usage_json,
 )
-from kvbank.server.async_engine import AsyncEngine
 
-EMBED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: how often idle streams are looked for
 EXPIRY_CHECK_S = 1.0
-
-
-class EmbedsBody(BaseModel):
-    """Embedding rows as raw little-endian bytes (base64), their dtype and shape."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    data: str
-    dtype: str
-    shape: list[int]
-
-
-class StreamOpenRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    system: str | list[int]
-    policy: str = "frame_window(frames=64,sinks=4)"
-    cache_salt: str | None = None
-    separator: str = "\n"
-    chat: bool = True
-
-
-class FrameRequestBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    text: str | None = None
-    token_ids: list[int] | None = None
-    prompt_embeds: EmbedsBody | None = None
-    skip_repeat: bool = False
-
-
-class AskRequest(_SamplingBody):
-    question: str | list[int]
-    logprobs: int | None = None
-    #: evicted frames to bring back from the stream's tier before answering
-    recall: int = 0
-
-
-def decode_embeds(body: EmbedsBody, hidden_size: int, max_tokens: int, param: str = "prompt_embeds") -> torch.Tensor:
-    """The tensor `body` describes; APIError 400 naming what is wrong (the bytes are checked against
-    the shape before any decoding, so a huge shape cannot make the server allocate for it)."""
-    dtype = EMBED_DTYPES.get(body.dtype)
-    if dtype is None:
-        raise APIError(f"{param}.dtype={body.dtype!r} must be one of {', '.join(EMBED_DTYPES)}", param=f"{param}.dtype")
-    if len(body.shape) != 2 or body.shape[1] != hidden_size or not 1 <= body.shape[0] <= max_tokens:
-        raise APIError(
-            f"{param}.shape={body.shape} must be [tokens, {hidden_size}] with 1 <= tokens <= {max_tokens}",
-            param=f"{param}.shape",
-        )
-    expected = body.shape[0] * body.shape[1] * dtype.itemsize
-    if len(body.data) > 4 * (expected // 3 + 3):
-        raise APIError(f"{param}.data holds more than the {expected} bytes its shape needs", param=f"{param}.data")
-    try:
-        raw = base64.b64decode(body.data, validate=True)
-    except (binascii.Error, ValueError):
-        raise APIError(f"{param}.data is not valid base64", param=f"{param}.data") from None
-    if len(raw) != expected:
-        raise APIError(
-            f"{param}.data holds {len(raw)} bytes; shape {body.shape} in {body.dtype} needs {expected}",
-            param=f"{param}.data",
-        )
-    tensor = torch.frombuffer(bytearray(raw), dtype=dtype).view(body.shape)
-    if sys.byteorder != "little":
-        tensor = tensor.view(torch.uint8).view(-1, dtype.itemsize).flip(1).contiguous().view(dtype).view(body.shape)
-    if not bool(torch.isfinite(tensor).all()):
-        raise APIError(f"{param} holds NaN or infinite values", param=f"{param}.data")
-    return tensor
+#: max_tokens of a question that names none
+ASK_DEFAULT_MAX_TOKENS = 64
 
 
 @dataclass
@@ -130,13 +54,13 @@ class _StreamState:
     busy: int = 0
 
 
-class _Streams:
+class Streams:
     """The server's streams: limits, idle expiry, and each route's work."""
 
-    def __init__(self, server: _Server, limits: ServerLimits) -> None:
-        self.server = server
-        self.async_engine: AsyncEngine = server.async_engine
-        self.engine = server.engine
+    def __init__(self, async_engine: AsyncEngine, checks: RequestChecks, limits: ServerLimits) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.checks = checks
         self.limits = limits
         self.streams: dict[str, _StreamState] = {}
         self._expiry: asyncio.Task | None = None
@@ -177,7 +101,7 @@ class _Streams:
             "id": stream_id,
             "object": "stream",
             "created": state.created,
-            "model": self.server.model_name,
+            "model": self.checks.model_name,
             "policy": body.policy,
             "system_tokens": len(output.prompt_token_ids),
             "cached_tokens": output.num_cached_tokens,
@@ -227,14 +151,15 @@ class _Streams:
 
     async def ask(self, stream_id: str, body: AskRequest, request: Request) -> Response:
         state = self._state(stream_id)
-        server = self.server
-        server._check_body(body)
-        max_tokens = body.max_tokens if body.max_tokens is not None else 64
-        params = body.sampling_params(server._cap_max_tokens(max_tokens, "max_tokens"), body.logprobs, None)
+        self.checks.check(body)
+        max_tokens = body.max_tokens if body.max_tokens is not None else ASK_DEFAULT_MAX_TOKENS
+        params = self.checks.sampling_params(
+            body, self.checks.max_tokens(max_tokens, "max_tokens"), body.logprobs, None
+        )
         if body.prompt_logprobs is not None or body.kv_policy is not None or body.cache_salt is not None:
             name = next(n for n in ("prompt_logprobs", "kv_policy", "cache_salt") if getattr(body, n) is not None)
             raise APIError(f"{name} cannot be given for a stream question: it runs on the stream's cache", param=name)
-        job = _Job("ask", "text_completion", "text_completion", server.model_name, params, body.include_usage)
+        job = Job("ask", "text_completion", "text_completion", self.checks.model_name, params, body.include_usage)
         request_id = f"{job.id}-0"
         question: Any = body.question
         if isinstance(question, str) and self.engine.tokenizer is not None:
@@ -252,17 +177,17 @@ class _Streams:
             state.busy -= 1
             raise
         if body.stream:
-            return _event_stream(self._released(state, _completion_chunks(job, [stream], None)))
+            return event_stream(self._released(state, completion_chunks(job, [stream], None)))
         try:
-            finals = await _unless_disconnected(request, _final_outputs([stream]))
+            finals = await unless_disconnected(request, final_outputs([stream]))
         finally:
             state.busy -= 1
             state.last_used = time.monotonic()
         output = finals[0]
         choices = [
-            _completion_choice(0, c, params.logprobs, None, None, output.prompt_token_ids) for c in output.outputs
+            completion_choice(0, c, params.logprobs, None, None, output.prompt_token_ids) for c in output.outputs
         ]
-        return JSONResponse({**job.body(choices, usage=_usage([_Usage().add(output)])), "stream": stream_id})
+        return JSONResponse({**job.body(choices, usage=usage_json([Usage().add(output)])), "stream": stream_id})
 
     async def describe(self, stream_id: str) -> dict:
         state = self._state(stream_id)
@@ -296,11 +221,11 @@ class _Streams:
         except PoolFull as error:
             raise APIError(str(error), status=507, code="kv_pool_full") from error
         except ValueError as error:
-            raise APIError(str(error), param=_named_field(str(error))) from error
+            raise APIError.from_value_error(error) from error
 
     async def _run(self, stream_id: str, start, request_id: str) -> FrameOutput:
         stream = await self._submit(stream_id, start, request_id)
-        return (await _final_outputs([stream]))[0]
+        return (await final_outputs([stream]))[0]
 
     async def _released(self, state: _StreamState, chunks):
         try:
@@ -332,9 +257,8 @@ class _Streams:
                     await self._close_quietly(stream_id)
 
 
-def install_streams(app: FastAPI, server: _Server, limits: ServerLimits) -> None:
+def install_streams(app: FastAPI, streams: Streams) -> None:
     """The /v1/streams routes."""
-    streams = _Streams(server, limits)
 
     @app.post("/v1/streams")
     async def open_stream(body: StreamOpenRequest) -> dict:

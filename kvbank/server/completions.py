@@ -1,0 +1,212 @@
+"""`/v1/models`, `/v1/completions` and `/v1/chat/completions`: OpenAI's generation routes.
+
+Sampling extras that vLLM accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs, cache_salt) are
+accepted too, and `prompt_logprobs` come back per choice as vLLM returns them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvbank.engine.params import SamplingParams
+from kvbank.server.async_engine import AsyncEngine, RequestStream, final_outputs
+from kvbank.server.bodies import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbedsBody,
+    PromptInput,
+    RequestChecks,
+    completion_prompts,
+    decode_embeds,
+    template_messages,
+    with_salt,
+)
+from kvbank.server.errors import APIError
+from kvbank.server.limits import ServerLimits
+from kvbank.server.responses import (
+    Echo,
+    Job,
+    Usage,
+    chat_choice,
+    chat_chunks,
+    completion_choice,
+    completion_chunks,
+    event_stream,
+    prompt_logprobs_json,
+    unless_disconnected,
+    usage_json,
+)
+from kvbank.tokenizer import Tokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def system_prompt_prefix(tokenizer: Tokenizer, system_prompt: str) -> list[int]:
+    """The token ids every chat request that opens with `system_prompt` as its system message starts
+    with, rendered by the chat template exactly as `/v1/chat/completions` renders it (BOS only
+    where the template writes one): what `--pin-prompt` pins."""
+    system = {"role": "system", "content": system_prompt}
+    alone = tokenizer.apply_chat_template([system], add_generation_prompt=False, tokenize=True)
+    # A template may end a conversation differently from a turn followed by more turns; only what
+    # both renderings share is a prefix of real requests.
+    followed = tokenizer.apply_chat_template([system, {"role": "user", "content": "?"}], tokenize=True)
+    shared = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
+    return alone[:shared]
+
+
+class Completions:
+    """The generation routes' work, over one engine served as one model name."""
+
+    def __init__(self, async_engine: AsyncEngine, checks: RequestChecks, limits: ServerLimits) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.checks = checks
+        self.limits = limits
+        self.model_name = checks.model_name
+        self.created = int(time.time())
+
+    def model_list(self) -> dict:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvbank",
+            "root": str(self.engine.model_path),
+            "max_model_len": self.engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.checks.check(body)
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        params = self.checks.sampling_params(
+            body, self.checks.max_tokens(max_tokens, "max_tokens"), body.logprobs, body.effective_prompt_logprobs
+        )
+        prompts = await self._completion_inputs(body)
+        job = Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
+        echoes = [await self._echo(p) for p in prompts] if body.echo else None
+        streams = await self._start([with_salt(p, body.cache_salt) for p in prompts], params, job.id)
+        if body.stream:
+            return event_stream(completion_chunks(job, streams, echoes))
+        finals = await unless_disconnected(request, final_outputs(streams))
+        choices = []
+        for i, output in enumerate(finals):
+            echo = echoes[i] if echoes else None
+            for c in output.outputs:
+                choice = completion_choice(
+                    job.choice_index(i, c), c, params.logprobs, echo, output.prompt_logprobs, output.prompt_token_ids
+                )
+                choices.append({**choice, "prompt_logprobs": prompt_logprobs_json(output.prompt_logprobs)})
+        return JSONResponse(job.body(choices, usage=usage_json([Usage().add(o) for o in finals])))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.checks.check(body)
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            raise APIError(
+                f"{unsupported} is not supported by this server: it answers in plain text and calls no tools",
+                param=unsupported,
+            )
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.checks.max_tokens(getattr(body, field), field)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.checks.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+        messages = template_messages(body.messages)
+        prompt = with_salt(await self.async_engine.run_tokenizer(self._render_chat, messages), body.cache_salt)
+        job = Job("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params, body.include_usage)
+        streams = await self._start([prompt], params, job.id)
+        if body.stream:
+            return event_stream(chat_chunks(job, streams))
+        finals = await unless_disconnected(request, final_outputs(streams))
+        prompt_logprobs = prompt_logprobs_json(finals[0].prompt_logprobs)
+        choices = [{**chat_choice(c, logprobs), "prompt_logprobs": prompt_logprobs} for c in finals[0].outputs]
+        return JSONResponse(job.body(choices, usage=usage_json([Usage().add(o) for o in finals])))
+
+    async def _completion_inputs(self, body: CompletionRequest) -> list[Any]:
+        """The prompts of a completions body: text or token ids, or embeddings given as raw bytes."""
+        if body.prompt_embeds is None:
+            return completion_prompts(body.prompt)
+        if body.prompt not in (None, "", []):
+            raise APIError("give prompt or prompt_embeds, not both", param="prompt_embeds")
+        if body.echo:
+            raise APIError("echo cannot show prompt_embeds: they have no text", param="echo")
+        items = body.prompt_embeds if isinstance(body.prompt_embeds, list) else [body.prompt_embeds]
+        if not items:
+            raise APIError("prompt_embeds must not be an empty list", param="prompt_embeds")
+        hidden, limit = self.engine.model_config.hidden_size, self.engine.max_model_len
+        prompts = []
+        for i, item in enumerate(items):
+            name = "prompt_embeds" if len(items) == 1 else f"prompt_embeds.{i}"
+            try:
+                parsed = EmbedsBody.model_validate(item)
+            except ValueError:
+                raise APIError(f"{name} must be an object with data (base64), dtype and shape", param=name) from None
+            prompts.append(
+                {"prompt_embeds": await self.async_engine.run_tokenizer(decode_embeds, parsed, hidden, limit, name)}
+            )
+        return prompts
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except (ValueError, jinja2.TemplateError) as error:
+            raise APIError(f"cannot render the chat template: {error}", param="messages") from error
+
+    async def _echo(self, prompt: PromptInput) -> Echo:
+        """The prompt as `echo` shows it (token ids are decoded off the event loop)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError("echo needs a tokenizer, and this model has none", param="echo")
+        text = prompt if isinstance(prompt, str) else await self.async_engine.run_tokenizer(tokenizer.decode, prompt)
+        return Echo(text, tokenizer.token_text)
+
+    async def _start(self, prompts: list[Any], params: SamplingParams, job_id: str) -> list[RequestStream]:
+        """Submit every prompt; if the engine refuses one, abort those already accepted."""
+        limit = self.limits.max_queued_requests
+        if limit is not None and self.async_engine.num_queued + len(prompts) > limit:
+            raise APIError(
+                f"the server is busy: {self.async_engine.num_queued} requests are queued and the limit "
+                f"is {limit} (--max-queued-requests); retry later",
+                status=429,
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(self.limits.retry_after_s)},
+            )
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.async_engine.add_request(prompt, params, f"{job_id}-{i}"))
+        except ValueError as error:
+            which = f"prompt {len(streams)}: " if len(prompts) > 1 else ""
+            raise APIError.from_value_error(error, which) from error
+        finally:
+            if len(streams) < len(prompts):
+                for stream in streams:
+                    stream.close()
+        return streams
+
+
+def install_completions(app: FastAPI, completions: Completions) -> None:
+    """The /v1/models, /v1/completions and /v1/chat/completions routes."""
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return completions.model_list()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await completions.chat_completions(body, request)

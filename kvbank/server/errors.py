@@ -1,0 +1,120 @@
+"""How the server refuses: `APIError` and OpenAI's error shape, the app's error handlers, and the
+API key every route but /health and the dashboard's public ones needs."""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS, cookie_token
+
+# SamplingParams and the engine start their errors with "<field>=", "<field>[<key>]=" or
+# "<field> token id=".
+_FIELD_AT_START = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[[^\]]*\]| token id)?=")
+
+
+class APIError(Exception):
+    """A request the server refuses, answered in OpenAI's error shape with `status`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers
+
+    @classmethod
+    def from_value_error(cls, error: ValueError, prefix: str = "") -> APIError:
+        """A 400 for a value SamplingParams or the engine refused, naming the field its message starts with."""
+        message = str(error)
+        return cls(f"{prefix}{message}", param=named_field(message))
+
+
+def named_field(message: str) -> str | None:
+    """The request field an error message of SamplingParams or the engine is about, if it names one."""
+    match = _FIELD_AT_START.match(message)
+    return match.group(1) if match else None
+
+
+def error_body(
+    message: str, param: str | None = None, code: str | None = None, error_type: str = "invalid_request_error"
+) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(
+    message: str,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str = "invalid_request_error",
+) -> JSONResponse:
+    """OpenAI's error object as a response with `status`."""
+    return JSONResponse(error_body(message, param, code, error_type), status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure, ours or the framework's, answered in OpenAI's error shape."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        response = error_response(error.message, error.status, error.param, error.code)
+        response.headers.update(error.headers or {})
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        if any(p["type"] == "json_invalid" for p in problems):
+            return error_response("the request body is not valid JSON", 400)
+        message = "; ".join(f"{_field_path(p['loc']) or 'body'}: {p['msg']}" for p in problems)
+        return error_response(message, 400, _field_path(problems[0]["loc"]) if problems else None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return error_response(str(error.detail), error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return error_response(f"internal error: {error}", 500, error_type="internal_server_error")
+
+
+def _field_path(loc: tuple | list) -> str | None:
+    # Pydantic locations start with "body"; OpenAI names the field itself.
+    parts = [str(part) for part in loc if part != "body"]
+    return ".".join(parts) or None
+
+
+def install_api_key(app: FastAPI, api_key: str) -> None:
+    """Every route but /health and the dashboard's public ones needs `Authorization: Bearer <api_key>`;
+    the dashboard's state also takes its login cookie."""
+    expected = f"Bearer {api_key}".encode()
+    expected_cookie = cookie_token(api_key).encode()
+
+    def authorized(request: Request) -> bool:
+        path = request.url.path
+        if path == "/health" or path in PUBLIC_PATHS:
+            return True
+        if hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            return True
+        cookie = request.cookies.get(COOKIE_NAME, "").encode()
+        return path in COOKIE_PATHS and hmac.compare_digest(cookie, expected_cookie)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if not authorized(request):
+            return error_response(
+                "invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
+            )
+        return await call_next(request)
