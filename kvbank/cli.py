@@ -31,9 +31,8 @@ from kvbank.server.limits import ServerLimits
 from kvbank.tokenizer import Tokenizer
 
 CLI_DEFAULT_MAX_TOKENS = 256
-DEFAULT_MAX_QUEUED = 512
-DEFAULT_MAX_N = 16
 _ENGINE_TYPES = typing.get_type_hints(EngineConfig)
+_LIMIT_TYPES = typing.get_type_hints(ServerLimits)
 _SAMPLING_TYPES = typing.get_type_hints(SamplingParams)
 # `kvbank plan` has spelled the pool's size --memory-gb from the start.
 _PLAN_ALIASES = {"kv_cache_memory_gb": ("--memory-gb",)}
@@ -130,14 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
     missing = [file for file in args.pin_prompt if not Path(file).is_file()]
     if missing:
         raise ValueError(f"--pin-prompt file {missing[0]!r} does not exist")
-    limits = ServerLimits(
-        api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests,
-        max_tokens_cap=args.max_tokens_cap,
-        max_n=args.max_n,
-        max_streams=args.max_streams,
-        stream_idle_timeout_s=args.stream_idle_timeout,
-    )
+    limits = ServerLimits(**{name: getattr(args, name) for name in _limit_options()})
     llm = _load(args)
     for file in args.pin_prompt:
         # The file holds a system prompt (its final newline is the editor's, not the prompt's).
@@ -233,6 +225,10 @@ def _plan(args: argparse.Namespace) -> int:
         "block per sequence); max seqs: with --max-num-seqs set to that number"
     )
     return 0
+
+
+def _limit_options() -> list[str]:
+    return [f.name for f in dataclasses.fields(ServerLimits) if f.metadata.get("cli", True)]
 
 
 def _plan_options() -> list[str]:
@@ -368,40 +364,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a system prompt to compute once and keep cached (repeatable): chat requests whose "
         "system message is this file's text reuse it",
     )
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("KVBANK_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $KVBANK_API_KEY, else no key)",
-    )
-    serve.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=DEFAULT_MAX_QUEUED,
-        help="requests waiting for a batch slot beyond which new ones get 429 (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-tokens-cap",
-        type=int,
-        default=None,
-        help="largest max_tokens a request may ask for; also the default for chat requests "
-        "that name none (default: no cap)",
-    )
-    serve.add_argument(
-        "--max-n", type=int, default=DEFAULT_MAX_N, help="largest n a request may ask for (default: %(default)s)"
-    )
-    serve.add_argument(
-        "--max-streams",
-        type=int,
-        default=16,
-        help="streaming sessions (/v1/streams) open at once; more get 429 (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--stream-idle-timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="close a streaming session unused for this long (default: %(default)s)",
-    )
+    limits = serve.add_argument_group("limits")
+    for limit_field in dataclasses.fields(ServerLimits):
+        if limit_field.name in _limit_options():
+            _add_limit_flag(limits, limit_field)
     serve.add_argument(
         "--session-dir",
         metavar="DIR",
@@ -473,6 +439,21 @@ def _add_config_flag(group, config_field: dataclasses.Field, aliases: Sequence[s
     )
 
 
+def _add_limit_flag(group, limit_field: dataclasses.Field) -> None:
+    meta = limit_field.metadata
+    env = meta.get("env")
+    _add_flag(
+        group,
+        limit_field.name,
+        _LIMIT_TYPES[limit_field.name],
+        os.environ.get(env, limit_field.default) if env else limit_field.default,
+        meta["help"],
+        metavar=meta.get("metavar"),
+        default_text=meta.get("default_text"),
+        flag=meta.get("flag"),
+    )
+
+
 def _add_flag(
     group,
     name: str,
@@ -484,8 +465,9 @@ def _add_flag(
     metavar: str | None = None,
     default_text: str | None = None,
     aliases: Sequence[str] = (),
+    flag: str | None = None,
 ) -> None:
-    """One `--kebab-case` flag for a field, its kind read from the field's type."""
+    """One flag for a field (`--kebab-case` of its name unless `flag` says), its kind read from the field's type."""
     shown = "%(default)s" if default_text is None else default_text.replace("%", "%%")
     kwargs: dict[str, Any] = {
         "dest": name,
@@ -503,7 +485,7 @@ def _add_flag(
     else:
         (kind,) = kinds
         kwargs.update(type=kind, choices=choices, metavar=metavar)
-    group.add_argument("--" + name.replace("_", "-"), *aliases, **kwargs)
+    group.add_argument(flag or "--" + name.replace("_", "-"), *aliases, **kwargs)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
