@@ -132,10 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(**{name: getattr(args, name) for name in _limit_options()})
     llm = _load(args)
     for file in args.pin_prompt:
-        # The file holds a system prompt (its final newline is the editor's, not the prompt's).
-        system_prompt = Path(file).read_text().removesuffix("\n")
-        pinned = llm.pin_prefix(system_prompt_prefix(llm.get_tokenizer(), system_prompt))
-        print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
+        _pin_prompt(llm, file)
     name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
     async_engine = AsyncEngine(llm.engine)
     if args.session_dir is not None:
@@ -163,6 +160,25 @@ def _serve(args: argparse.Namespace) -> int:
         async_engine.shutdown()
     print("kvbank: stopped", flush=True)
     return 0
+
+
+def _pin_prompt(llm: LLM, file: str) -> None:
+    """Pin the chat prefix of the system prompt in `file`; one shorter than a block is a warning."""
+    # The file holds a system prompt (its final newline is the editor's, not the prompt's).
+    system_prompt = Path(file).read_text().removesuffix("\n")
+    prefix = system_prompt_prefix(llm.get_tokenizer(), system_prompt)
+    block_size = llm.engine.block_size
+    # Only whole blocks are cached, so a shorter prefix has nothing to pin; its requests still run.
+    pinned = llm.pin_prefix(prefix) if len(prefix) >= block_size else 0
+    if pinned:
+        print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
+    else:
+        print(
+            f"kvbank: warning: --pin-prompt {file}: nothing pinned: its chat prefix is {len(prefix)} tokens, "
+            f"and only whole blocks of {block_size} tokens (--block-size) are cached",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _plan(args: argparse.Namespace) -> int:
