@@ -5,6 +5,7 @@
     GET  /v1/models              POST /v1/completions, /v1/chat/completions   (`completions`)
     POST /v1/sessions/save       POST /v1/sessions/restore                     (`sessions`)
     *    /v1/streams...                                                          (`streams`)
+    POST /flush_cache            (GET too, as SGLang) empties the prefix cache -> {"blocks", "tokens"}
     GET  /dashboard              the live cache page                           (`dashboard`)
 
 Bodies, streamed chunks and errors follow OpenAI's shapes, so the official clients work unchanged.
@@ -13,6 +14,12 @@ A field is never silently dropped if dropping it changes the answer: `response_f
 refused with a 400 naming the field, and so is any field this server does not know. Only fields
 that cannot change the answer (`bodies.HARMLESS_FIELDS`, e.g. `metadata`, `store`) are ignored,
 with a warning in the log.
+
+`/flush_cache` drops every cached prefix block that no request holds and no pin keeps (the tiers
+below the pool keep theirs, so the next request for a flushed prefix loads it from a tier): the
+way to show a tier hit without restarting. It runs on the engine thread between two steps, so
+running requests keep their blocks. With `--api-key` it needs the key, like every route but
+/health.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def build_app(
 
 
 def _install_server_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
-    """/health and /metrics: the server's own routes."""
+    """/health, /metrics and /flush_cache: the server's own routes."""
     timer = RequestTimer()
     async_engine.observers.append(timer.observe)
 
@@ -76,3 +83,15 @@ def _install_server_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
             async_engine.stats(), timer, memory=memory.current(async_engine.engine), tiers=async_engine.tier_stats()
         )
         return PlainTextResponse(page, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> dict:
+        blocks = await async_engine.call(lambda engine: engine.reset_prefix_cache())
+        block_size = async_engine.engine.block_size
+        return {
+            "object": "cache.flush",
+            "blocks": blocks,
+            "tokens": blocks * block_size,
+            "message": f"dropped {blocks} cached prefix blocks ({blocks * block_size} tokens); "
+            "blocks in use, pinned blocks and the tiers' entries are kept",
+        }
