@@ -11,7 +11,8 @@ JavaScript, nothing fetched from elsewhere). On load, and then once a second, it
   KV usage, preemptions and token counters;
 * with KV tiers below the pool (host RAM, disk, Redis), a table of each tier's bytes used and
   capacity, entries, hits and misses, bytes and seconds loaded and stored, dropped stores, errors
-  and corrupt entries, and the offload counters (loads, tokens loaded, timeouts, bad entries);
+  and corrupt entries; under it the rows' totals (`tier_totals`, summed from the same numbers the
+  rows show) and the failures only the offload controller counts (timeouts, full queue, bad entries);
 * line charts over the last five minutes of the hit rate, throughput (tokens/s, from successive
   `generation_tokens` counter values), running and waiting requests, and KV usage.
 
@@ -24,6 +25,7 @@ With `--api-key`, the page and its script are public but the state is not. The p
 given in its address (`/dashboard#key=KEY`) as a bearer header, or, when it has none, shows a login
 form that posts the key to `/dashboard/login`, which answers with an HttpOnly cookie holding a
 token derived from the key; the API's key check accepts that cookie for `/dashboard/state` only.
+A server without a key serves the page without the login form.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import asyncio
 import hashlib
 import hmac
 import math
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -57,6 +60,10 @@ PUBLIC_PATHS = frozenset({"/dashboard", "/dashboard/dashboard.js", "/dashboard/l
 #: routes that accept the login cookie instead of the bearer header
 COOKIE_PATHS = frozenset({"/dashboard/state"})
 COOKIE_NAME = "kvbank_dashboard"
+#: tier counters the dashboard sums over the tiers, and the offload controller's own failure counters
+TOTALED_TIER_FIELDS = ("hits", "misses", "load_bytes", "store_bytes", "stores_dropped", "errors", "corrupt")
+OFFLOAD_FAILURE_FIELDS = ("load_timeouts", "store_queue_full", "bad_entries")
+_LOGIN_FORM = re.compile(r"\s*<form id=\"login\".*?</form>", re.DOTALL)
 
 
 def cookie_token(api_key: str) -> str:
@@ -74,6 +81,8 @@ def install_dashboard(app: FastAPI, async_engine: AsyncEngine, api_key: str | No
     sampler = StatsSampler(async_engine.stats)
     _run_with_app(app, sampler)
     page = (_STATIC / "dashboard.html").read_text(encoding="utf-8")
+    if api_key is None:
+        page = _LOGIN_FORM.sub("", page)
     script = (_STATIC / "dashboard.js").read_text(encoding="utf-8")
 
     @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
@@ -117,15 +126,26 @@ def dashboard_snapshot(async_engine: AsyncEngine, sampler: StatsSampler, since: 
     """The body of `/dashboard/state`: block states, their counts, the stats, the tiers' stats and the
     history after `since`."""
     states = async_engine.block_states()
+    tiers = async_engine.tier_stats()
     return {
         "time": time.time(),
         "block_size": async_engine.engine.block_size,
         "blocks": encode_block_states(states),
         "counts": count_block_states(states),
         "stats": async_engine.stats(),
-        "tiers": async_engine.tier_stats(),
+        "tiers": tiers,
+        "tier_totals": tier_totals(tiers),
         "history": sampler.history(since),
     }
+
+
+def tier_totals(tiers: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The tier rows' counters summed over the tiers, and the offload controller's failure counters
+    (`LLMEngine.tier_stats()` shape: one entry per tier, the controller's under "offload")."""
+    rows = [row for name, row in tiers.items() if name != "offload"]
+    totals = {key: sum(row.get(key, 0) for row in rows) for key in TOTALED_TIER_FIELDS}
+    offload = tiers.get("offload", {})
+    return {**totals, **{key: offload.get(key, 0) for key in OFFLOAD_FAILURE_FIELDS}}
 
 
 def encode_block_states(states: bytes) -> str:

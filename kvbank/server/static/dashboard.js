@@ -92,12 +92,16 @@ const TIER_COLUMNS = [
   ["misses", integer], ["load_bytes", bytes], ["load_seconds", seconds], ["store_bytes", bytes],
   ["store_seconds", seconds], ["stores_dropped", integer], ["errors", integer], ["corrupt", integer],
 ];
-const OFFLOAD_COUNTERS = [
-  ["loads", "loads"], ["load_tokens", "tokens loaded"], ["load_timeouts", "load timeouts"],
-  ["stores", "stores"], ["store_queue_full", "stores dropped (queue full)"], ["bad_entries", "bad entries"],
+// The footer under the rows: the rows' own counters summed over the tiers (by the server, in
+// tier_totals), then the failures only the offload controller sees.
+const TOTAL_COUNTERS = [
+  ["hits", "hits", integer], ["misses", "misses", integer], ["load_bytes", "loaded", bytes],
+  ["store_bytes", "stored", bytes], ["stores_dropped", "dropped", integer], ["errors", "errors", integer],
+  ["corrupt", "corrupt", integer], ["load_timeouts", "load timeouts", integer],
+  ["store_queue_full", "stores dropped (queue full)", integer], ["bad_entries", "bad entries", integer],
 ];
 
-function renderTiers(tiers) {
+function renderTiers(tiers, totals) {
   const names = Object.keys(tiers || {}).filter(name => name !== "offload");
   document.getElementById("tiers").hidden = names.length === 0;
   const rows = names.map(name => {
@@ -112,8 +116,8 @@ function renderTiers(tiers) {
     return row;
   });
   document.getElementById("tier-rows").replaceChildren(...rows);
-  const offload = tiers && tiers.offload ? tiers.offload : {};
-  setText("offload-counters", OFFLOAD_COUNTERS.map(([key, label]) => label + " " + integer(offload[key] || 0)).join(" · "));
+  const shown = TOTAL_COUNTERS.map(([key, label, format]) => label + " " + format((totals || {})[key] || 0));
+  setText("offload-counters", "all tiers: " + shown.join(" · "));
 }
 
 function niceMax(value) {
@@ -182,7 +186,7 @@ function render(state) {
   renderGrid(state.blocks);
   renderCounts(state.counts, state.blocks.length, state.block_size);
   renderNumbers(state.stats);
-  renderTiers(state.tiers);
+  renderTiers(state.tiers, state.tier_totals);
   for (const spec of CHARTS) renderChart(spec, state.time);
   setStatus(true, "live · " + new Date(state.time * 1000).toLocaleTimeString());
 }
@@ -225,6 +229,8 @@ async function logIn(event) {
   poll();
 }
 
-document.getElementById("login").addEventListener("submit", logIn);
+// A server without an API key serves the page without the login form.
+const loginForm = document.getElementById("login");
+if (loginForm) loginForm.addEventListener("submit", logIn);
 CHARTS.forEach(buildChart);
 poll();
