@@ -431,14 +431,17 @@ def test_native_attention_equals_the_reference_path_at_every_layer_and_step(kern
     assert any(d and p for d, p in compared), "no step mixed decodes and prefill chunks"
 
 
-@pytest.mark.parametrize(("kv", "dtype"), [("int4", "float32"), ("int8", "bfloat16")])
+@pytest.mark.parametrize(("kv", "dtype"), [(kv, "bfloat16") for kv in QUANTIZED] + [("int4", "float32")])
 def test_engine_logprobs_with_native_rows_are_as_close_to_full_precision_as_the_reference(kernel, kv, dtype):
     # Every token attended by the native kernel (the default, batch-invariant mode) against the
     # reference path. The paths round differently, and quantization turns a last-bit difference in
     # a key into a different code now and then, so they agree to quantization noise, not to bits:
     # each is compared with the full-precision cache.
     tokens = LLM(dtype="float32", num_gpu_blocks=32).get_tokenizer().encode(TEXT)
-    prompts = [tokens[:160], tokens[1000:1090]]
+    # Quantization noise per prompt is large (fp8_e5m2 keeps two mantissa bits: measured over
+    # 200-token prompts, native/reference error ratios of 0.84 to 1.13), so the errors are pooled
+    # over every prompt's tokens.
+    prompts = [tokens[:160], tokens[1000:1090], tokens[2000:2200], tokens[3000:3200]]
     # (bfloat16: the default, where int8 and fp8 keys and values go through the bfloat16 tables)
     full = _prompt_logprobs(_engine("auto", batch_invariant=True, dtype=dtype), prompts)
     llm = _engine(kv, batch_invariant=True, dtype=dtype)
@@ -450,9 +453,9 @@ def test_engine_logprobs_with_native_rows_are_as_close_to_full_precision_as_the_
         if hasattr(layer, "native_format"):
             layer.native = layer.native_format = None
     reference = _prompt_logprobs(llm, prompts)
-    for got, want, exact in zip(native, reference, full):
-        assert not torch.equal(got, exact)  # the quantized cache was read
-        assert (got - exact).abs().mean() <= 1.25 * (want - exact).abs().mean() + 1e-3
+    assert not any(torch.equal(got, exact) for got, exact in zip(native, full))  # the quantized cache was read
+    native, reference, full = torch.cat(native), torch.cat(reference), torch.cat(full)
+    assert (native - full).abs().mean() <= 1.25 * (reference - full).abs().mean() + 1e-3
 
 
 def test_the_default_configuration_attends_quantized_kv_natively(kernel):
