@@ -7,7 +7,6 @@ mode and space and looks at how the counters moved.
 import pytest
 
 from kvbank import LLM, SamplingParams
-from kvbank.cache.swap import Swapper
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 TEXT = "Once upon a time, in a small village by the sea, there lived an old fisherman who told stories."
@@ -86,16 +85,18 @@ def test_aborting_a_swapped_sequence_frees_its_host_memory(llm, prompts):
     _assert_all_free(llm)
 
 
-def test_auto_swaps_only_from_the_crossover_length(llm):
-    engine = llm.engine
-    swapper = Swapper(engine.storage, engine.manager, "auto", space_bytes=0, crossover_tokens=64)
-
-    class Victim:
-        num_computed_tokens = 63
-
-    assert not swapper.wants_swap(Victim())
-    Victim.num_computed_tokens = 64
-    assert swapper.wants_swap(Victim())
+def test_auto_preemption_swaps_from_one_block_and_keeps_the_tokens(prompts, unpreempted):
+    # The engine's own `auto`: swapping measured cheaper than recomputing from one block up
+    # (kvbank/cache/swap.py), so every victim holding a full block is swapped.
+    auto = LLM(block_size=BLOCK_SIZE, num_gpu_blocks=SMALL_POOL, preemption_mode="auto")
+    before = auto.stats()
+    tokens = [o.outputs[0].token_ids for o in auto.generate(prompts, PARAMS)]
+    after = auto.stats()
+    counts = {name: after[name] - before[name] for name in COUNTERS}
+    assert tokens == unpreempted
+    assert counts["num_preemptions"] > 0
+    assert counts["num_swaps_out"] == counts["num_swaps_in"] == counts["num_preemptions"]
+    assert after["swap_bytes_used"] == 0
 
 
 def test_an_unknown_preemption_mode_is_refused():

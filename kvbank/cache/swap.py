@@ -18,11 +18,14 @@ import torch
 from kvbank.cache.manager import KVCacheManager, Sequence
 from kvbank.cache.storage import KVStorage
 
-#: Computed tokens from which `auto` swaps a victim instead of recomputing it. bench/preemption.py
-#: measured swap-out + swap-in against recomputing N tokens (N = 16..2048) with the bundled
-#: SmolLM2-135M on a CPU (one thread): swapping won at every length, in bfloat16 (0.6 ms against
-#: 33 ms at 16 tokens, 10 ms against 4.6 s at 2k) and float32 (0.7 against 78 ms at 16 tokens).
-#: Nothing shorter than one block is swapped anyway: only full blocks are.
+#: Computed tokens from which `auto` swaps a victim instead of recomputing it: one block, the
+#: least a swap moves, because no measured length favours recomputing. `python bench/preemption.py
+#: --dtype bfloat16 --lengths 16,64,256,1024 --repeats 3` (bundled SmolLM2-135M, CPU, 2 cores
+#: shared, medians): swap out + in 0.95 / 1.4 / 38 / 9.7 ms against recomputing 510 / 240 / 568 /
+#: 1,470 ms at 16 / 64 / 256 / 1,024 tokens, 15x to 540x cheaper (earlier runs: 0.6 against 33 ms
+#: at 16 tokens, 10 ms against 4.6 s at 2k; float32 0.7 against 78 ms at 16). A swap copies
+#: bytes, a recompute runs the model over them: on a CPU the model costs orders of magnitude more
+#: per token at every length, so the crossover is below the first full block.
 SWAP_CROSSOVER_TOKENS = 16
 
 
