@@ -105,3 +105,14 @@ def test_missing_path_and_unknown_format_are_rejected(tmp_path):
     weird.write_bytes(b"\0")
     with pytest.raises(ValueError, match="neither"):
         LLM(str(weird))
+
+
+def test_loading_progress_off_a_terminal_is_a_few_plain_lines(capfd):
+    from kvbank.models.loader import load_model
+
+    calls = []
+    load_model(None, progress=lambda done, total: calls.append(done))  # pytest's stderr is no terminal
+    lines = capfd.readouterr().err.splitlines()
+    assert calls == []  # a bar redrawn with carriage returns would be one huge line in a log
+    assert [line.split("(")[-1] for line in lines] == ["25%)", "50%)", "75%)", "100%)"]
+    assert "\r" not in "".join(lines)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +58,14 @@ def bundled_model_path() -> str:
 
 
 def load_model(path: str | None, progress: ProgressFn | None = None) -> LoadedModel:
-    """Load a GGUF file or a Hugging Face model folder; `None` loads the bundled model."""
+    """Load a GGUF file or a Hugging Face model folder; `None` loads the bundled model.
+
+    `progress(done, total)` is called per tensor (GGUF) or file (folder) when stderr is a terminal;
+    otherwise a log gets a plain line at each quarter instead of a bar redrawn hundreds of times.
+    """
     path = bundled_model_path() if path is None else os.path.expanduser(str(path))
+    if progress is not None and not sys.stderr.isatty():
+        progress = _quarter_lines
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist")
     if os.path.isdir(path):
@@ -66,6 +73,11 @@ def load_model(path: str | None, progress: ProgressFn | None = None) -> LoadedMo
     if path.endswith(".gguf"):
         return _load_gguf(path, progress)
     raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model folder")
+
+
+def _quarter_lines(done: int, total: int) -> None:
+    if done * 4 // total != (done - 1) * 4 // total:
+        print(f"kvbank: loading the model: {done}/{total} ({100 * done // total}%)", file=sys.stderr, flush=True)
 
 
 @dataclass
