@@ -142,9 +142,35 @@ def test_beam_search_reorders_the_stored_blocks(model, prompt):
     covering = KVBankQuantizedCache("int8", residual_length=128, group_size=16)
     beams = model.generate(prompt, max_new_tokens=12, num_beams=3, do_sample=False, past_key_values=covering)
     assert torch.equal(beams, expected)
+    # Stored blocks (nothing exact): each returned beam's score must be what its own tokens score
+    # alone, fed through a fresh cache the same way. A beam that attended another beam's blocks
+    # (a missed or wrong reorder) scores otherwise.
     stored = KVBankQuantizedCache("int8", residual_length=0, group_size=16)
-    beams = model.generate(prompt, max_new_tokens=12, num_beams=3, do_sample=False, past_key_values=stored)
-    assert beams.shape == expected.shape and stored.get_seq_length() > BLOCK_SIZE
+    beams = model.generate(
+        prompt,
+        max_new_tokens=12,
+        min_new_tokens=12,
+        num_beams=3,
+        num_return_sequences=3,
+        length_penalty=0.0,  # scores are plain sums of log-probabilities
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        past_key_values=stored,
+    )
+    assert stored.get_seq_length() > BLOCK_SIZE
+    length = prompt.shape[1]
+    assert beams.sequences.shape == (3 * prompt.shape[0], length + 12)
+    assert len({tuple(row.tolist()) for row in beams.sequences}) == len(beams.sequences)
+    for row, score in zip(beams.sequences, beams.sequences_scores):
+        alone = KVBankQuantizedCache("int8", residual_length=0, group_size=16)
+        with torch.no_grad():
+            logits = model(row[None, :length], past_key_values=alone).logits[0, -1]
+            total = 0.0
+            for t in range(length, len(row)):
+                total += logits.log_softmax(-1)[row[t]].item()
+                logits = model(row[None, t : t + 1], past_key_values=alone).logits[0, -1]
+        assert total == pytest.approx(score.item(), abs=1e-2)
 
 
 def test_bad_arguments_name_the_value():
