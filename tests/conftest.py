@@ -119,9 +119,8 @@ class _SharedBundledModel:
         if path is not None:
             return self._originals["load_model"](path, progress)
         if self.loaded is None:
-            counted = []
-            self.loaded = self._originals["load_model"](None, lambda done, total: counted.append(total))
-            self._num_tensors = counted[-1]
+            self.loaded = self._originals["load_model"](None)
+            self._num_tensors = len(self.gguf_reader(self._path).tensors)
             blocks = (*self.loaded.int4.values(), *self.loaded.int8.values())
             self._ids = {id(b) for b in blocks}
             tensors = lambda: [*self.loaded.state_dict.values(), *(t for b in blocks for t in _tensors_of(b))]  # noqa: E731
