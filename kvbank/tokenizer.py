@@ -12,9 +12,9 @@ import datetime
 import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jinja2
 from jinja2.ext import loopcontrols
@@ -22,8 +22,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Engine
 
-if TYPE_CHECKING:
-    from kvbank.models.gguf_file import GGUFFile
+
+class GGUFMetadata(Protocol):
+    """What the tokenizer reads of a GGUF file (models/gguf_file.py's reader): its metadata."""
+
+    fields: Mapping[str, Any]
+
 
 # llama.cpp's token types, numbered like SentencePiece's piece types.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -94,7 +98,7 @@ class Tokenizer:
         self._anchor_text = engine.decode(self._anchor_ids, skip_special_tokens=False)
 
     @classmethod
-    def from_gguf(cls, reader: GGUFFile) -> Tokenizer:
+    def from_gguf(cls, reader: GGUFMetadata) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
         model = _gguf_value(reader, "tokenizer.ggml.model")
         if model is None:
@@ -334,7 +338,7 @@ class IncrementalDetokenizer:
         self._sent = 0
 
 
-def _gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+def _gguf_value(reader: GGUFMetadata, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
 
