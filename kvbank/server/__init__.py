@@ -2,5 +2,6 @@
 
 from kvbank.server.api import build_app
 from kvbank.server.async_engine import AsyncEngine
+from kvbank.server.limits import ServerLimits
 
-__all__ = ["AsyncEngine", "build_app"]
+__all__ = ["AsyncEngine", "ServerLimits", "build_app"]

@@ -349,12 +349,12 @@ class SessionRestoreRequest(BaseModel):
 
 
 class StreamOpenRequest(BaseModel):
-    """`POST /v1/streams`."""
+    """`POST /v1/streams`; without a policy the stream keeps what the engine's default keeps."""
 
     model_config = ConfigDict(extra="forbid")
 
     system: str | list[int]
-    policy: str = "frame_window(frames=64,sinks=4)"
+    policy: str | None = None
     cache_salt: str | None = None
     separator: str = "\n"
     chat: bool = True

@@ -84,10 +84,19 @@ class Streams:
                 "prompt" if isinstance(system, str) else "prompt_token_ids": system,
                 "cache_salt": body.cache_salt,
             }
-        state = self.streams[stream_id] = _StreamState(int(time.time()), body.policy, body.separator)
+        state = self.streams[stream_id] = _StreamState(int(time.time()), body.policy or "", body.separator)
+        # Without a policy the engine's default applies; the answer spells out whichever it runs.
+        policy = {} if body.policy is None else {"policy": body.policy}
 
         def start(engine):
-            return engine.open_stream(system, body.policy, body.separator, stream_id, f"{stream_id}-open", body.chat)
+            return engine.open_stream(
+                system,
+                separator=body.separator,
+                stream_id=stream_id,
+                request_id=f"{stream_id}-open",
+                chat=body.chat,
+                **policy,
+            )
 
         try:
             output = await self._run(stream_id, start, f"{stream_id}-open")
@@ -96,13 +105,15 @@ class Streams:
             await self._close_quietly(stream_id)
             raise
         state.last_used = time.monotonic()
-        state.question_suffix = await self.async_engine.call(lambda engine: engine.stream(stream_id).question_suffix)
+        state.question_suffix, state.policy = await self.async_engine.call(
+            lambda engine: (engine.stream(stream_id).question_suffix, str(engine.stream(stream_id).policy))
+        )
         return {
             "id": stream_id,
             "object": "stream",
             "created": state.created,
             "model": self.checks.model_name,
-            "policy": body.policy,
+            "policy": state.policy,
             "system_tokens": len(output.prompt_token_ids),
             "cached_tokens": output.num_cached_tokens,
         }
