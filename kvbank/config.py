@@ -17,7 +17,6 @@ from kvbank.cache.format import KVFormat
 from kvbank.cache.offload import WRITE_POLICIES, chunk_blocks_for
 from kvbank.cache.policies import parse_policy
 from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES
-from kvbank.models.packed import packed_matmul_available
 
 _DTYPES = {
     "float32": torch.float32,
@@ -30,6 +29,8 @@ _DTYPES = {
 
 _WEIGHT_FORMATS = ("auto", "dense", "int4")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+#: most tokens one step computes unless `max_num_batched_tokens` says otherwise
+DEFAULT_PREFILL_CHUNK = 2048
 
 
 def option(default: Any, help_text: str, **metadata: Any) -> Any:
@@ -70,7 +71,12 @@ class EngineConfig:
         None, "longest prompt + output in tokens", default_text="the model's context length"
     )
     max_num_seqs: int = option(64, "most sequences running at once (int4/int2 reserve a residual slot for each)")
-    max_num_batched_tokens: int = option(2048, "most tokens in one step; longer prompts prefill in chunks", plan=False)
+    max_num_batched_tokens: int | None = option(
+        None,
+        "most tokens in one step; longer prompts prefill in chunks",
+        default_text=f"{DEFAULT_PREFILL_CHUNK}, or less to fit max_model_len and kv_policy",
+        plan=False,
+    )
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prefixes", plan=False)
     max_pinned_fraction: float = option(0.5, "most of the KV pool that pinned prefixes may hold", plan=False)
     weight_format: str = option(
@@ -156,7 +162,8 @@ class EngineConfig:
             raise ValueError(f"max_pinned_fraction={self.max_pinned_fraction} must be in [0, 1]")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
-        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None:
+            _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_gpu_blocks is not None:
             _require_positive("num_gpu_blocks", self.num_gpu_blocks)
         if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):
@@ -180,10 +187,15 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
 
-    @property
-    def has_tiers(self) -> bool:
-        """Whether any tier below the pool is configured."""
-        return bool(self.kv_host_gb or self.kv_disk_dir or self.kv_redis_url)
+    def prefill_chunk(self, max_model_len: int, policy_room: int | None = None) -> int:
+        """Most tokens one step computes: `max_num_batched_tokens` if set, otherwise the default
+        lowered to the context and to what the long-context policy leaves room for (`policy_room`)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        chunk = min(DEFAULT_PREFILL_CHUNK, max_model_len)
+        if policy_room is not None and policy_room >= self.block_size:
+            chunk = min(chunk, policy_room)
+        return chunk
 
     @property
     def kv_format(self) -> KVFormat:
@@ -195,16 +207,13 @@ class EngineConfig:
         """The dtype weights and activations run in: bfloat16 unless asked otherwise."""
         return torch.bfloat16 if self.dtype == "auto" else _DTYPES[self.dtype]
 
-    def packs_int4_weights(self, has_int4_weights: bool) -> bool:
-        """Whether the engine keeps a model's 4-bit GGUF weights 4-bit (see `weight_format`).
+    def packs_int4_weights(self, packable: bool) -> bool:
+        """Whether the engine keeps a model's 4-bit GGUF weights 4-bit (see `weight_format`);
+        `packable`: the model has 4-bit weights and this torch multiplies them on the device.
 
         Raises ValueError when `weight_format="int4"` asks for what this model or device cannot do.
         """
-        usable = (
-            has_int4_weights
-            and packed_matmul_available(torch.device(self.device))
-            and self.torch_dtype == torch.bfloat16
-        )
+        usable = packable and self.torch_dtype == torch.bfloat16
         if self.weight_format == "int4" and not usable:
             raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
         return usable and self.weight_format != "dense"

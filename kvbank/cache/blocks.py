@@ -53,7 +53,7 @@ class Block:
 class BlockPool:
     """Owns every block; tracks refcounts, the free lists and the hash -> block index."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_empty: Callable[[int], None] | None = None) -> None:
         assert num_blocks > 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.empty: deque[int] = deque(range(num_blocks))
@@ -62,7 +62,7 @@ class BlockPool:
         self.by_serial: dict[int, int] = {}
         self._serials = itertools.count(1)
         #: called with the id of a block that goes back to `empty` (its content is dropped)
-        self.on_empty: Callable[[int], None] | None = None
+        self.on_empty = on_empty
         #: called with an indexed block just before eviction reuses it (its content is still there)
         self.on_evict: Callable[[Block], None] | None = None
 

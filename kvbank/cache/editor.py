@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 
 from kvbank.attention.rope import rotation_tables
+from kvbank.cache.limits import Limits
 from kvbank.cache.manager import KVCacheManager, blocks_for
-from kvbank.cache.policies import KVPolicy, Limits
 from kvbank.cache.storage import KVStorage
 
 
@@ -44,6 +44,10 @@ class ScoreState:
             torch.zeros(num_layers, num_kv_heads, capacity, device=device),
             torch.zeros(num_layers, num_kv_heads, 0, dtype=torch.long),  # bookkeeping stays on the CPU
         )
+
+    def cleared(self) -> ScoreState:
+        """Empty buffers of the same shape (the sequence is recomputed from its first token)."""
+        return ScoreState(torch.zeros_like(self.scores), self.kept[..., :0].clone())
 
     def clone(self) -> ScoreState:
         return ScoreState(self.scores.clone(), self.kept.clone())
@@ -83,10 +87,6 @@ class KVEditor:
         self.inv_freq = inv_freq.float().cpu()
         #: positions the model's rotary tables cover
         self.rope_len = rope_len
-
-    def after_step(self, policy: KVPolicy, seq: PolicySeq) -> int:
-        """Let `policy` evict from `seq` after a step; returns the tokens evicted."""
-        return policy.after_step(seq, self)
 
     # --- shifting -----------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
@@ -59,8 +58,6 @@ class FrameLog:
         self.num_evicted = 0
         #: leading tokens never evicted: the system prompt and the sink frames
         self.keep_tokens = system_len
-        #: called with the sequence and the frames about to be evicted (a stream with a tier archives them)
-        self.archive: Callable[[object, list[Frame]], None] | None = None
 
     def add(self, start: int, length: int, digest: bytes, embeds: torch.Tensor | None) -> Frame:
         """Record a frame appended at token index `start`."""

@@ -1,12 +1,13 @@
 """Per-sequence KV bookkeeping on top of the block pool: prefix hits, growth, forks, frees.
 
-Plain Python, no tensors: block contents are moved by the runner, which drains
-`pending_copies` (copy-on-write source -> destination block ids) before each forward pass.
+Plain Python, no tensors: block contents are moved by the runner. `append_slots` returns the
+copy-on-write copies (source -> destination block ids) the next forward pass must make first.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from typing import Protocol
 
@@ -70,13 +71,18 @@ class KVCacheManager:
     """Gives each sequence a block table and keeps the prefix index up to date."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_pinned_fraction: float = 0.5
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        max_pinned_fraction: float = 0.5,
+        on_empty: Callable[[int], None] | None = None,
     ) -> None:
-        self.pool = BlockPool(num_blocks)
+        """`on_empty(block_id)`: a block's content is dropped (storage frees what it keeps beside it)."""
+        self.pool = BlockPool(num_blocks, on_empty)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
-        self.pending_copies: list[tuple[int, int]] = []
         self.pins: dict[tuple[bytes, tuple[int, ...]], list[int]] = {}
         self.pinned_blocks: Counter[int] = Counter()
 
@@ -132,12 +138,22 @@ class KVCacheManager:
     def can_append(self, seq: Sequence, num_new: int) -> bool:
         return self.pool.num_free >= self._blocks_to_add(seq, num_new) + self._needs_copy(seq)
 
-    def append_slots(self, seq: Sequence, num_new: int) -> None:
-        """Make room to write K/V for positions [computed, computed + num_new)."""
-        if self._needs_copy(seq):
-            self._copy_on_write(seq, seq.num_slots // self.block_size)
+    def append_slots(self, seq: Sequence, num_new: int) -> list[tuple[int, int]]:
+        """Make room to write K/V for positions [computed, computed + num_new); returns the block
+        copies (source, destination) to make before writing: a shared partial block is split."""
+        copies = [self._copy_on_write(seq, seq.num_slots // self.block_size)] if self._needs_copy(seq) else []
         for _ in range(self._blocks_to_add(seq, num_new)):
             seq.block_table.append(self.pool.take().block_id)
+        return copies
+
+    def evict_cached(self) -> int:
+        """Drop every cached prefix block not in use or pinned; returns blocks dropped."""
+        return self.pool.evict_cached()
+
+    def take_blocks(self, count: int) -> list[int]:
+        """`count` fresh private blocks for a table the caller fills itself (a recalled cache)."""
+        assert count <= self.num_free_blocks
+        return [self.pool.take().block_id for _ in range(count)]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent`; the first write to a shared block copies it."""
@@ -273,9 +289,9 @@ class KVCacheManager:
         index = seq.num_slots // self.block_size
         return index < len(seq.block_table) and self.pool.blocks[seq.block_table[index]].ref_count > 1
 
-    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+    def _copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int]:
         old = self.pool.blocks[seq.block_table[index]]
         new = self.pool.take()
-        self.pending_copies.append((old.block_id, new.block_id))
         self.pool.release(old)
         seq.block_table[index] = new.block_id
+        return old.block_id, new.block_id

@@ -114,8 +114,12 @@ class KVOffload:
         self.pin = storage.device.type == "cuda"
         self._jobs: list[LoadJob] = []
         self._loads: queue.Queue[LoadJob | None] = queue.Queue(maxsize=queue_size)
-        self._stores: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(maxsize=queue_size)
+        #: (tiers, key, entry to put, or None to delete the key) for the store thread, in order
+        self._stores: queue.Queue[tuple[list[Tier], bytes, torch.Tensor | bytes | None] | None] = queue.Queue(
+            maxsize=queue_size
+        )
         self._landed = threading.Condition()
+        self._closed = False
         self._threads = [
             threading.Thread(target=self._load_loop, name="kvbank-tier-load", daemon=True),
             threading.Thread(target=self._store_loop, name="kvbank-tier-store", daemon=True),
@@ -180,18 +184,39 @@ class KVOffload:
         blob = pack(self.format, info, lambda views: self.storage.read_blocks(ids, views), pin=self.pin)
         for block in chain:
             block.offloaded = True
-        try:
-            self._stores.put_nowait((last.hash, blob))
+        if self._queue_store(self.tiers, last.hash, blob):
             self.counters.stores += 1
+
+    def store_later(self, tier: Tier, key: bytes, data: bytes) -> bool:
+        """Put `data` under `key` in `tier` on the store thread, so that a slow tier never stalls the
+        engine; False if the queue is full (the entry is dropped)."""
+        return self._queue_store([tier], key, data)
+
+    def delete_later(self, tier: Tier, keys: list[bytes]) -> None:
+        """Delete `keys` from `tier` on the store thread, after the puts queued before."""
+        if self._closed:
+            return
+        for key in keys:
+            self._stores.put(([tier], key, None))  # waits for room: a delete is never dropped
+
+    def _queue_store(self, tiers: list[Tier], key: bytes, data: torch.Tensor | bytes) -> bool:
+        if self._closed:
+            return False
+        try:
+            self._stores.put_nowait((tiers, key, data))
         except queue.Full:
             self.counters.store_queue_full += 1
+            return False
+        return True
 
     def _store_loop(self) -> None:
         while (item := self._stores.get()) is not None:
-            key, blob = item
-            view = memoryview(blob.numpy())
-            for tier in self.tiers:
-                tier.put([(key, view)])
+            tiers, key, data = item
+            for tier in tiers:
+                if data is None:
+                    tier.delete([key])
+                else:
+                    tier.put([(key, memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)])
             self._stores.task_done()
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -402,13 +427,15 @@ class KVOffload:
     # --- lifetime ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Every tier's counters by tier name, and the controller's own under "offload"."""
-        out = {tier.name: tier.stats.as_dict() for tier in self.tiers}
+        """Every tier's counters and capacity (None where the store keeps its own) by tier name, and
+        the controller's own under "offload"."""
+        out = {tier.name: {**tier.stats.as_dict(), "capacity_bytes": tier.capacity_bytes} for tier in self.tiers}
         out["offload"] = dict(vars(self.counters))
         return out
 
     def close(self) -> None:
         """Stop the threads (queued stores are written first) and close the tiers."""
+        self._closed = True
         self._loads.put(None)
         self._stores.put(None)
         for thread in self._threads:

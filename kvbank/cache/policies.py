@@ -14,7 +14,7 @@ blocks and tensors for it. Two families:
 Policies are spelled as strings everywhere: `full`, `sink_window(sinks=4,window=1024)`,
 `h2o(heavy=256,recent=256)`, `snapkv(budget=1024,window=64,kernel=5)` (or
 `snapkv(compression_ratio=0.75)`, kvpress's fraction removed), `context_shift(keep=256)`, and for
-streaming sessions only (kvbank/engine/streams.py) `frame_window(frames=64,sinks=4)`.
+streaming sessions only (kvbank/engine/streams.py) `frame_window(frames=N,sinks=S)`.
 """
 
 from __future__ import annotations
@@ -27,25 +27,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from kvbank.cache.limits import Limits
+from kvbank.cache.manager import blocks_for
+
 if TYPE_CHECKING:
     from kvbank.cache.editor import KVEditor, PolicySeq
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What a policy is checked against when a request is added."""
-
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    #: most tokens one step computes for a sequence (a prefill chunk)
-    chunk_tokens: int
-    #: the pool stores every layer dense in the model dtype
-    dense_pool: bool
+    from kvbank.cache.frames import Frame
 
 
 class KVPolicy(ABC):
@@ -81,6 +68,10 @@ class KVPolicy(ABC):
     def pristine_blocks(self, block_size: int) -> int:
         """Blocks kept aside per sequence (unrotated copies of the kept leading blocks)."""
         return 0
+
+    def chunk_room(self, block_size: int, max_model_len: int) -> int | None:
+        """The longest prefill chunk `check` accepts in this context (None: no limit of its own)."""
+        return None
 
     def prefix_limit(self, prompt_len: int, limits: Limits) -> int:
         """Prompt tokens that may come from the prefix cache instead of being computed."""
@@ -179,6 +170,9 @@ class SinkWindow(ShiftingPolicy):
             )
         _fits_pool(self, self._peak(limits), limits)
 
+    def chunk_room(self, block_size: int, max_model_len: int) -> int | None:
+        return max_model_len - self.keep_blocks(block_size) * block_size - self.window - block_size
+
     def _peak(self, limits: Limits) -> int:
         bs = limits.block_size
         return self.keep_blocks(bs) * bs + self.window + bs + limits.chunk_tokens
@@ -225,6 +219,9 @@ class ContextShift(ShiftingPolicy):
             )
         _fits_pool(self, limits.max_model_len, limits)
 
+    def chunk_room(self, block_size: int, max_model_len: int) -> int | None:
+        return (max_model_len - self.keep_blocks(block_size) * block_size) // 2 - block_size
+
     def peak_slots(self, prompt_len: int, max_tokens: int, limits: Limits) -> int:
         return min(prompt_len + max_tokens, limits.max_model_len)
 
@@ -266,14 +263,18 @@ class FrameWindow(KVPolicy):
         return 0  # the kept leading tokens are known only once the stream has its frames
 
     def after_step(self, seq: PolicySeq, editor: KVEditor) -> int:
+        return self.evict(seq, editor, self.victims(seq))
+
+    def victims(self, seq: PolicySeq) -> list[Frame]:
+        """The frames the window lets go now (a stream may archive them before `evict`)."""
         log = getattr(seq, "frames", None)
-        if log is None:
-            return 0
-        victims = log.evictable(seq.num_computed_tokens, self.frames)
+        return [] if log is None else log.evictable(seq.num_computed_tokens, self.frames)
+
+    def evict(self, seq: PolicySeq, editor: KVEditor, victims: list[Frame]) -> int:
+        """Remove `victims` (from `victims`) from the sequence and its cache; returns tokens evicted."""
         if not victims:
             return 0
-        if log.archive is not None:
-            log.archive(seq, victims)
+        log = seq.frames
         first, count = victims[0].start, sum(frame.length for frame in victims)
         editor.remove_tokens(seq, first, count, keep=log.keep_tokens)
         log.evicted(victims)
@@ -474,3 +475,7 @@ def _fits_pool(policy: KVPolicy, tokens: int, limits: Limits) -> None:
             f"kv_policy={policy} holds up to {tokens} tokens per sequence ({needed} KV blocks), "
             f"but the pool has only {limits.num_blocks} blocks"
         )
+
+
+#: a stream's policy when none is given, spelled as users write it
+DEFAULT_STREAM_POLICY = str(FrameWindow())

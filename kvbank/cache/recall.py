@@ -7,7 +7,8 @@ the question's mean queries (see `FrameArchive.choose`); they are loaded,
 rotated to the places they take, and put back between the sinks and the kept frames of the
 question's own copy of the cache. The stream itself never changes.
 
-What it costs: per evicted frame, one read of its K/V from the pool and one tier write; per
+What it costs: per evicted frame, one read of its K/V from the pool and one tier write (on the
+offload's store thread, so a slow tier does not stall the engine); per
 question with recall, a forward of the question alone (for its queries), the tier reads, and a
 copy of the whole kept window into the question's blocks (positions are reassigned there).
 
@@ -21,12 +22,15 @@ import hashlib
 import struct
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache.frames import Frame
-from kvbank.cache.tiers.base import Tier
+from kvbank.cache.manager import KVCacheManager, blocks_for
+from kvbank.cache.offload import KVOffload
+from kvbank.cache.storage import KVStorage
 
 MAGIC = b"KVBFRAME"
 VERSION = 1
@@ -59,11 +63,55 @@ def rotate(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
     return apply_rope(keys.float(), cos[None, :, None], sin[None, :, None])
 
 
+def token_slots(table: list[int], lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """Flat pool slots of tokens lo..hi-1 of a sequence whose slots are its token indices."""
+    index = torch.arange(lo, hi)
+    return torch.tensor(table, dtype=torch.long)[index // block_size] * block_size + index % block_size
+
+
+class RecallSource(Protocol):
+    """What recall reads of a stream's sequence."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    pristine_blocks: list[int]
+    num_computed_tokens: int
+    rope_offset: int
+
+
+def splice_recalled(
+    manager: KVCacheManager,
+    storage: KVStorage,
+    source: RecallSource,
+    keep: int,
+    loaded: list[tuple[Archived, torch.Tensor, torch.Tensor]],
+    inv_freq: torch.Tensor,
+) -> list[int]:
+    """A fresh block table holding the sinks (the first `keep` tokens), the recalled frames, then the
+    kept frames, at positions 0, 1, ... (every key re-rotated once from where it was)."""
+    bs, kept = storage.block_size, source.num_computed_tokens
+    recalled = sum(k.shape[1] for _, k, _ in loaded)
+    sink_k, sink_v = storage.gather_tokens(token_slots(source.pristine_blocks, 0, keep, bs))  # unrotated
+    keys, values, position = [sink_k.float()], [sink_v], keep
+    for _, k, v in loaded:
+        keys.append(rotate(k, torch.arange(position, position + k.shape[1]), inv_freq))
+        values.append(v)
+        position += k.shape[1]
+    recent_k, recent_v = storage.gather_tokens(token_slots(source.block_table, keep, kept, bs))
+    keys.append(rotate(recent_k, torch.full((kept - keep,), recalled - source.rope_offset), inv_freq))
+    values.append(recent_v)
+    table = manager.take_blocks(blocks_for(kept + recalled, bs))
+    storage.scatter_tokens(token_slots(table, 0, kept + recalled, bs), torch.cat(keys, 1), torch.cat(values, 1))
+    return table
+
+
 class FrameArchive:
     """A stream's evicted frames in a tier, and their summaries in RAM (the newest `limit` of them)."""
 
-    def __init__(self, tier: Tier, namespace: bytes, inv_freq: torch.Tensor, limit: int) -> None:
-        self.tier = tier
+    def __init__(self, offload: KVOffload, namespace: bytes, inv_freq: torch.Tensor, limit: int) -> None:
+        #: writes and deletes go through the offload's store thread; reads wait for them to land
+        self.offload = offload
+        self.tier = offload.tiers[0]
         self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
         self.inv_freq = inv_freq.float().cpu()
         self.limit = limit
@@ -74,12 +122,19 @@ class FrameArchive:
         """Archive a frame whose keys [layers, n, heads, dim] sit rotated at positions first..first+n-1."""
         plain = rotate(keys, -torch.arange(first, first + keys.shape[1]), self.inv_freq).to(keys.dtype)
         key = hashlib.blake2b(self.namespace + frame.digest + struct.pack("<Q", frame.index), digest_size=16).digest()
-        if self.tier.put([(key, self._pack(plain, values))]):
+        if self.offload.store_later(self.tier, key, self._pack(plain, values)):
             mean = plain.float().mean(dim=1).half()
             self.frames.append(Archived(frame.index, key, list(token_ids), mean, frame.embedded))
             self.stats.archived += 1
         while len(self.frames) > self.limit:
-            self.tier.delete([self.frames.popleft().key])
+            self.offload.delete_later(self.tier, [self.frames.popleft().key])
+
+    def archive(self, storage: KVStorage, seq: RecallSource, frames: list[Frame]) -> None:
+        """Archive `frames` of `seq`, about to be evicted, from the pool (slots equal token indices)."""
+        for frame in frames:
+            slots = token_slots(seq.block_table, frame.start, frame.end, storage.block_size)
+            keys, values = storage.gather_tokens(slots)
+            self.store(frame, seq.token_ids[frame.start : frame.end], keys, values, frame.start + seq.rope_offset)
 
     def choose(self, queries: torch.Tensor, baseline: torch.Tensor, count: int) -> list[Archived]:
         """The `count` archived frames most relevant to a question, in stream order.
@@ -104,6 +159,7 @@ class FrameArchive:
     def load(self, chosen: list[Archived], layout: tuple[int, int, int], dtype: torch.dtype):
         """(archived, unrotated keys, values) of each chosen frame the tier still holds intact."""
         found = []
+        self.offload.flush()  # frames evicted just now may still be on their way to the tier
         for archived, blob in zip(chosen, self.tier.get([a.key for a in chosen])):
             if blob is None:
                 self.stats.missing += 1
@@ -111,7 +167,7 @@ class FrameArchive:
             unpacked = self._unpack(blob, (layout[0], len(archived.token_ids), *layout[1:]), dtype)
             if unpacked is None:
                 self.stats.corrupt += 1
-                self.tier.delete([archived.key])
+                self.offload.delete_later(self.tier, [archived.key])
                 continue
             found.append((archived, *unpacked))
             self.stats.recalled += 1
@@ -119,7 +175,7 @@ class FrameArchive:
 
     def close(self) -> None:
         """Forget every archived frame (the stream is closed)."""
-        self.tier.delete([a.key for a in self.frames])
+        self.offload.delete_later(self.tier, [a.key for a in self.frames])
         self.frames.clear()
 
     def _pack(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from kvbank.cache.policies import DEFAULT_STREAM_POLICY
 from kvbank.cache.session import PrefixNotCached
 from kvbank.config import EngineConfig
 from kvbank.engine.llm_engine import LLMEngine, PromptType
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
-from kvbank.engine.streams import StreamSession
+from kvbank.engine.streams import FrameInfo, FrameType
 from kvbank.tokenizer import Tokenizer
+
+log = logging.getLogger("kvbank")
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 
@@ -82,12 +86,12 @@ class LLM:
 
         Stopping the iteration early aborts the request and frees its blocks.
         """
-        yield from self._follow(self.engine.add_request(prompt, sampling_params).request_id)
+        yield from self.follow(self.engine.add_request(prompt, sampling_params).request_id)
 
     def open_stream(
         self,
         system: PromptType,
-        policy: str = "frame_window(frames=64,sinks=4)",
+        policy: str = DEFAULT_STREAM_POLICY,
         separator: str = "\n",
         chat: bool = True,
     ) -> StreamSession:
@@ -101,7 +105,7 @@ class LLM:
         """
         request = self.engine.open_stream(system, policy, separator, chat=chat)
         try:
-            self._run_until(request.request_id)
+            self.run_until(request.request_id)
         except BaseException:
             self.engine.close_stream(request.stream.stream_id)
             raise
@@ -111,14 +115,15 @@ class LLM:
         """The model's input embeddings of `token_ids` [tokens, hidden]: the form of `prompt_embeds`."""
         return self.engine.embed_tokens(token_ids)
 
-    def _run_until(self, request_id: str) -> RequestOutput:
+    def run_until(self, request_id: str) -> RequestOutput:
         """Step the engine until request `request_id` finishes; its final (cumulative) output."""
         output = None
-        for output in self._follow(request_id):  # noqa: B007 -- the last one is the final output
+        for output in self.follow(request_id):  # noqa: B007 -- the last one is the final output
             pass
         return output
 
-    def _follow(self, request_id: str) -> Iterator[RequestOutput]:
+    def follow(self, request_id: str) -> Iterator[RequestOutput]:
+        """Step the engine, yielding request `request_id`'s outputs until it finishes; stopping early aborts it."""
         try:
             while True:
                 for output in self.engine.step():
@@ -133,9 +138,20 @@ class LLM:
         """Compute a prefix (a system prompt, say) once and keep its full blocks out of eviction.
 
         `prompt` is text, token ids or a prompt dict (with "cache_salt" for a tenant's own copy).
-        Returns the number of tokens pinned: the prefix rounded down to whole blocks. Pinned blocks
-        count against `max_pinned_fraction` of the pool.
+        Returns the number of tokens pinned: the prefix rounded down to whole blocks (0, with a
+        warning, for a prefix shorter than one block). Pinned blocks count against
+        `max_pinned_fraction` of the pool.
         """
+        num_tokens, block_size = len(self.engine.admission.parse(prompt).token_ids), self.engine.block_size
+        if num_tokens < block_size:
+            # Only whole blocks are cached: a shorter prefix has nothing to keep, and its requests still run.
+            log.warning(
+                "pin_prefix: nothing pinned yet: the prefix has %d tokens and only whole blocks of %d tokens "
+                "(block_size) are cached",
+                num_tokens,
+                block_size,
+            )
+            return 0
         self.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
         return self.engine.pin_prefix(prompt)
 
@@ -202,6 +218,78 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return ids
+
+
+class StreamSession:
+    """A streaming session over `LLM` (blocking): append frames, ask questions, close.
+
+    Made by `LLM.open_stream`; also a context manager that closes the stream.
+    """
+
+    def __init__(self, llm: LLM, stream_id: str) -> None:
+        self._llm = llm
+        self.stream_id = stream_id
+        self._closed = False
+
+    def append(self, frame: FrameType, skip_repeat: bool = False) -> FrameInfo:
+        """Compute one frame (text, token ids, or embeddings [tokens, hidden]) after the kept ones;
+        returns what the stream keeps afterwards. With `skip_repeat`, a frame identical to one the
+        stream still holds (a static camera) is recognised and not computed again."""
+        engine = self._engine()
+        request = engine.append_frame(self.stream_id, frame, skip_repeat=skip_repeat)
+        return self._llm.run_until(request.request_id).frame
+
+    def ask(
+        self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None, recall: int = 0
+    ) -> RequestOutput:
+        """Answer from the cached frames; the question's and answer's tokens are dropped afterwards.
+
+        `recall=k` (with a KV tier) first brings back the k evicted frames most relevant to the
+        question; `last_recall()` then says which and how long that took."""
+        request = self._engine().ask_stream(self.stream_id, question, sampling_params, recall=recall)
+        self._last = request
+        return self._llm.run_until(request.request_id)
+
+    def last_recall(self) -> tuple[list[int], float]:
+        """(indices of the frames the last `ask` recalled, seconds spent recalling them)."""
+        request = getattr(self, "_last", None)
+        return (list(request.recalled_frames), request.recall_seconds) if request is not None else ([], 0.0)
+
+    def ask_stream(
+        self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """`ask`, yielding the cumulative output after every step; stopping early aborts the answer only."""
+        request = self._engine().ask_stream(self.stream_id, question, sampling_params)
+        yield from self._llm.follow(request.request_id)
+
+    def fork(self) -> StreamSession:
+        """A second stream sharing every block of this one (copy-on-write), to diverge from here."""
+        return StreamSession(self._llm, self._engine().fork_stream(self.stream_id).stream_id)
+
+    def kept_token_ids(self) -> list[int]:
+        """The tokens the cache holds now: the system prompt, then the kept frames (placeholders for embeddings)."""
+        return list(self._engine().stream(self.stream_id).seq.token_ids)
+
+    def stats(self) -> dict[str, int]:
+        """Frames appended, kept and evicted, tokens kept, KV blocks held (see `Stream.stats`)."""
+        return self._engine().stream(self.stream_id).stats()
+
+    def close(self) -> None:
+        """Free the stream's blocks; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._llm.engine.close_stream(self.stream_id)
+
+    def _engine(self):
+        if self._closed:
+            raise ValueError(f"stream {self.stream_id!r} is closed")
+        return self._llm.engine
+
+    def __enter__(self) -> StreamSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

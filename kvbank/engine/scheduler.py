@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbank.cache.manager import KVCacheManager
@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # the scheduler stays free of tensors; only the engine builds
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int
+    #: block copies (source, destination) to make before this step writes: copy-on-write splits
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -72,8 +74,7 @@ class Scheduler:
             room, preempted_some = self._make_room(i, num_new)
             preempted = preempted or preempted_some
             if room:
-                self.manager.append_slots(seq, num_new)
-                scheduled.append(ScheduledSeq(seq, num_new))
+                scheduled.append(ScheduledSeq(seq, num_new, self.manager.append_slots(seq, num_new)))
                 budget -= num_new
                 i += 1
             elif seq.status is SequenceStatus.RUNNING:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvbank.cache.editor import ScoreState
-from kvbank.cache.frames import FrameLog
 from kvbank.cache.policies import Full, KVPolicy
 from kvbank.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, TokenLogprobs
 from kvbank.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbank.cache.editor import ScoreState
+    from kvbank.cache.frames import FrameLog
 
 _seq_ids = itertools.count()
 
@@ -140,7 +142,7 @@ class Sequence:
         self.num_evicted = 0
         self.rope_offset = 0
         if self.kv_state is not None:
-            self.kv_state = self.request.new_score_state()
+            self.kv_state = self.kv_state.cleared()
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -261,8 +263,6 @@ class Request:
         self.peak_slots = peak_slots
         #: leading prompt tokens that may come from the prefix cache (the policy's limit)
         self.prefix_limit = len(prompt_token_ids)
-        #: builds an empty score buffer for policies that rank tokens (set by the engine)
-        self.new_score_state: Callable[[], ScoreState | None] = lambda: None
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params

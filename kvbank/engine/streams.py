@@ -10,17 +10,16 @@ question's tokens after the kept frames, generates its answer and is freed, so t
 is never touched and any number of questions, from any number of users, share its frames. A
 question or frame sent while earlier frames are still computing waits for them.
 
-The engine does this on its own thread (kvbank/engine/llm_engine.py); `StreamSession` is the
-blocking Python handle `LLM.open_stream` returns.
+The engine's stream host does this on the engine's thread (kvbank/engine/stream_host.py);
+`StreamSession` (kvbank/engine/llm.py) is the blocking Python handle `LLM.open_stream` returns.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,11 +27,7 @@ from kvbank.cache.frames import Frame
 from kvbank.cache.policies import FrameWindow
 from kvbank.cache.recall import FrameArchive
 from kvbank.engine.outputs import RequestMetrics, RequestOutput
-from kvbank.engine.params import SamplingParams
 from kvbank.engine.sequence import Request, Sequence
-
-if TYPE_CHECKING:
-    from kvbank.engine.llm import LLM
 
 #: what a frame may be: text, token ids, embedding rows [tokens, hidden], or a prompt dict of one of them
 FrameType = str | list[int] | torch.Tensor | dict[str, Any]
@@ -138,75 +133,3 @@ class Stream:
             **({f"recall_{k}": v for k, v in vars(self.archive.stats).items()} if self.archive else {}),
             "recallable_frames": len(self.archive.frames) if self.archive else 0,
         }
-
-
-class StreamSession:
-    """A streaming session over `LLM` (blocking): append frames, ask questions, close.
-
-    Made by `LLM.open_stream`; also a context manager that closes the stream.
-    """
-
-    def __init__(self, llm: LLM, stream_id: str) -> None:
-        self._llm = llm
-        self.stream_id = stream_id
-        self._closed = False
-
-    def append(self, frame: FrameType, skip_repeat: bool = False) -> FrameInfo:
-        """Compute one frame (text, token ids, or embeddings [tokens, hidden]) after the kept ones;
-        returns what the stream keeps afterwards. With `skip_repeat`, a frame identical to one the
-        stream still holds (a static camera) is recognised and not computed again."""
-        engine = self._engine()
-        request = engine.append_frame(self.stream_id, frame, skip_repeat=skip_repeat)
-        return self._llm._run_until(request.request_id).frame
-
-    def ask(
-        self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None, recall: int = 0
-    ) -> RequestOutput:
-        """Answer from the cached frames; the question's and answer's tokens are dropped afterwards.
-
-        `recall=k` (with a KV tier) first brings back the k evicted frames most relevant to the
-        question; `last_recall()` then says which and how long that took."""
-        request = self._engine().ask_stream(self.stream_id, question, sampling_params, recall=recall)
-        self._last = request
-        return self._llm._run_until(request.request_id)
-
-    def last_recall(self) -> tuple[list[int], float]:
-        """(indices of the frames the last `ask` recalled, seconds spent recalling them)."""
-        request = getattr(self, "_last", None)
-        return (list(request.recalled_frames), request.recall_seconds) if request is not None else ([], 0.0)
-
-    def ask_stream(
-        self, question: str | list[int] | dict, sampling_params: SamplingParams | None = None
-    ) -> Iterator[RequestOutput]:
-        """`ask`, yielding the cumulative output after every step; stopping early aborts the answer only."""
-        request = self._engine().ask_stream(self.stream_id, question, sampling_params)
-        yield from self._llm._follow(request.request_id)
-
-    def fork(self) -> StreamSession:
-        """A second stream sharing every block of this one (copy-on-write), to diverge from here."""
-        return StreamSession(self._llm, self._engine().fork_stream(self.stream_id).stream_id)
-
-    def kept_token_ids(self) -> list[int]:
-        """The tokens the cache holds now: the system prompt, then the kept frames (placeholders for embeddings)."""
-        return list(self._engine().stream(self.stream_id).seq.token_ids)
-
-    def stats(self) -> dict[str, int]:
-        """Frames appended, kept and evicted, tokens kept, KV blocks held (see `Stream.stats`)."""
-        return self._engine().stream(self.stream_id).stats()
-
-    def close(self) -> None:
-        """Free the stream's blocks; safe to call twice."""
-        if not self._closed:
-            self._closed = True
-            self._llm.engine.close_stream(self.stream_id)
-
-    def _engine(self):
-        if self._closed:
-            raise ValueError(f"stream {self.stream_id!r} is closed")
-        return self._llm.engine
-
-    def __enter__(self) -> StreamSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

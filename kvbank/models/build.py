@@ -12,7 +12,7 @@ from kvbank.config import EngineConfig
 from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import ProgressFn, load_model
-from kvbank.models.packed import Int4Blocks, Int8Blocks
+from kvbank.models.packed import Int4Blocks, Int8Blocks, packed_matmul_available
 from kvbank.tokenizer import Tokenizer
 
 #: Up to this many tokens in a step, 4-bit weights beat dense bfloat16 on a CPU (bench/throughput.py).
@@ -85,7 +85,7 @@ def assemble(
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_weights(state_dict, engine.torch_dtype)
-    if not engine.packs_int4_weights(bool(int4)):
+    if not engine.packs_int4_weights(bool(int4) and packed_matmul_available(torch.device(engine.device))):
         return model, 0
     native = integer_kernels(engine)
     max_rows = None if engine.batch_invariant else PACKED_MAX_ROWS

@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvbank.cache.tiers.base import Buffer, Tier, TierStats
 
 if TYPE_CHECKING:
-    from kvbank.cache.manager import KVCacheManager
-    from kvbank.cache.offload import KVOffload
     from kvbank.cache.storage import KVStorage
     from kvbank.cache.tiers.entry import EntryFormat
-    from kvbank.config import EngineConfig
 
 GIB = 2**30
 
 
-def build_tiers(config: EngineConfig, namespace: bytes) -> list[Tier]:
+class TierOptions(Protocol):
+    """The options tiers are built from (EngineConfig's `kv_*` fields)."""
+
+    kv_host_gb: float
+    kv_disk_dir: str | None
+    kv_disk_gb: float
+    kv_redis_url: str | None
+    kv_redis_ttl: float | None
+    kv_redis_timeout: float
+
+
+def build_tiers(config: TierOptions, namespace: bytes) -> list[Tier]:
     """The tiers `config` asks for, fastest first: host RAM, disk, Redis."""
     tiers: list[Tier] = []
     if config.kv_host_gb:
@@ -55,26 +63,4 @@ def entry_format_for(storage: KVStorage, fingerprint: bytes, namespace: bytes) -
     )
 
 
-def build_offload(
-    config: EngineConfig, manager: KVCacheManager, storage: KVStorage, fingerprint: bytes, namespace: bytes
-) -> KVOffload | None:
-    """The controller that keeps the pool's prefixes in the configured tiers (None without tiers)."""
-    from kvbank.cache.offload import KVOffload, chunk_blocks_for
-
-    tiers = build_tiers(config, namespace)
-    if not tiers:
-        return None
-    if not config.enable_prefix_caching:
-        raise ValueError("KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url) need enable_prefix_caching=True")
-    return KVOffload(
-        tiers,
-        manager,
-        storage,
-        entry_format_for(storage, fingerprint, namespace),
-        chunk_blocks_for(config.kv_tier_chunk_tokens, config.block_size),
-        config.kv_tier_write_policy,
-        config.kv_offload_min_hits,
-    )
-
-
-__all__ = ["Buffer", "Tier", "TierStats", "build_offload", "build_tiers", "entry_format_for"]
+__all__ = ["Buffer", "Tier", "TierStats", "TierOptions", "build_tiers", "entry_format_for"]

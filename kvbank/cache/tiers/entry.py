@@ -52,11 +52,6 @@ class EntryFormat:
     block_size: int
     layout: Layout
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across every tensor."""
-        return sum(_numel(shape) * _itemsize(dtype) for dtype, shape in self.layout)
-
     def payload_bytes(self, num_blocks: int) -> int:
         """Payload bytes of `num_blocks` blocks: each tensor's rows start 16-byte aligned."""
         return sum(_align(num_blocks * _numel(shape) * _itemsize(dtype)) for dtype, shape in self.layout)

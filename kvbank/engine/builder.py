@@ -1,0 +1,117 @@
+"""Wiring: from an engine config and a loaded model to the cache parts the engine drives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbank.cache.editor import KVEditor
+from kvbank.cache.limits import Limits
+from kvbank.cache.manager import KVCacheManager
+from kvbank.cache.offload import KVOffload, chunk_blocks_for
+from kvbank.cache.policies import KVPolicy, parse_policy
+from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
+from kvbank.cache.swap import Swapper
+from kvbank.cache.tiers import build_tiers, entry_format_for
+from kvbank.cache.tiers.entry import EntryFormat, dtype_name
+from kvbank.config import EngineConfig
+from kvbank.models.build import BuiltModel
+
+
+@dataclass(slots=True)
+class CacheParts:
+    """The KV cache as one engine sees it: pool storage and bookkeeping, tiers, swap, policy editor."""
+
+    pool_plan: PoolPlan
+    num_blocks: int
+    storage: KVStorage
+    manager: KVCacheManager
+    #: K/V written in another dtype or format are not interchangeable: their cache chains stay apart
+    namespace: bytes
+    entry_format: EntryFormat
+    offload: KVOffload | None
+    swapper: Swapper
+    limits: Limits
+    kv_policy: KVPolicy
+    editor: KVEditor
+
+
+def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -> CacheParts:
+    """Size the pool, then build the storage, the manager, the tiers, swap and the policy editor."""
+    model_config, dtype = built.config, config.torch_dtype
+    plan = _plan_pool(config, built)
+    num_blocks = config.num_gpu_blocks or plan.num_blocks
+    storage = KVStorage(
+        model_config,
+        num_blocks,
+        config.block_size,
+        dtype,
+        device,
+        config.kv_format,
+        config.max_num_seqs,
+        config.batch_invariant,
+    )
+    manager = KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release
+    )
+    namespace = model_config.fingerprint + f"|{dtype_name(dtype)}".encode() + config.kv_format.namespace
+    entry_format = entry_format_for(storage, model_config.fingerprint, namespace)
+    max_model_len = model_config.max_position_embeddings
+    kv_policy = parse_policy(config.kv_policy)
+    chunk = config.prefill_chunk(max_model_len, kv_policy.chunk_room(config.block_size, max_model_len))
+    limits = Limits(config.block_size, num_blocks, max_model_len, chunk, storage.all_dense)
+    kv_policy.check(limits)
+    model = built.model
+    return CacheParts(
+        plan,
+        num_blocks,
+        storage,
+        manager,
+        namespace,
+        entry_format,
+        _build_offload(config, manager, storage, entry_format, namespace),
+        Swapper(storage, manager, config.preemption_mode, int(config.swap_space_gb * 2**30)),
+        limits,
+        kv_policy,
+        KVEditor(manager, storage, limits, model.rope_inv_freq, model.rope_cos.shape[0]),
+    )
+
+
+def _plan_pool(config: EngineConfig, built: BuiltModel) -> PoolPlan:
+    gigabytes = config.kv_cache_memory_gb
+    plan = plan_pool(
+        built.config,
+        config.torch_dtype,
+        int(gigabytes * 2**30),
+        config.block_size,
+        config.kv_format,
+        reserved_seqs=config.max_num_seqs,
+    )
+    if plan.num_blocks < 1 and config.num_gpu_blocks is None:
+        raise ValueError(
+            f"kv_cache_memory_gb={gigabytes} holds less than one block of "
+            f"{config.block_size} tokens ({plan.bytes_per_block} bytes per block, plus "
+            f"{plan.residual_bytes_per_seq * plan.reserved_seqs} bytes of residual slots)"
+        )
+    return plan
+
+
+def _build_offload(
+    config: EngineConfig, manager: KVCacheManager, storage: KVStorage, entry_format: EntryFormat, namespace: bytes
+) -> KVOffload | None:
+    """The controller that keeps the pool's prefixes in the configured tiers (None without tiers)."""
+    tiers = build_tiers(config, namespace)
+    if not tiers:
+        return None
+    if not config.enable_prefix_caching:
+        raise ValueError("KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url) need enable_prefix_caching=True")
+    return KVOffload(
+        tiers,
+        manager,
+        storage,
+        entry_format,
+        chunk_blocks_for(config.kv_tier_chunk_tokens, config.block_size),
+        config.kv_tier_write_policy,
+        config.kv_offload_min_hits,
+    )

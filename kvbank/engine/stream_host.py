@@ -1,0 +1,417 @@
+"""The streams' host: opens, feeds, forks and closes streams, and launches their questions.
+
+What a stream is, and why it is one parked sequence, is told in engine/streams.py. The engine
+steps the host: `after_step` evicts (and archives) a stream's frames once a step computed them,
+`progress` finishes the frame requests a step completed and launches the questions that waited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from kvbank.cache.editor import KVEditor
+from kvbank.cache.frames import FrameLog, frame_digest
+from kvbank.cache.manager import KVCacheManager, blocks_for
+from kvbank.cache.offload import KVOffload
+from kvbank.cache.policies import KVPolicy, parse_policy
+from kvbank.cache.prefix import root_hash
+from kvbank.cache.recall import FrameArchive, splice_recalled
+from kvbank.cache.storage import KVStorage
+from kvbank.engine.admission import Admission
+from kvbank.engine.outputs import RequestMetrics, RequestOutput
+from kvbank.engine.params import SamplingParams
+from kvbank.engine.prompts import PromptType
+from kvbank.engine.runner import ModelRunner
+from kvbank.engine.scheduler import Scheduler
+from kvbank.engine.sequence import Request, Sequence, SequenceStatus
+from kvbank.engine.streams import FrameRequest, FrameType, Stream
+
+#: evicted frames a stream keeps recallable (their summaries take ~11 KiB of RAM each here)
+RECALL_LIMIT = 1024
+#: a question that asks nothing in particular: what every question's queries share (cache/recall.py)
+NEUTRAL_QUESTION = "What happened?"
+
+
+class StreamHost:
+    """Every open stream of one engine, their frames still computing and their waiting questions."""
+
+    def __init__(
+        self,
+        admission: Admission,
+        scheduler: Scheduler,
+        manager: KVCacheManager,
+        storage: KVStorage,
+        editor: KVEditor,
+        offload: KVOffload | None,
+        runner: ModelRunner,
+        requests: dict[str, Request],
+        namespace: bytes,
+    ) -> None:
+        self.admission = admission
+        self.scheduler = scheduler
+        self.manager = manager
+        self.storage = storage
+        self.editor = editor
+        self.offload = offload
+        self.runner = runner
+        #: the engine's requests: a stream's questions are requests like any other once launched
+        self.requests = requests
+        self.namespace = namespace
+        self.max_model_len = admission.max_model_len
+        self.block_size = admission.block_size
+        self.streams: dict[str, Stream] = {}
+        #: frames (and system prompts) not computed yet, by request id
+        self.frame_requests: dict[str, FrameRequest] = {}
+
+    def get(self, stream_id: str) -> Stream:
+        """The open stream `stream_id`; KeyError naming it otherwise."""
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            raise KeyError(f"no open stream {stream_id!r}")
+        return stream
+
+    # --- opening, forking, closing --------------------------------------------------------------
+
+    def open(
+        self,
+        system: PromptType,
+        policy: str | KVPolicy,
+        separator: str,
+        stream_id: str | None,
+        request_id: str | None,
+        chat: bool,
+    ) -> FrameRequest:
+        """Start a stream: queue its system prompt (text, ids, or a dict with "cache_salt"), which
+        may come from the prefix cache. The returned request finishes once it is computed.
+
+        With `chat` and a text system prompt, the model's chat template frames the stream: the
+        system message, then a user turn that the frames fill; a text question closes that turn
+        and opens the assistant's (only in the question's fork: the stream's turn stays open).
+        """
+        admit = self.admission
+        policy = parse_policy(policy, stream=True)
+        policy.check(admit.limits)
+        stream_id = admit.stream_id(stream_id, self.streams)
+        if not isinstance(separator, str):
+            raise ValueError(f"separator={separator!r} must be a string")
+        request_id = admit.request_id(request_id)
+        suffix = ""
+        tokenizer = admit.tokenizer
+        if chat and isinstance(system, str) and tokenizer is not None and tokenizer.chat_template:
+            before, suffix = self._chat_frame(system)
+            system = admit.continuation(before, before)  # the template writes BOS where the model wants it
+        parsed = admit.parse(system)
+        system_len = len(parsed.token_ids)
+        if system_len >= self.max_model_len:
+            raise ValueError(
+                f"the system prompt has {system_len} tokens; max_model_len={self.max_model_len} "
+                "leaves no room for frames"
+            )
+        needed = blocks_for(system_len, self.block_size) * 2
+        if needed > admit.limits.num_blocks:
+            raise ValueError(
+                f"the system prompt needs {needed} KV blocks but the pool has only {admit.limits.num_blocks}"
+            )
+        admit.ensure_room(blocks_for(system_len, self.block_size), "a stream's system prompt")
+        root = root_hash(self.namespace, parsed.salt)
+        now = time.time()
+        request = Request(stream_id, parsed.text, parsed.token_ids, SamplingParams(max_tokens=1), root, now, policy)
+        request.stream_id = stream_id
+        seq = Sequence(request, 0, parsed.token_ids, None)
+        seq.frames = FrameLog(system_len, policy.sinks)
+        request.seqs.append(seq)
+        stream = Stream(stream_id, seq, policy, separator, suffix, archive=self._archive_for(stream_id))
+        self.streams[stream_id] = stream
+        opened = FrameRequest(request_id, stream, None, parsed.text, parsed.token_ids, RequestMetrics(now))
+        stream.pending.append(opened)
+        self.frame_requests[request_id] = opened
+        self.scheduler.add(seq)
+        if self.offload is not None:
+            self.offload.request_load(seq)
+        return opened
+
+    def fork(self, stream_id: str, new_id: str | None) -> Stream:
+        """A new stream sharing every block of `stream_id` (copy-on-write) from here on."""
+        source = self.get(stream_id)
+        if source.seq.status is not SequenceStatus.PARKED:
+            raise ValueError(f"stream {stream_id!r} has frames still computing; fork it once they are in")
+        new_id = self.admission.stream_id(new_id, self.streams)
+        old = source.seq
+        request = Request(
+            new_id,
+            old.request.prompt,
+            old.request.prompt_token_ids,
+            old.params,
+            old.root_hash,
+            time.time(),
+            old.kv_policy,
+        )
+        request.stream_id = new_id
+        seq = Sequence(request, 0, old.token_ids, None)
+        seq.num_computed_tokens, seq.rope_offset = old.num_computed_tokens, old.rope_offset
+        seq.block_hashes, seq.chain_serials = list(old.block_hashes), list(old.chain_serials)
+        seq.frames = old.frames.copy()
+        seq.status = SequenceStatus.PARKED
+        self.manager.fork(old, seq)
+        request.seqs.append(seq)
+        # Its own archive: frames evicted before the fork stay the source's.
+        stream = Stream(
+            new_id, seq, source.policy, source.separator, source.question_suffix, archive=self._archive_for(new_id)
+        )
+        self.streams[new_id] = stream
+        return stream
+
+    def close(self, stream_id: str) -> tuple[list[str], list[RequestOutput]]:
+        """Free a stream's blocks. Frames and questions still waiting for it end (as aborted): returns
+        their request ids and final outputs. Questions already answering keep their own copies and finish."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is None:
+            raise KeyError(f"no open stream {stream_id!r}")
+        ended, outputs = [], []
+        for pending in stream.pending:
+            if self.frame_requests.pop(pending.request_id, None) is not None:
+                pending.finished = True
+                outputs.append(pending.output())
+                ended.append(pending.request_id)
+        for request in stream.waiting_asks:
+            if self.requests.pop(request.request_id, None) is not None:  # never launched: no sequence yet
+                request.forked = True
+                request.metrics.finished_time = time.time()
+                outputs.append(request.output())
+                ended.append(request.request_id)
+        self.scheduler.finish(stream.seq)
+        if stream.archive is not None:
+            stream.archive.close()
+        return ended, outputs
+
+    def _archive_for(self, stream_id: str) -> FrameArchive | None:
+        """With a KV tier, evicted frames go to its first tier, recallable by relevance."""
+        if self.offload is None or not self.offload.tiers:
+            return None
+        namespace = self.namespace + b"|stream|" + stream_id.encode()
+        return FrameArchive(self.offload, namespace, self.editor.inv_freq, RECALL_LIMIT)
+
+    def _chat_frame(self, system: str) -> tuple[str, str]:
+        """(the text before a user message's content, the text after it up to the assistant's turn)."""
+        mark = "\x00frames\x00"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": mark}]
+        rendered = self.admission.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        before, found, after = rendered.partition(mark)
+        if not found:
+            raise ValueError("the model's chat template does not show a user message's content; pass chat=False")
+        return before, after
+
+    # --- frames ---------------------------------------------------------------------------------
+
+    def append(
+        self, stream_id: str, frame: FrameType, skip_repeat: bool, request_id: str | None
+    ) -> tuple[FrameRequest, RequestOutput | None]:
+        """Queue one frame after the stream's others: text (the stream's separator is added), token
+        ids, embedding rows [tokens, hidden], or a prompt dict of one of them. The request finishes
+        once the frame is computed; with `skip_repeat`, a frame identical to one the stream holds
+        finishes at once, uncomputed (its final output is returned beside it)."""
+        stream, admit = self.get(stream_id), self.admission
+        if isinstance(frame, str):
+            frame = admit.continuation(frame, frame + stream.separator)
+        elif isinstance(frame, torch.Tensor):
+            frame = {"prompt_embeds": frame}
+        parsed = admit.parse(frame, embeds=True)
+        if parsed.salt is not None:
+            raise ValueError("a frame cannot carry a cache_salt: give it to open_stream")
+        request_id = admit.request_id(request_id)
+        seq, log = stream.seq, stream.seq.frames
+        self._check_frame(stream, len(parsed.token_ids))
+        digest = frame_digest(parsed.token_ids, parsed.embeds)
+        repeat = log.repeat_of(digest)
+        metrics = RequestMetrics(time.time())
+        stream.last_used = time.monotonic()
+        if skip_repeat and repeat is not None:
+            held = next(f for f in log.frames if f.index == repeat)
+            skipped = FrameRequest(request_id, stream, held, parsed.text, parsed.token_ids, metrics, repeat, True)
+            skipped.finished, metrics.finished_time = True, metrics.arrival_time
+            return skipped, skipped.output()
+        added = log.add(seq.num_tokens, len(parsed.token_ids), digest, parsed.embeds)
+        seq.token_ids.extend(parsed.token_ids)
+        request = FrameRequest(request_id, stream, added, parsed.text, parsed.token_ids, metrics, repeat)
+        stream.pending.append(request)
+        self.frame_requests[request_id] = request
+        if seq.status is SequenceStatus.PARKED:
+            self.scheduler.add_running(seq)
+        return request, None
+
+    def _check_frame(self, stream: Stream, num_tokens: int) -> None:
+        # What the stream holds once this frame is in and the window has evicted: it must fit the
+        # model's positions (with a question's first token) and the pool.
+        log, window = stream.seq.frames, stream.policy.frames
+        recent = [f.length for f in log.frames if not f.sink][-(window - 1) :] if window > 1 else []
+        held = log.keep_tokens + sum(recent) + num_tokens
+        if held > self.max_model_len - 1:
+            raise ValueError(
+                f"a frame of {num_tokens} tokens would make the stream hold {held} tokens "
+                f"({log.keep_tokens} kept for good, the last {len(recent)} frames and this one), "
+                f"over max_model_len={self.max_model_len} less one for a question: send shorter frames "
+                "or open the stream with fewer frames"
+            )
+        needed, num_blocks = 2 * blocks_for(held, self.block_size), self.admission.limits.num_blocks
+        if needed > num_blocks:
+            raise ValueError(f"the stream would need {needed} KV blocks but the pool has only {num_blocks}")
+        seq = stream.seq
+        # Until the window evicts, the frame's blocks come on top of what the stream holds, plus a
+        # scratch block and, at the first eviction, the unrotated copies of the kept leading blocks.
+        growth = blocks_for(seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + 1
+        if not seq.pristine_blocks:
+            growth += blocks_for(log.keep_tokens, self.block_size)
+        self.admission.ensure_room(growth, f"a frame of {num_tokens} tokens")
+
+    # --- questions ------------------------------------------------------------------------------
+
+    def ask(
+        self, stream_id: str, question: PromptType, params: SamplingParams | None, request_id: str | None, recall: int
+    ) -> Request:
+        """A request answering `question` from the stream's cached frames, once every frame sent
+        before it is computed: it forks the stream's blocks and frees its own when done.
+
+        `recall=k` first brings back the k evicted frames most relevant to the question (from the
+        stream's tier; cache/recall.py) into the question's copy of the cache."""
+        stream, admit = self.get(stream_id), self.admission
+        if not isinstance(recall, int) or isinstance(recall, bool) or recall < 0:
+            raise ValueError(f"recall={recall!r} must be an integer >= 0")
+        if recall and stream.archive is None:
+            raise ValueError(
+                f"recall={recall} needs a KV tier for evicted frames (kv_host_gb, kv_disk_dir or kv_redis_url)"
+            )
+        params = params or SamplingParams()
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be given for a stream question: its frames are cached")
+        if params.kv_policy is not None:
+            raise ValueError("a stream question takes no kv_policy: it runs on the stream's cache")
+        if isinstance(question, str):
+            question = admit.continuation(question, question + stream.question_suffix)
+        parsed = admit.parse(question)
+        if parsed.salt is not None:
+            raise ValueError("a question cannot carry a cache_salt: give it to open_stream")
+        admit.check_sampling(params)
+        kept = stream.seq.num_tokens
+        room = self.max_model_len - kept - len(parsed.token_ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(room, 1))
+        if params.max_tokens > room:
+            raise ValueError(
+                f"the stream holds {kept} tokens and the question has {len(parsed.token_ids)}: "
+                f"max_tokens={params.max_tokens} exceeds max_model_len={self.max_model_len}"
+            )
+        total = kept + len(parsed.token_ids) + params.max_tokens
+        admit.ensure_room(blocks_for(total, self.block_size) - len(stream.seq.block_table) + 1, "the question")
+        request_id = admit.request_id(request_id)
+        request = Request(
+            request_id, parsed.text, parsed.token_ids, params, stream.seq.root_hash, time.time(), stream.policy
+        )
+        request.stream_id = stream_id
+        request.no_prefix_cache = True  # the forked blocks are the stream's, rotated and compacted
+        request.recall = recall
+        self.requests[request_id] = request
+        stream.last_used = time.monotonic()
+        if stream.seq.status is SequenceStatus.PARKED:
+            self._launch_ask(stream, request)
+        else:
+            stream.waiting_asks.append(request)
+        return request
+
+    def _launch_ask(self, stream: Stream, request: Request) -> None:
+        if request.recall and self._launch_recalling(stream, request):
+            return
+        source, question, params = stream.seq, request.prompt_token_ids, request.params
+        kept = source.num_computed_tokens
+        if kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:
+            self.editor.rebase_tokens(source, source.frames.keep_tokens)
+        request.prompt_token_ids = source.token_ids + question
+        request.embedded_spans = source.frames.embedded_spans()
+        room = self.max_model_len - len(request.prompt_token_ids)
+        if params.max_tokens > room:  # frames longer than those the question was checked against
+            request.params = dataclasses.replace(params, max_tokens=max(room, 1))
+        seq = self.admission.sequence(request, 0, request.prompt_token_ids)
+        seq.num_computed_tokens, seq.rope_offset = kept, source.rope_offset
+        self.manager.fork(source, seq)
+        request.seqs.append(seq)
+        self.scheduler.add_running(seq)
+
+    def _mean_queries(self, token_ids: list[int]) -> torch.Tensor:
+        device = self.storage.device
+        return self.runner.model.mean_queries(torch.tensor(token_ids, device=device)).cpu()
+
+    def _launch_recalling(self, stream: Stream, request: Request) -> bool:
+        """Start the question on its own copy of the cache: sinks, the recalled frames, the kept
+        frames (cache/recall.py); False if nothing came back or there is no room for it."""
+        source, question, params, log = stream.seq, request.prompt_token_ids, request.params, stream.seq.frames
+        started = time.perf_counter()
+        queries = self._mean_queries(question)
+        if stream.neutral_queries is None:
+            text = NEUTRAL_QUESTION + stream.question_suffix
+            neutral = self.admission.parse(self.admission.continuation(text, text)).token_ids
+            stream.neutral_queries = self._mean_queries(neutral)
+        room = self.max_model_len - source.num_computed_tokens - len(question) - params.max_tokens
+        chosen, total = [], 0
+        for archived in reversed(stream.archive.choose(queries, stream.neutral_queries, request.recall)):
+            if total + len(archived.token_ids) <= room:  # the newest fit first
+                chosen.insert(0, archived)
+                total += len(archived.token_ids)
+        c = self.admission.model_config
+        loaded = stream.archive.load(chosen, (c.num_layers, c.num_kv_heads, c.head_dim), self.storage.dtype)
+        recalled = sum(len(a.token_ids) for a, _, _ in loaded)
+        keep, kept = log.keep_tokens, source.num_computed_tokens
+        needed = blocks_for(kept + recalled + len(question) + params.max_tokens, self.block_size)
+        if not loaded or not source.pristine_blocks or needed > self.manager.num_free_blocks:
+            return False
+        table = splice_recalled(self.manager, self.storage, source, keep, loaded, self.editor.inv_freq)
+        frames = [t for a, _, _ in loaded for t in a.token_ids]
+        request.prompt_token_ids = source.token_ids[:keep] + frames + source.token_ids[keep:] + question
+        held = log.embedded_spans()
+        spans, position = [(a, b) for a, b in held if b <= keep], keep
+        for archived, _, _ in loaded:
+            if archived.embedded:
+                spans.append((position, position + len(archived.token_ids)))
+            position += len(archived.token_ids)
+        request.embedded_spans = spans + [(a + recalled, b + recalled) for a, b in held if a >= keep]
+        seq = self.admission.sequence(request, 0, request.prompt_token_ids)
+        seq.num_computed_tokens, seq.block_table = kept + recalled, table
+        request.recalled_frames = [a.index for a, _, _ in loaded]
+        request.recall_seconds = time.perf_counter() - started
+        request.seqs.append(seq)
+        self.scheduler.add_running(seq)
+        return True
+
+    # --- stepping -------------------------------------------------------------------------------
+
+    def after_step(self, seq: Sequence) -> int:
+        """Evict the frames the stream's window lets go, archiving them first; returns tokens evicted."""
+        stream = self.streams[seq.request.stream_id]
+        victims = stream.policy.victims(seq)
+        if victims and stream.archive is not None:
+            stream.archive.archive(self.storage, seq, victims)
+        return stream.policy.evict(seq, self.editor, victims)
+
+    def progress(self, stream: Stream, now: float) -> list[RequestOutput]:
+        """Finish the frame requests a step completed; park the stream once it has no frame left to compute."""
+        seq, outputs = stream.seq, []
+        seq.frames.computed(seq.num_computed_tokens)
+        while stream.pending:
+            first = stream.pending[0]
+            done = first.frame.done if first.frame is not None else seq.num_computed_tokens >= seq.frames.system_len
+            if not done:
+                break
+            stream.pending.popleft()
+            if first.frame is None:
+                first.num_cached_tokens = seq.request.num_cached_tokens
+            first.finished, first.metrics.finished_time = True, now
+            if self.frame_requests.pop(first.request_id, None) is not None:
+                outputs.append(first.output())
+        if seq.num_pending == 0 and seq.status is SequenceStatus.RUNNING:
+            self.scheduler.park(seq)
+            waiting, stream.waiting_asks = stream.waiting_asks, []
+            for request in waiting:
+                if request.request_id in self.requests:
+                    self._launch_ask(stream, request)
+        return outputs
