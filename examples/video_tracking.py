@@ -550,7 +550,8 @@ def run_stream(
     out: Callable[[str], None] = print,
 ) -> tuple[list[Asked], dict]:
     """Append each record in `frames` to a streaming session as one text frame; every `ask_every`
-    seconds of video, ask the next question. Returns the questions asked and the final stats."""
+    seconds of video, ask the next question, and at the end if none was asked (a clip shorter than
+    `ask_every`). Returns the questions asked and the final stats."""
     from kvbank import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -558,14 +559,8 @@ def run_stream(
     asked: list[Asked] = []
     next_ask = ask_every
     with llm.open_stream(system=SYSTEM, policy=f"frame_window(frames={frames_kept},sinks=4)") as session:
-        for record in frames:
-            text = describe(record)
-            info = session.append(text)
-            appended.append(record)
-            out(f"  [{info.index:3d}] {text}   (kept {info.kept_frames} frames, {info.kept_tokens} tokens)")
-            if record.t + 1e-9 < next_ask:
-                continue
-            next_ask += ask_every
+
+        def ask(record: FrameRecord) -> None:
             question = pick_question(len(asked), appended[-frames_kept:])
             answer = session.ask(question.text, params).outputs[0].text.strip()
             truth = answer_truth(question, appended)
@@ -577,6 +572,17 @@ def run_stream(
                 f"     session keeps {stats['kept_frames']} of {stats['frames']} frames, "
                 f"{stats['kept_tokens']} tokens in {stats['blocks']} blocks ({stats['evicted_frames']} evicted)"
             )
+
+        for record in frames:
+            text = describe(record)
+            info = session.append(text)
+            appended.append(record)
+            out(f"  [{info.index:3d}] {text}   (kept {info.kept_frames} frames, {info.kept_tokens} tokens)")
+            if record.t + 1e-9 >= next_ask:
+                next_ask += ask_every
+                ask(record)
+        if not asked and appended:
+            ask(appended[-1])
         final = session.stats()
     return asked, final
 
@@ -605,7 +611,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fps", type=float, default=10.0, help="video frame rate (default 10)")
     parser.add_argument("--frames-kept", type=int, default=32, help="text frames the session keeps (default 32)")
     parser.add_argument("--every", type=int, default=2, help="one text frame per this many video frames (default 2)")
-    parser.add_argument("--ask-every", type=float, default=2.0, help="seconds of video between questions")
+    parser.add_argument(
+        "--ask-every",
+        type=float,
+        default=2.0,
+        help="seconds of video between questions (default 2; a shorter clip is asked once, at its end)",
+    )
     parser.add_argument("--out", type=Path, help="folder for the clip (default: a new temporary folder)")
     parser.add_argument("--model", help="a .gguf file or Hugging Face folder (default: the bundled SmolLM2-135M)")
     parser.add_argument("--no-model", action="store_true", help="only make, decode and track the clip")

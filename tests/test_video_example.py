@@ -4,6 +4,7 @@ into a session end to end."""
 
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -158,8 +159,11 @@ def test_streams_the_clip_into_a_session(tmp_path):
     llm = LLM()
     try:
         asked, final = vt.run_stream(llm, frames, frames_kept=8, ask_every=0.5, max_tokens=16, out=lines.append)
+        # A clip shorter than the interval between questions still gets one, at its last frame.
+        once, _ = vt.run_stream(llm, frames, frames_kept=8, ask_every=5.0, max_tokens=16, out=lambda line: None)
     finally:
         llm.close()
+    assert [a.t for a in once] == [frames[-1].t] and once[0].model
     assert [a.t for a in asked] == pytest.approx([0.5, 1.0, 1.5])
     assert [a.question.kind for a in asked] == ["in_view", "enter", "direction"]
     for a in asked:
@@ -170,3 +174,13 @@ def test_streams_the_clip_into_a_session(tmp_path):
     assert final["evicted_frames"] == 12
     # From the eighth frame on the session holds eight, however many more arrive.
     assert sum("kept 8 frames" in line for line in lines) == 20 - 7
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as exited:
+        vt.main(["--help"])
+    assert exited.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "seconds of video between questions (default 2;" in help_text
+    for flag in ("--seconds", "--fps", "--frames-kept", "--every", "--ask-every"):
+        assert re.search(re.escape(flag) + r" [A-Z_]+\s+[^-]*\(default ", help_text), flag
