@@ -264,10 +264,9 @@ class LLMEngine:
                     f"{len(self.manager.pinned_blocks)} pinned)"
                 )
             return []
-        copies = [copy for item in batch for copy in item.copies]
         started = time.perf_counter()
         try:
-            result = self.runner.execute(batch, copies)
+            result = self.runner.execute(batch)
         except Exception:
             for item in batch:
                 self.abort_request(item.seq.request.request_id)

@@ -38,7 +38,9 @@ class ModelRunner:
         self.dtype = storage.dtype
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> StepLogits:
+    def execute(self, batch: list[ScheduledSeq]) -> StepLogits:
+        """Make the batch's copy-on-write copies, run the model once over it, and return the logits asked for."""
+        copies = [copy for item in batch for copy in item.copies]
         if copies:
             self.storage.copy_blocks(copies)
         input_ids, positions, meta = self._prepare(batch)
