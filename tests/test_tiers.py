@@ -207,6 +207,26 @@ def test_redis_outage_costs_only_recompute_and_hits_resume(cold, redis_server):
         assert _run(llm, other)[1] == 592
 
 
+def test_redis_killed_while_a_request_runs_costs_nothing_but_the_counted_error(cold, redis_server):
+    # The tier answers when the request starts; it dies between two of the request's steps, before
+    # the chunk its generated tokens complete (tokens 600..640) is written through.
+    ids, _ = cold
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    expected = LLM(**SMALL, enable_prefix_caching=False).generate({"prompt_token_ids": ids}, params)[0]
+    with LLM(**SMALL, kv_redis_url=redis_server.url, kv_redis_timeout=0.5) as llm:
+        killed_after = None
+        for partial in llm.stream({"prompt_token_ids": ids}, params):
+            if killed_after is None:
+                killed_after = len(partial.outputs[0].token_ids)
+                redis_server.kill()
+        _flush(llm)
+        stats = llm.tier_stats()["redis"]
+    assert killed_after is not None and killed_after < 40
+    assert partial.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert partial.outputs[0].finish_reason == "length"
+    assert stats["errors"] >= 1
+
+
 def test_bad_redis_entries_are_deleted_and_never_served(cold, redis_server):
     ids, expected = cold
     with LLM(**SMALL, kv_redis_url=redis_server.url) as llm:
@@ -254,18 +274,52 @@ def test_two_servers_share_a_long_prompt_through_redis(redis_server, kvbank_env,
         for i, (process, url) in enumerate(servers):
             wait_healthy(process, url, tmp_path / f"server{i}.log")
         prompt = DATA.read_text()[:4000]
-        usage = [_complete(servers[0][1], prompt)]
-        time.sleep(1.0)  # the write-through entries leave on the writer thread
-        usage.append(_complete(servers[1][1], prompt))
+        first = _complete(servers[0][1], prompt)
+        # The write-through entries leave on the writer thread: wait until every chunk is in Redis.
+        chunks = -(-first["usage"]["prompt_tokens"] // 64)
+        _wait_for(lambda: len(redis_server.client().keys("kvbank:*")) >= chunks, "the first server's chunks")
+        second = _complete(servers[1][1], prompt)
     finally:
         for process, _ in servers:
             stop_server(process)
-    assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert usage[1]["prompt_tokens_details"]["cached_tokens"] >= usage[1]["prompt_tokens"] - 16
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= second["usage"]["prompt_tokens"] - 16
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_a_restarted_server_serves_its_disk_tier_with_the_same_output(kvbank_env, tmp_path):
+    # Two real processes, one after the other, on one --kv-disk-dir: the second starts with an
+    # empty pool, so every cached token it reports came from the files the first one wrote.
+    args = ["--kv-disk-dir", str(tmp_path / "kv"), "--kv-tier-chunk-tokens", "64"]
+    prompt = DATA.read_text()[:3000]
+    answers = []
+    for run in range(2):
+        log = tmp_path / f"run{run}.log"
+        process, url = start_server(args, kvbank_env, log)
+        try:
+            wait_healthy(process, url, log)
+            answers.append(_complete(url, prompt))
+            if run == 0:
+                chunks = -(-answers[0]["usage"]["prompt_tokens"] // 64)
+                _wait_for(lambda n=chunks: len(list((tmp_path / "kv").glob("*/*.kv"))) >= n, "the chunk files")
+        finally:
+            stop_server(process)
+    first, second = answers
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["usage"]["prompt_tokens"] - 16
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def _wait_for(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not arrive in {timeout_s} s"
+        time.sleep(0.1)
 
 
 def _complete(url: str, prompt: str) -> dict:
-    body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())["usage"]
+        return json.loads(response.read())
