@@ -60,9 +60,10 @@ def failure() -> str | None:
 def module_name() -> str:
     """The build's name: a digest of the sources and of everything else that shapes the build command.
 
-    torch keeps one build folder per name, shared by every environment on the machine. Two
-    environments with the same sources but another torch, Python or compiler would each rewrite the
-    other's build.ninja and rebuild there in turn; named apart, each keeps its own build.
+    torch keeps one build folder per name, shared by every environment on the machine, and its
+    build.ninja names the sources by their absolute paths. Two environments or checkouts with the
+    same sources but another torch, Python, compiler or source folder would each rewrite the other's
+    build.ninja and rebuild there in turn; named apart, each keeps its own build.
     """
     digest = hashlib.sha256()
     for part in (*(_SOURCE_DIR / f for f in SOURCES), *_build_inputs()):
@@ -72,11 +73,13 @@ def module_name() -> str:
 
 
 def _build_inputs() -> list[str]:
-    """What besides the sources goes into the build command: torch, Python, compiler and flags."""
+    """What besides the sources' bytes goes into the build command: their folder, torch, Python,
+    compiler and flags."""
     import torch
 
     compiler = os.environ.get("CXX", "c++")
     return [
+        str(_SOURCE_DIR.resolve()),
         torch.__version__,
         str(Path(torch.__file__).resolve().parent),
         sys.prefix,
