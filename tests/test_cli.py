@@ -91,18 +91,20 @@ def kvbank(kvbank_env):
     pool.shutdown(cancel_futures=True)
 
 
-def test_generate_prints_the_completion_and_a_progress_bar(kvbank):
+def test_generate_prints_the_completion_and_plain_progress_lines_in_a_log(kvbank):
     result = kvbank(GENERATE)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
-    assert "Loading model" in result.stderr
+    progress = [line for line in result.stderr.splitlines() if line.startswith("kvbank: loading the model: ")]
+    assert len(progress) == 4 and progress[-1].endswith("(100%)"), result.stderr
+    assert "\r" not in result.stderr
 
 
 def test_bad_sampling_flag_is_a_clear_error_before_loading(kvbank):
     result = kvbank(BAD_SAMPLING_FLAG)
     assert result.returncode == 2
     assert "temperature=-1.0" in result.stderr
-    assert "Loading model" not in result.stderr
+    assert "loading the model" not in result.stderr
 
 
 def test_chat_second_turn_reuses_the_first_turns_cache(kvbank):
