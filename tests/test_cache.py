@@ -81,11 +81,10 @@ def test_fork_shares_and_copy_on_write_splits_the_partial_block():
     parent.token_ids.append(7)
     child.token_ids.append(8)
     assert manager.can_append(child, 1)
-    manager.append_slots(child, 1)
-    assert manager.pending_copies == [(parent.block_table[1], child.block_table[1])]
+    copies = manager.append_slots(child, 1)
+    assert copies == [(parent.block_table[1], child.block_table[1])]
     assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
-    manager.append_slots(parent, 1)  # now the only owner: writes in place
-    assert len(manager.pending_copies) == 1
+    assert manager.append_slots(parent, 1) == []  # now the only owner: writes in place
     manager.free(parent)
     manager.free(child)
     assert manager.num_free_blocks == 8

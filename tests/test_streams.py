@@ -366,7 +366,9 @@ def test_a_corrupted_recall_entry_is_detected_and_never_served(tiered, llm):
     session = tiered.open_stream(SYSTEM, policy="frame_window(frames=2,sinks=4)")
     for i in range(6):
         session.append(_frame(i))
+    assert tiered.engine.offload.flush()  # evicted frames reach the tier on the store thread
     tier = tiered.engine.offload.tiers[0]
+    assert len(tier._entries) >= 3
     for key in list(tier._entries):
         blob = bytearray(tier._entries[key])
         blob[-1] ^= 0xFF
