@@ -156,7 +156,10 @@ class LLM:
         return self.engine.pin_prefix(prompt)
 
     def unpin_prefix(self, prompt: PromptType) -> int:
-        """Return a pinned prefix to normal LRU eviction; returns the tokens unpinned."""
+        """Return a pinned prefix to normal LRU eviction; returns the tokens unpinned (0 for a
+        prefix shorter than one block, which `pin_prefix` left unpinned)."""
+        if len(self.engine.admission.parse(prompt).token_ids) < self.engine.block_size:
+            return 0
         return self.engine.unpin_prefix(prompt)
 
     def save_session(
