@@ -167,15 +167,13 @@ def _pin_prompt(llm: LLM, file: str) -> None:
     # The file holds a system prompt (its final newline is the editor's, not the prompt's).
     system_prompt = Path(file).read_text().removesuffix("\n")
     prefix = system_prompt_prefix(llm.get_tokenizer(), system_prompt)
-    block_size = llm.engine.block_size
-    # Only whole blocks are cached, so a shorter prefix has nothing to pin; its requests still run.
-    pinned = llm.pin_prefix(prefix) if len(prefix) >= block_size else 0
+    pinned = llm.pin_prefix(prefix)  # 0 for a prefix shorter than a block: only whole blocks are cached
     if pinned:
         print(f"kvbank: pinned {pinned} tokens of {file}", flush=True)
     else:
         print(
             f"kvbank: warning: --pin-prompt {file}: nothing pinned: its chat prefix is {len(prefix)} tokens, "
-            f"and only whole blocks of {block_size} tokens (--block-size) are cached",
+            f"and only whole blocks of {llm.engine.block_size} tokens (--block-size) are cached",
             file=sys.stderr,
             flush=True,
         )

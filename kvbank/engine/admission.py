@@ -93,14 +93,10 @@ class Admission:
         return {"prompt": shown, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def prefix_key(self, prompt: PromptType) -> tuple[list[int], bytes]:
-        """(token ids, chain root) of a prefix to pin or unpin; ValueError if it fills no block."""
+        """(token ids, chain root) of a prefix to pin or unpin."""
         if not self.config.enable_prefix_caching:
             raise ValueError("pinning needs enable_prefix_caching=True")
         parsed = self.parse(prompt)
-        if len(parsed.token_ids) < self.block_size:
-            raise ValueError(
-                f"a prefix of {len(parsed.token_ids)} tokens fills no block of {self.block_size}; nothing to pin"
-            )
         return parsed.token_ids, root_hash(self.namespace, parsed.salt)
 
     # --- requests -----------------------------------------------------------------------------

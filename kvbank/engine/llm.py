@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -18,8 +17,6 @@ from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.streams import FrameInfo, FrameType
 from kvbank.tokenizer import Tokenizer
-
-log = logging.getLogger("kvbank")
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 
@@ -142,24 +139,11 @@ class LLM:
         warning, for a prefix shorter than one block). Pinned blocks count against
         `max_pinned_fraction` of the pool.
         """
-        num_tokens, block_size = len(self.engine.admission.parse(prompt).token_ids), self.engine.block_size
-        if num_tokens < block_size:
-            # Only whole blocks are cached: a shorter prefix has nothing to keep, and its requests still run.
-            log.warning(
-                "pin_prefix: nothing pinned yet: the prefix has %d tokens and only whole blocks of %d tokens "
-                "(block_size) are cached",
-                num_tokens,
-                block_size,
-            )
-            return 0
         self.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
         return self.engine.pin_prefix(prompt)
 
     def unpin_prefix(self, prompt: PromptType) -> int:
-        """Return a pinned prefix to normal LRU eviction; returns the tokens unpinned (0 for a
-        prefix shorter than one block, which `pin_prefix` left unpinned)."""
-        if len(self.engine.admission.parse(prompt).token_ids) < self.engine.block_size:
-            return 0
+        """Return a pinned prefix to normal LRU eviction; returns the tokens unpinned (0 if not pinned)."""
         return self.engine.unpin_prefix(prompt)
 
     def save_session(

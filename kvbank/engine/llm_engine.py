@@ -8,6 +8,7 @@ session files go through engine/sessions.py, and the decoder turns logits into t
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from kvbank.kernels.allocator import keep_freed_memory
 from kvbank.models.build import build_model
 
 __all__ = ["LLMEngine", "PromptType"]
+
+log = logging.getLogger("kvbank")
 
 
 class LLMEngine:
@@ -144,9 +147,19 @@ class LLMEngine:
     def pin_prefix(self, prompt: PromptType) -> int:
         """Keep a computed prompt prefix's full blocks cached until `unpin_prefix`; returns tokens pinned.
 
-        Refused (ValueError) if what stays unpinned could no longer hold a request in flight.
+        Only whole blocks are cached: a prefix shorter than one block pins nothing (0, with a
+        warning; its requests still run). Refused (ValueError) if what stays unpinned could no
+        longer hold a request in flight.
         """
         token_ids, root = self.admission.prefix_key(prompt)
+        if len(token_ids) < self.block_size:
+            log.warning(
+                "pin_prefix: nothing pinned yet: the prefix has %d tokens and only whole blocks of %d tokens "
+                "(block_size) are cached",
+                len(token_ids),
+                self.block_size,
+            )
+            return 0
         return self.manager.pin(token_ids, root, keep_free=self.admission.in_flight_blocks(self.requests.values()))
 
     def unpin_prefix(self, prompt: PromptType) -> int:
