@@ -2,9 +2,6 @@
 page itself rendered by headless Chromium before and after a real completion request."""
 
 import json
-import os
-import shutil
-import subprocess
 import threading
 import time
 import urllib.error
@@ -13,6 +10,7 @@ from html.parser import HTMLParser
 
 import pytest
 import uvicorn
+from browser import dump_dom, find_browser
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM
@@ -22,8 +20,6 @@ from kvbank.server.api import ServerLimits
 NUM_BLOCKS = 48
 KEY = "sk-dashboard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-BROWSER_TIMEOUT_S = 60
 STARTUP_TIMEOUT_S = 30
 # About a hundred tokens, so a finished request leaves several full blocks in the prefix cache.
 PROMPT = " ".join(["The library opens at nine, closes at five, and charges ten cents a day for late books."] * 5)
@@ -145,37 +141,9 @@ class _PageReader(HTMLParser):
                 self.text[element_id] += data
 
 
-def _browser() -> str:
-    for name in BROWSERS:
-        path = shutil.which(name)
-        if path:
-            return path
-    message = f"no headless browser found (looked for {', '.join(BROWSERS)})"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 def _rendered_page(browser: str, url: str) -> _PageReader:
-    """Load `url` in headless Chromium, let its script poll for a few virtual seconds, parse the DOM."""
-    command = [
-        browser,
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--virtual-time-budget=4000",
-        "--dump-dom",
-        url,
-    ]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-2000:]
     page = _PageReader()
-    page.feed(result.stdout)
+    page.feed(dump_dom(browser, url))
     return page
 
 
@@ -192,14 +160,14 @@ def _assert_page_matches(page: _PageReader, state: dict) -> None:
 
 
 def test_page_without_the_key_asks_for_it(base_url):
-    page = _rendered_page(_browser(), f"{base_url}/dashboard")
+    page = _rendered_page(find_browser(), f"{base_url}/dashboard")
     assert page.hidden["login"] is False
     assert page.text["status"].strip() == "needs the API key"
     assert page.cells == []
 
 
 def test_page_in_headless_chromium(base_url):
-    browser = _browser()
+    browser = find_browser()
     before = _settled_state(base_url)
     page = _rendered_page(browser, f"{base_url}/dashboard#key={KEY}")
     assert len(page.cells) == NUM_BLOCKS
@@ -248,7 +216,7 @@ def test_tiers_show_on_metrics_and_the_dashboard(kvbank_env, tmp_path):
             assert time.monotonic() < deadline, metrics
             time.sleep(0.1)
         state = request(f"{url}/dashboard/state")[1]
-        page = _rendered_page(_browser(), f"{url}/dashboard")
+        page = _rendered_page(find_browser(), f"{url}/dashboard")
     finally:
         stop_server(process)
     assert metrics['kvbank:kv_tier_store_bytes_total{tier="host"}'] > 0

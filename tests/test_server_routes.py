@@ -3,11 +3,10 @@ without an API key, a --pin-prompt shorter than one block, and the dashboard of 
 key; plus the limit flags generated from ServerLimits."""
 
 import dataclasses
-import shutil
-import subprocess
 import time
 
 import pytest
+from browser import dump_dom, find_browser
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import cli
@@ -20,7 +19,6 @@ BLOCK_SIZE = 16
 SHORT_SYSTEM = "Be brief."
 # About a hundred tokens, so a finished request leaves several full blocks in the prefix cache.
 PROMPT = " ".join(["The library opens at nine, closes at five, and charges ten cents a day for late books."] * 5)
-BROWSER_TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -128,33 +126,12 @@ def test_dashboard_without_a_key_shows_no_login_and_totals_the_tier_rows(open_se
     status, page, _ = request(f"{url}/dashboard")
     assert status == 200
     assert 'id="login"' not in page and "API key" not in page
-    browser = next(
-        (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
-    )
-    if browser is None:
-        pytest.skip("no headless browser")
+    browser = find_browser()
     _complete(url)
     state = _state(url)
-    dom = _rendered_dom(browser, f"{url}/dashboard")
+    dom = dump_dom(browser, f"{url}/dashboard")
     assert 'id="login"' not in dom and "needs the API key" not in dom
     assert f"hits {state['tier_totals']['hits']}" in dom
-
-
-def _rendered_dom(browser: str, url: str) -> str:
-    command = [
-        browser,
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--virtual-time-budget=3000",
-        "--dump-dom",
-        url,
-    ]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
 
 
 def test_serve_limit_flags_default_to_server_limits(monkeypatch):
