@@ -1,16 +1,39 @@
-"""Every Python block of README.md runs as written, each in a fresh interpreter in an empty folder.
+"""Every code block of README.md runs as written: Python blocks, and the commands of its bash blocks.
 
-A block marked `<!-- readme-test: MARK -->` needs something beyond the package: `server` talks to a
-real `kvbank serve` (the README's http://127.0.0.1:8000 becomes the test server's address), `redis`
-to a real redis-server (the README's redis://cache:6379 becomes it, ~/.cache/kvbank a temporary
-folder), `transformers` needs the `hf` extra.
+Each Python block runs in a fresh interpreter in an empty folder. A block marked
+`<!-- readme-test: MARK -->` needs something beyond the package: `server` talks to a real
+`kvbank serve` (the README's http://127.0.0.1:8000 becomes the test server's address), `redis` to a
+real redis-server (the README's redis://cache:6379 becomes it, ~/.cache/kvbank a temporary folder),
+`transformers` needs the `hf` extra.
+
+A bash block is read as the shell would (continued lines, quotes spanning lines, `#` comments), and
+each of its commands is
+- `curl`: run with the real curl against a real server (the README's http://127.0.0.1:8000 and
+  localhost:8000 become its address; a placeholder id like `stream-3f…` becomes the id that an
+  earlier call of the same block answered); its status must be 2xx, and where the README shows
+  the answer in a following `# {...}` comment, the real JSON answer must have the keys shown (`...`
+  there: more keys may follow). The curls run against a server started with the `kvbank serve`
+  line of their block if it has one, else against the server the Python blocks use (with the
+  `--session-dir` the sessions examples need);
+- `kvbank plan` / `kvbank generate` (which end on their own): run, and must exit 0;
+- `kvbank serve` / `kvbank chat` (which run until stopped): their arguments must parse (the command
+  with `--help` appended exits 0, so choices and types are checked), and every `--flag` must appear
+  in that help exactly (argparse would also accept a prefix of a renamed option); the hosts and
+  folders they name (redis://cache:6379, /var/cache/kvbank) are only parsed;
+- `make TARGET`: the Makefile must have the target.
+A command of any other kind fails the test, until this file learns how to check it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,7 +41,8 @@ from serving import start_server, stop_server, wait_healthy
 
 pytest_plugins = ["redis_servers"]
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+README = REPO_ROOT / "README.md"
 _BLOCK = re.compile(r"(?:<!-- readme-test: (?P<mark>[\w-]+) -->\n)?```python\n(?P<code>.*?)```", re.S)
 MARKS = {None, "server", "redis", "transformers"}
 BLOCK_TIMEOUT_S = 600
@@ -43,8 +67,9 @@ def test_the_readme_has_its_python_blocks_and_knows_their_marks():
 
 @pytest.fixture(scope="module")
 def server(kvbank_env, tmp_path_factory):
-    log = tmp_path_factory.mktemp("readme-server") / "server.log"
-    process, url = start_server([], kvbank_env, log)
+    folder = tmp_path_factory.mktemp("readme-server")
+    log = folder / "server.log"
+    process, url = start_server(["--session-dir", str(folder / "sessions")], kvbank_env, log)
     try:
         wait_healthy(process, url, log)
         yield url
@@ -75,3 +100,278 @@ def test_readme_python_block_runs_as_written(mark, code, kvbank_env, tmp_path, r
     )
     assert done.returncode == 0, f"the block failed:\n{code}\n--- stderr ---\n{done.stderr[-4000:]}"
     assert done.stdout.strip() or "print(" not in code, "the block prints nothing"
+
+
+# --- bash blocks ---------------------------------------------------------------------------------
+
+_BASH = re.compile(r"```bash\n(?P<code>.*?)```", re.S)
+README_HOST = re.compile(r"(?:http://)?(?:127\.0\.0\.1|localhost):8000")
+PLACEHOLDER_ID = re.compile(r"(?P<kind>[a-z]+)-[0-9a-f]*…")  # `stream-3f…`: an id an earlier call answered
+RUN_TO_END = {"plan", "generate"}  # kvbank commands that finish on their own
+RUN_UNTIL_STOPPED = {"serve", "chat"}
+MAX_GENERATED_TOKENS = 64  # a `kvbank generate` the README shows stays quick
+MORE_KEYS = "..."  # `{"a": 1, ...}` in an answer comment: more keys may follow
+# What README.md has today; the extractor finding fewer means it broke, or the README lost examples.
+BASH_BLOCKS_AT_LEAST = 9
+CURLS_AT_LEAST = 9
+RUN_AT_LEAST = 2
+CHECKED_AT_LEAST = 8
+ANSWERS_AT_LEAST = 4
+
+
+@dataclass
+class Command:
+    line: int  # in README.md, where the command starts
+    argv: list[str]
+    answer: str | None = None  # the `# {...}` comment after it: the answer's shape
+
+    @property
+    def kind(self) -> str:
+        program, sub = self.argv[0], self.argv[1] if len(self.argv) > 1 else None
+        if program == "curl":
+            return "curl"
+        if program == "kvbank" and sub in RUN_TO_END:
+            return "run"
+        if program == "kvbank" and sub in RUN_UNTIL_STOPPED:
+            return "flags"
+        if program == "make":
+            return "make"
+        return "unknown"
+
+    @property
+    def id(self) -> str:
+        return f"line{self.line}-{'-'.join(self.argv[:2])}"
+
+
+@dataclass
+class BashBlock:
+    line: int  # in README.md, of its ```bash
+    commands: list[Command] = field(default_factory=list)
+
+
+def _bash_commands(code: str, first_line: int) -> list[Command]:
+    """The commands of a bash block as the shell splits them, each with the answer comment below it."""
+    commands: list[Command] = []
+    pending, start = "", first_line
+    for number, line in enumerate(code.splitlines(), first_line):
+        if not pending:
+            start = number
+            if line.lstrip().startswith("#"):
+                comment = line.lstrip()[1:].strip()
+                if comment.startswith("{") and commands:
+                    commands[-1].answer = comment
+                continue
+        pending += line + "\n"
+        if pending.rstrip("\n").endswith("\\"):
+            continue
+        try:
+            argv = shlex.split(pending.replace("\\\n", " "), comments=True)
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        if argv:
+            commands.append(Command(start, argv))
+        pending = ""
+    assert not pending, f"README.md line {start}: a bash command that never ends"
+    return commands
+
+
+def _bash_blocks() -> list[BashBlock]:
+    text = README.read_text()
+    blocks = []
+    for match in _BASH.finditer(text):
+        line = text.count("\n", 0, match.start("code"))
+        blocks.append(BashBlock(line, _bash_commands(match.group("code"), line + 1)))
+    return blocks
+
+
+BASH_BLOCKS = _bash_blocks()
+COMMANDS = [command for block in BASH_BLOCKS for command in block.commands]
+
+
+def _of_kind(*kinds: str) -> list:
+    return [pytest.param(command, id=command.id) for command in COMMANDS if command.kind in kinds]
+
+
+CURL_BLOCKS = [
+    pytest.param(block, id=f"line{block.line}")
+    for block in BASH_BLOCKS
+    if any(command.kind == "curl" for command in block.commands)
+]
+
+
+def test_the_readme_has_its_bash_blocks_and_knows_their_commands():
+    unknown = [f"line {command.line}: {shlex.join(command.argv)}" for command in COMMANDS if command.kind == "unknown"]
+    assert not unknown, f"bash commands this test does not know how to check: {unknown}"
+    kinds = [command.kind for command in COMMANDS]
+    assert len(BASH_BLOCKS) >= BASH_BLOCKS_AT_LEAST
+    assert kinds.count("curl") >= CURLS_AT_LEAST
+    assert kinds.count("run") >= RUN_AT_LEAST
+    assert kinds.count("flags") + kinds.count("make") >= CHECKED_AT_LEAST
+    assert sum(command.answer is not None for command in COMMANDS) >= ANSWERS_AT_LEAST
+    for command in COMMANDS:
+        if command.kind == "curl":
+            assert any(README_HOST.search(arg) for arg in command.argv), f"line {command.line}: no README host"
+
+
+@pytest.fixture(scope="session")
+def curl() -> str:
+    """The real curl; without it the curl tests skip, except under CI, where they fail."""
+    path = shutil.which("curl")
+    if path is None:
+        message = "curl not on PATH (Debian: apt-get install curl)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.mark.parametrize("block", CURL_BLOCKS)
+def test_readme_curl_commands_answer_as_shown(block, curl, kvbank_env, tmp_path, request):
+    serve = [command for command in block.commands if command.argv[:2] == ["kvbank", "serve"]]
+    if not serve:
+        _run_curls(block, curl, request.getfixturevalue("server"))
+        return
+    (serve,) = serve  # the block's curls are meant for the server its own line starts
+    log = tmp_path / "server.log"
+    process, url = start_server(_without_address(serve.argv[2:]), kvbank_env, log)
+    try:
+        wait_healthy(process, url, log)
+        _run_curls(block, curl, url)
+    finally:
+        stop_server(process)
+
+
+def _without_address(args: list[str]) -> list[str]:
+    """A `kvbank serve` line's arguments less --host and --port, which the test chooses."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--host", "--port"):
+            skip = True
+        elif not arg.startswith(("--host=", "--port=")):
+            kept.append(arg)
+    return kept
+
+
+def _run_curls(block: BashBlock, curl: str, url: str) -> None:
+    ids: dict[str, str] = {}  # "stream" -> the id the block's latest `stream-…` answer gave
+    for command in block.commands:
+        if command.kind != "curl":
+            continue
+        args = [_resolve(arg, url, ids, command.line) for arg in command.argv[1:]]
+        done = subprocess.run(
+            [curl, *args, "-sS", "-w", "\n%{http_code}"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+        )
+        where = f"README.md line {command.line}: {shlex.join(['curl', *args])}"
+        assert done.returncode == 0, f"{where}\ncurl exited with {done.returncode}: {done.stderr}"
+        body, _, status = done.stdout.rpartition("\n")
+        assert status.startswith("2"), f"{where}\nHTTP {status}: {body[-3000:]}"
+        if any(re.search(r'"stream":\s*true', arg) for arg in args):
+            assert body.rstrip().endswith("data: [DONE]"), f"{where}\nnot a finished event stream: {body[-3000:]}"
+            continue
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and isinstance(answer.get("id"), str):
+            ids[answer["id"].split("-")[0]] = answer["id"]
+        if command.answer is not None:
+            assert answer is not None, f"{where}\nthe README shows JSON, the server answered: {body[-3000:]}"
+            _assert_same_keys(_shown(command.answer, where), answer, where, "answer")
+
+
+def _resolve(arg: str, url: str, ids: dict[str, str], line: int) -> str:
+    """The README's host becomes the test server's; a placeholder id, the one an earlier call answered."""
+
+    def earlier_id(match: re.Match) -> str:
+        assert match["kind"] in ids, f"README.md line {line}: no earlier call of the block gave a {match[0]} id"
+        return ids[match["kind"]]
+
+    return PLACEHOLDER_ID.sub(earlier_id, README_HOST.sub(url, arg))
+
+
+def _shown(comment: str, where: str):
+    """The JSON an answer comment shows, a `, ...}` kept as the key MORE_KEYS."""
+    try:
+        return json.loads(re.sub(r",\s*\.\.\.\s*(?=\})", f', "{MORE_KEYS}": null', comment))
+    except ValueError as error:
+        raise AssertionError(f"{where}\nthe answer comment is not JSON ({error}): {comment}") from None
+
+
+def _assert_same_keys(shown, got, where: str, path: str) -> None:
+    """Objects have the keys shown (values may differ), all of them unless the README says `...`."""
+    if isinstance(shown, dict):
+        assert isinstance(got, dict), f"{where}\n{path} is {got!r}, the README shows an object"
+        keys = shown.keys() - {MORE_KEYS}
+        missing = sorted(keys - got.keys())
+        assert not missing, f"{where}\n{path} lacks the keys {missing} the README shows: {got}"
+        extra = sorted(got.keys() - keys)
+        assert MORE_KEYS in shown or not extra, (
+            f"{where}\n{path} has keys the README does not show: {extra} (show them, or end with `, ...`)"
+        )
+        for key in keys:
+            _assert_same_keys(shown[key], got[key], where, f"{path}.{key}")
+    elif isinstance(shown, list):
+        assert isinstance(got, list), f"{where}\n{path} is {got!r}, the README shows a list"
+        for index, (shown_item, got_item) in enumerate(zip(shown, got)):
+            _assert_same_keys(shown_item, got_item, where, f"{path}[{index}]")
+
+
+def _option(argv: list[str], flag: str) -> str | None:
+    for index, arg in enumerate(argv):
+        if arg == flag and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+@pytest.mark.parametrize("command", _of_kind("run"))
+def test_readme_cli_command_runs_as_written(command, kvbank_env, tmp_path):
+    if command.argv[1] == "generate":
+        tokens = _option(command.argv, "--max-tokens")
+        assert tokens is not None and int(tokens) <= MAX_GENERATED_TOKENS, "a README generate stays quick"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbank", *command.argv[1:]],
+        cwd=tmp_path,
+        env=kvbank_env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+    )
+    where = f"README.md line {command.line}: {shlex.join(command.argv)}"
+    assert done.returncode == 0, f"{where}\nexited with {done.returncode}:\n{done.stderr[-4000:]}"
+    assert done.stdout.strip(), f"{where}\nprinted nothing"
+
+
+@pytest.mark.parametrize("command", _of_kind("flags"))
+def test_readme_long_running_command_parses_and_its_flags_exist(command, kvbank_env, tmp_path):
+    # argparse handles --help where it meets it: every value before it is converted and checked
+    # first, and unknown options are only reported at the end, so the help's own list catches those.
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbank", *command.argv[1:], "--help"],
+        cwd=tmp_path,
+        env={**kvbank_env, "COLUMNS": "200"},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+    )
+    where = f"README.md line {command.line}: {shlex.join(command.argv)}"
+    assert done.returncode == 0, f"{where}\nits arguments do not parse:\n{done.stderr[-4000:]}"
+    known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", done.stdout))
+    shown = {arg.split("=", 1)[0] for arg in command.argv[2:] if arg.startswith("--")}
+    assert shown <= known, f"{where}\nnot options of `kvbank {command.argv[1]}`: {sorted(shown - known)}"
+
+
+@pytest.mark.parametrize("command", _of_kind("make"))
+def test_readme_make_target_exists(command):
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    for target in command.argv[1:]:
+        assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"README.md line {command.line}: no `{target}`"
