@@ -93,3 +93,46 @@ class RequestOutput:
                 self.outputs.append(completion)
         self.outputs.sort(key=lambda c: c.index)
         self.finished, self.metrics, self.num_cached_tokens = later.finished, later.metrics, later.num_cached_tokens
+
+
+class Reports:
+    """How anything the engine runs for a caller (a request, a stream's frame) reports its state.
+
+    The class sets `request_id`, `prompt`, `prompt_token_ids`, `metrics`, `num_cached_tokens` and
+    `finished`, says what it has produced (`progress`) and anything its own output type adds.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    num_cached_tokens: int
+    #: the output type: RequestOutput, or a subclass with the fields `extra` fills
+    output_type: type[RequestOutput] = RequestOutput
+
+    @property
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def progress(self) -> tuple[list[CompletionOutput], list[TokenLogprobs | None] | None]:
+        """The completions and prompt logprobs to report now."""
+        return [], None
+
+    def extra(self) -> dict:
+        """Fields of `output_type` beyond RequestOutput's."""
+        return {}
+
+    def output(self) -> RequestOutput:
+        """The state to hand the caller now."""
+        completions, prompt_logprobs = self.progress()
+        return self.output_type(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+            **self.extra(),
+        )

@@ -7,7 +7,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from kvbank.cache.policies import Full, KVPolicy
-from kvbank.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, TokenLogprobs
+from kvbank.engine.outputs import CompletionOutput, Reports, RequestMetrics, RequestOutputKind, TokenLogprobs
 from kvbank.engine.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ class Sequence:
         return delta
 
 
-class Request:
+class Request(Reports):
     """A user's request: a prompt, sampling parameters and the sequences that serve it."""
 
     _arrivals = itertools.count()
@@ -282,23 +282,11 @@ class Request:
     def finished(self) -> bool:
         return self.forked and all(seq.is_finished for seq in self.seqs)
 
-    def output(self) -> RequestOutput:
-        """The request's state, cumulative or new since the previous call as `output_kind` says."""
+    def progress(self) -> tuple[list[CompletionOutput], list[TokenLogprobs | None] | None]:
+        """Every completion and prompt logprob so far, or what is new since the previous output (DELTA)."""
         if self.output_kind is RequestOutputKind.DELTA:
-            completions = [seq.delta_completion() for seq in self.seqs]
-            prompt_logprobs = self._new_prompt_logprobs()
-        else:
-            completions, prompt_logprobs = [seq.completion() for seq in self.seqs], self.prompt_logprobs
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=completions,
-            finished=self.finished,
-            metrics=self.metrics,
-            num_cached_tokens=self.num_cached_tokens,
-        )
+            return [seq.delta_completion() for seq in self.seqs], self._new_prompt_logprobs()
+        return [seq.completion() for seq in self.seqs], self.prompt_logprobs
 
     def _new_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         if self.prompt_logprobs is None:

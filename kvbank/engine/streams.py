@@ -26,7 +26,7 @@ import torch
 from kvbank.cache.frames import Frame
 from kvbank.cache.policies import FrameWindow
 from kvbank.cache.recall import FrameArchive
-from kvbank.engine.outputs import RequestMetrics, RequestOutput
+from kvbank.engine.outputs import Reports, RequestMetrics, RequestOutput
 from kvbank.engine.sequence import Request, Sequence
 
 #: what a frame may be: text, token ids, embedding rows [tokens, hidden], or a prompt dict of one of them
@@ -59,44 +59,35 @@ class FrameOutput(RequestOutput):
 
 
 @dataclass(eq=False)
-class FrameRequest:
+class FrameRequest(Reports):
     """An appended frame (or a stream's system prompt, `frame=None`), finished once computed."""
 
     request_id: str
     stream: Stream
     frame: Frame | None
-    text: str | None
-    token_ids: list[int]
+    prompt: str | None
+    prompt_token_ids: list[int]
     metrics: RequestMetrics
     repeat_of: int | None = None
     skipped: bool = False
     num_cached_tokens: int = 0
     finished: bool = False
+    output_type = FrameOutput
 
-    def output(self) -> FrameOutput:
-        seq, log = self.stream.seq, self.stream.seq.frames
-        info = None
-        if self.frame is not None:
-            info = FrameInfo(
-                self.frame.index,
-                self.frame.length,
-                self.repeat_of,
-                self.skipped,
-                log.kept_frames,
-                seq.num_computed_tokens,
-                log.num_evicted,
-            )
-        return FrameOutput(
-            self.request_id,
-            self.text,
-            self.token_ids,
-            None,
-            [],
-            self.finished,
-            self.metrics,
-            self.num_cached_tokens,
-            frame=info,
+    def extra(self) -> dict:
+        if self.frame is None:
+            return {"frame": None}
+        log = self.stream.seq.frames
+        info = FrameInfo(
+            self.frame.index,
+            self.frame.length,
+            self.repeat_of,
+            self.skipped,
+            log.kept_frames,
+            self.stream.seq.num_computed_tokens,
+            log.num_evicted,
         )
+        return {"frame": info}
 
 
 @dataclass(eq=False)
