@@ -138,8 +138,8 @@ class ForcedSampler:
 
 def forced_run(llm: LLM, prompts: list[list[int]], continuations: list[list[int]], policy: str):
     engine = llm.engine
-    sampler, original = ForcedSampler({str(i): c for i, c in enumerate(continuations)}), engine.sampler
-    engine.sampler = sampler
+    sampler, original = ForcedSampler({str(i): c for i, c in enumerate(continuations)}), engine.decoder.sampler
+    engine.decoder.sampler = sampler
     try:
         params = SamplingParams(max_tokens=len(continuations[0]), ignore_eos=True, kv_policy=policy)
         for i, prompt in enumerate(prompts):
@@ -151,7 +151,7 @@ def forced_run(llm: LLM, prompts: list[list[int]], continuations: list[list[int]
                 if seq.num_computed_tokens > seq.num_prompt_tokens:
                     peak = max(peak, len(seq.block_table))
     finally:
-        engine.sampler = original
+        engine.decoder.sampler = original
     return sampler, peak
 
 

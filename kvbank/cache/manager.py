@@ -6,6 +6,7 @@ copy-on-write copies (source -> destination block ids) the next forward pass mus
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
@@ -13,6 +14,8 @@ from typing import Protocol
 
 from kvbank.cache.blocks import Block, BlockPool
 from kvbank.cache.prefix import block_hash
+
+log = logging.getLogger("kvbank")
 
 #: What block_states() reports per block.
 FREE, IN_USE, CACHED, PINNED = range(4)
@@ -94,6 +97,15 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def gauges(self) -> dict[str, float]:
+        """The pool's blocks now: all of them, free, the fraction in use, pinned."""
+        return {
+            "num_blocks": self.pool.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "kv_cache_usage": self.usage,
+            "num_pinned_blocks": len(self.pinned_blocks),
+        }
 
     def usable_blocks(self, token_ids: Tokens[int], root_hash: bytes) -> int:
         """The most blocks one sequence starting with `token_ids` can ever hold: every block not
@@ -204,8 +216,17 @@ class KVCacheManager:
         """Keep the cached full blocks of this prefix out of eviction; returns the tokens pinned.
 
         Every full block must be cached already (run the prefix once first). At least `keep_free`
-        blocks stay unpinned, so that requests already admitted can still finish.
+        blocks stay unpinned, so that requests already admitted can still finish. Only whole blocks
+        are cached: a prefix shorter than one block pins nothing (0, with a warning).
         """
+        if len(token_ids) < self.block_size:
+            log.warning(
+                "pin_prefix: nothing pinned yet: the prefix has %d tokens and only whole blocks of %d tokens "
+                "(block_size) are cached",
+                len(token_ids),
+                self.block_size,
+            )
+            return 0
         key = (root_hash, tuple(token_ids[: len(token_ids) // self.block_size * self.block_size]))
         if key in self.pins:
             return len(key[1])

@@ -62,6 +62,14 @@ class Swapper:
         self.num_swaps_out = 0
         self.num_swaps_in = 0
 
+    def gauges(self) -> dict[str, int]:
+        """Swaps out and in so far, and the host bytes swapped sequences hold now."""
+        return {
+            "num_swaps_out": self.num_swaps_out,
+            "num_swaps_in": self.num_swaps_in,
+            "swap_bytes_used": self.bytes_used,
+        }
+
     def wants_swap(self, seq: Sequence) -> bool:
         """Whether the mode prefers swapping `seq` over recomputing it."""
         if self.mode == "auto":

@@ -1,7 +1,8 @@
-"""Wiring: from an engine config and a loaded model to the cache parts the engine drives."""
+"""Wiring: from an engine config and a loaded model to the cache parts and services the engine drives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,14 @@ from kvbank.cache.swap import Swapper
 from kvbank.cache.tiers import build_tiers, entry_format_for
 from kvbank.cache.tiers.entry import EntryFormat, dtype_name
 from kvbank.config import EngineConfig
+from kvbank.engine.admission import Admission
+from kvbank.engine.decoding import Decoder
+from kvbank.engine.runner import ModelRunner
+from kvbank.engine.sampler import Sampler
+from kvbank.engine.scheduler import Scheduler
+from kvbank.engine.sequence import Request
+from kvbank.engine.sessions import SessionFiles
+from kvbank.engine.stream_host import StreamHost
 from kvbank.models.build import BuiltModel
 
 
@@ -76,6 +85,51 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         kv_policy,
         KVEditor(manager, storage, limits, model.rope_inv_freq, model.rope_cos.shape[0]),
     )
+
+
+@dataclass(slots=True)
+class Services:
+    """What the engine drives besides the cache: scheduling, the model, admission, streams,
+    session files and decoding."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    admission: Admission
+    streams_host: StreamHost
+    sessions: SessionFiles
+    decoder: Decoder
+
+
+def build_services(
+    config: EngineConfig,
+    built: BuiltModel,
+    cache: CacheParts,
+    device: torch.device,
+    requests: dict[str, Request],
+    in_use: Callable[[str], bool],
+) -> Services:
+    """The engine's services over `cache`; `requests` is the engine's table of requests in flight and
+    `in_use` says whether a request id is taken."""
+    scheduler = Scheduler(cache.manager, config.max_num_seqs, cache.limits.chunk_tokens, cache.swapper)
+    runner = ModelRunner(built.model, cache.storage, device)
+    tokenizer, namespace = built.tokenizer, cache.namespace
+    # fmt: off
+    admission = Admission(
+        config, built.config, tokenizer, cache.manager, scheduler, cache.limits, cache.kv_policy, namespace, device,
+        in_use,
+    )
+    streams_host = StreamHost(
+        admission, scheduler, cache.manager, cache.storage, cache.editor, cache.offload, runner, requests, namespace
+    )
+    sessions = SessionFiles(
+        admission, cache.manager, cache.storage, cache.entry_format, namespace, config.enable_prefix_caching
+    )
+    # fmt: on
+    eos_token_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
+    generator = torch.Generator(device).manual_seed(config.seed)
+    sampler = Sampler(eos_token_ids, tokenizer.token_text if tokenizer else str, generator)
+    decoder = Decoder(sampler, admission, cache.manager, scheduler, cache.offload, eos_token_ids)
+    return Services(scheduler, runner, admission, streams_host, sessions, decoder)
 
 
 def _plan_pool(config: EngineConfig, built: BuiltModel) -> PoolPlan:

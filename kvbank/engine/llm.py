@@ -156,12 +156,12 @@ class LLM:
         token and the K/V of the whole blocks; `cache_salt` is not written, but the file can only
         be loaded with the same salt.
         """
-        prompt = self.engine.session_prompt(tokens_or_request, cache_salt)
+        prompt = self.engine.sessions.prompt(tokens_or_request, cache_salt)
         try:
-            self.engine.save_session(prompt, path)
+            self.engine.sessions.save(prompt, path)
         except PrefixNotCached:
             self.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-            self.engine.save_session(prompt, path)
+            self.engine.sessions.save(prompt, path)
         return len(prompt["prompt_token_ids"])
 
     def load_session(self, path: str | os.PathLike, cache_salt: str | None = None) -> list[int]:
@@ -171,7 +171,8 @@ class LLM:
         truncated or foreign file, or another `cache_salt` than it was saved with, is a ValueError
         naming the file and the reason; so is a pool with too few free blocks.
         """
-        return self.engine.load_session(path, cache_salt)
+        sessions = self.engine.sessions
+        return sessions.install(sessions.read(path, cache_salt))
 
     def stats(self) -> dict[str, float]:
         """Engine counters: prefix-cache queries/hits/hit rate, pool usage, preemptions, queue depths."""

@@ -9,28 +9,22 @@ session files go through engine/sessions.py, and the decoder turns logits into t
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
 from kvbank import kernels, memory
-from kvbank.cache.policies import DEFAULT_STREAM_POLICY, POLICIES, KVPolicy
-from kvbank.cache.session import Session
+from kvbank.cache.policies import DEFAULT_STREAM_POLICY, KVPolicy
 from kvbank.config import EngineConfig
-from kvbank.engine.admission import Admission
-from kvbank.engine.builder import build_cache
-from kvbank.engine.decoding import Decoder
+from kvbank.engine.builder import build_cache, build_services
+from kvbank.engine.counters import EngineCounters
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import PromptType
-from kvbank.engine.runner import ModelRunner, StepLogits
-from kvbank.engine.sampler import Sampler
-from kvbank.engine.scheduler import ScheduledSeq, Scheduler
+from kvbank.engine.runner import StepLogits
+from kvbank.engine.scheduler import ScheduledSeq
 from kvbank.engine.sequence import Request
-from kvbank.engine.sessions import SessionFiles
-from kvbank.engine.stream_host import StreamHost
 from kvbank.engine.streams import FrameRequest, FrameType, Stream
 from kvbank.kernels import isa
 from kvbank.kernels.allocator import keep_freed_memory
@@ -61,36 +55,15 @@ class LLMEngine:
         self.offload, self.swapper = cache.offload, cache.swapper
         self.cache_namespace, self.entry_format = cache.namespace, cache.entry_format
         self.limits, self.kv_policy, self.editor = cache.limits, cache.kv_policy, cache.editor
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, self.limits.chunk_tokens, self.swapper)
-        self.runner = ModelRunner(built.model, self.storage, self.device)
         self.requests: dict[str, Request] = {}
-        # fmt: off
-        self.admission = Admission(
-            config, self.model_config, self.tokenizer, self.manager, self.scheduler, self.limits,
-            self.kv_policy, self.cache_namespace, self.device, self._in_use,
-        )
-        self.streams_host = StreamHost(
-            self.admission, self.scheduler, self.manager, self.storage, self.editor, self.offload, self.runner,
-            self.requests, self.cache_namespace,
-        )
-        self.sessions = SessionFiles(
-            self.admission, self.manager, self.storage, self.entry_format, self.cache_namespace,
-            config.enable_prefix_caching,
-        )
-        # fmt: on
-        self.eos_token_ids = self.tokenizer.stop_token_ids if self.tokenizer else frozenset()
-        token_text = self.tokenizer.token_text if self.tokenizer else str
-        self.sampler = Sampler(self.eos_token_ids, token_text, torch.Generator(self.device).manual_seed(config.seed))
-        self.decoder = Decoder(
-            self.sampler, self.admission, self.manager, self.scheduler, self.offload, self.eos_token_ids
-        )
+        parts = build_services(config, built, cache, self.device, self.requests, self._in_use)
+        self.scheduler, self.runner, self.admission = parts.scheduler, parts.runner, parts.admission
+        #: streams (open, append, ask, fork, close), and session files (prompt, pack, save, read, install)
+        self.streams_host, self.sessions, self.decoder = parts.streams_host, parts.sessions, parts.decoder
+        self.eos_token_ids = self.decoder.eos_token_ids
         #: outputs settled between steps (a skipped repeat frame, a closed stream's frames), sent by the next step
         self._ready: list[RequestOutput] = []
-        #: tokens each policy has evicted, by policy name
-        self.evicted_tokens: dict[str, int] = {name: 0 for name in POLICIES if name != "full"}
-        self.counters = dict.fromkeys(
-            ("prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "finished_requests"), 0
-        )
+        self.counters = EngineCounters()
         self.memory = memory.measure(self, built.load_peak)
 
     def _in_use(self, request_id: str) -> bool:
@@ -152,14 +125,6 @@ class LLMEngine:
         longer hold a request in flight.
         """
         token_ids, root = self.admission.prefix_key(prompt)
-        if len(token_ids) < self.block_size:
-            log.warning(
-                "pin_prefix: nothing pinned yet: the prefix has %d tokens and only whole blocks of %d tokens "
-                "(block_size) are cached",
-                len(token_ids),
-                self.block_size,
-            )
-            return 0
         return self.manager.pin(token_ids, root, keep_free=self.admission.in_flight_blocks(self.requests.values()))
 
     def unpin_prefix(self, prompt: PromptType) -> int:
@@ -175,36 +140,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.streams_host.frame_requests or self._ready)
-
-    # --- sessions (engine/sessions.py: what each covers and refuses) ------------------------------
-
-    def session_prompt(self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None = None) -> dict:
-        """What a session covers, as a prompt dict of token ids and cache salt."""
-        return self.sessions.prompt(tokens_or_request, cache_salt)
-
-    def pack_session(
-        self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None = None
-    ) -> torch.Tensor:
-        """The session file's bytes, read from the pool."""
-        return self.sessions.pack(tokens_or_request, cache_salt)
-
-    def save_session(
-        self, tokens_or_request: PromptType | RequestOutput, path: str | os.PathLike, cache_salt: str | None = None
-    ) -> int:
-        """Write the session's cached blocks to one file at `path`, atomically; returns the bytes written."""
-        return self.sessions.save(tokens_or_request, path, cache_salt)
-
-    def read_session(self, path: str | os.PathLike, cache_salt: str | None = None, name: str | None = None) -> Session:
-        """Read and verify a session file (safe off the engine thread: it does not touch the pool)."""
-        return self.sessions.read(path, cache_salt, name)
-
-    def install_session(self, session: Session) -> list[int]:
-        """Put a read session's blocks in the pool as cached prefix blocks; returns its token ids."""
-        return self.sessions.install(session)
-
-    def load_session(self, path: str | os.PathLike, cache_salt: str | None = None) -> list[int]:
-        """`read_session` then `install_session`; returns the session's token ids."""
-        return self.install_session(self.read_session(path, cache_salt))
 
     # --- streams (engine/stream_host.py: what each does and refuses) ------------------------------
 
@@ -268,14 +203,7 @@ class LLMEngine:
             if self.offload is not None and self.offload.loading:
                 self.offload.wait(timeout=0.01)  # only loading sequences wait: nothing else to do
                 return []
-            if self.scheduler.waiting or self.scheduler.running:
-                # Admission checks make this unreachable; failing beats a caller spinning on step().
-                raise RuntimeError(
-                    f"{len(self.scheduler.waiting)} sequences wait and {len(self.scheduler.running)} run "
-                    "(streams and their questions are never preempted) but none can be scheduled "
-                    f"({self.manager.num_free_blocks} of {self.num_blocks} blocks free, "
-                    f"{len(self.manager.pinned_blocks)} pinned)"
-                )
+            self.scheduler.check_stalled()  # admission checks make stalling unreachable; fail, never spin
             return []
         started = time.perf_counter()
         try:
@@ -296,7 +224,7 @@ class LLMEngine:
                 streams.append(self.streams_host.get(item.seq.request.stream_id))
             else:
                 touched[item.seq.request.request_id] = item.seq.request
-        self.counters["generation_tokens"] += self.decoder.sample(batch, result, now)
+        self.counters.generation_tokens += self.decoder.sample(batch, result, now)
         outputs = ready
         for stream in streams:
             outputs.extend(self.streams_host.progress(stream, now))
@@ -305,7 +233,7 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
-                self.counters["finished_requests"] += 1
+                self.counters.finished_requests += 1
         return outputs
 
     def _record_progress(self, item: ScheduledSeq, result: StepLogits, i: int, now: float) -> None:
@@ -313,10 +241,7 @@ class LLMEngine:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
             request.num_cached_tokens = seq.num_computed_tokens
-            self.counters["prompt_tokens"] += seq.num_prompt_tokens
-            if not seq.no_prefix_cache and self.config.enable_prefix_caching:
-                self.counters["prefix_cache_queries"] += seq.num_prompt_tokens
-                self.counters["prefix_cache_hits"] += seq.num_computed_tokens
+            self.counters.scheduled_first(seq, self.config.enable_prefix_caching)
             if self.offload is not None:
                 self.offload.on_admit(seq)
         self.decoder.prompt_logprobs(request, result, i)
@@ -329,7 +254,7 @@ class LLMEngine:
         else:
             evicted = seq.kv_policy.after_step(seq, self.editor)
         if evicted:
-            self.evicted_tokens[seq.kv_policy.name] += evicted
+            self.counters.evicted_tokens[seq.kv_policy.name] += evicted
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block not in use or pinned (tiers keep theirs); returns blocks dropped."""
@@ -356,20 +281,10 @@ class LLMEngine:
     def stats(self) -> dict[str, float | dict]:
         """Counters and gauges: prefix-cache hit rate, pool usage, queue depths, preemptions; and
         `kernel_isa`, the instruction-set level of the native kernels and each family's variant."""
-        queries = self.counters["prefix_cache_queries"]
         return {
-            **self.counters,
-            "prefix_cache_hit_rate": self.counters["prefix_cache_hits"] / queries if queries else 0.0,
-            "num_blocks": self.num_blocks,
-            "num_free_blocks": self.manager.num_free_blocks,
-            "kv_cache_usage": self.manager.usage,
-            "num_requests_running": len({s.request.request_id for s in self.scheduler.running}),
-            "num_requests_waiting": len({s.request.request_id for s in self.scheduler.waiting}),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swaps_out": self.swapper.num_swaps_out,
-            "num_swaps_in": self.swapper.num_swaps_in,
-            "swap_bytes_used": self.swapper.bytes_used,
-            "num_pinned_blocks": len(self.manager.pinned_blocks),
-            **{f"evicted_tokens_{name}": count for name, count in self.evicted_tokens.items()},
+            **self.counters.as_dict(),
+            **self.manager.gauges(),
+            **self.scheduler.gauges(),
+            **self.swapper.gauges(),
             "kernel_isa": isa.report(kernels.native()),
         }

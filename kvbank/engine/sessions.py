@@ -36,7 +36,7 @@ class SessionFiles:
         self.namespace = namespace
         self.enabled = enabled
 
-    def prompt(self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None) -> dict:
+    def prompt(self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None = None) -> dict:
         """What a session covers, as a prompt dict of token ids and cache salt.
 
         `tokens_or_request` is a prompt as `add_request` takes it, or a RequestOutput (its prompt
@@ -54,7 +54,7 @@ class SessionFiles:
             "cache_salt": cache_salt if cache_salt is not None else parsed.salt,
         }
 
-    def pack(self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None) -> torch.Tensor:
+    def pack(self, tokens_or_request: PromptType | RequestOutput, cache_salt: str | None = None) -> torch.Tensor:
         """The session file's bytes for what `prompt` makes of the arguments, read from the pool.
 
         Raises PrefixNotCached (a ValueError) unless every whole block of it is cached: run the
@@ -65,13 +65,13 @@ class SessionFiles:
         return pack_session(self.entry_format, self.manager.pool, self.storage, prompt["prompt_token_ids"], root)
 
     def save(
-        self, tokens_or_request: PromptType | RequestOutput, path: str | os.PathLike, cache_salt: str | None
+        self, tokens_or_request: PromptType | RequestOutput, path: str | os.PathLike, cache_salt: str | None = None
     ) -> int:
         """Write the session's cached blocks (see `pack`) to one file at `path`, atomically;
         returns the bytes written."""
         return write_session(path, self.pack(tokens_or_request, cache_salt))
 
-    def read(self, path: str | os.PathLike, cache_salt: str | None, name: str | None) -> Session:
+    def read(self, path: str | os.PathLike, cache_salt: str | None = None, name: str | None = None) -> Session:
         """Read and verify a session file (safe off the engine thread: it does not touch the pool).
 
         A missing file is FileNotFoundError; a corrupted, truncated, foreign or wrongly salted

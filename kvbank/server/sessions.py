@@ -44,14 +44,14 @@ class Sessions:
         path = self._path(body.session)
         try:
             session = await asyncio.to_thread(
-                self.engine.read_session, path, body.cache_salt, f"session {body.session!r}"
+                self.engine.sessions.read, path, body.cache_salt, f"session {body.session!r}"
             )
         except FileNotFoundError:
             raise APIError(f"session {body.session!r} does not exist", status=404, param="session") from None
         except ValueError as error:
             raise APIError(str(error), status=422, param="session") from error
         try:
-            tokens = await self.async_engine.call(lambda engine: engine.install_session(session))
+            tokens = await self.async_engine.call(lambda engine: engine.sessions.install(session))
         except ValueError as error:
             raise APIError(str(error), status=507) from error
         return {"session": body.session, "tokens": len(tokens)}
@@ -87,7 +87,7 @@ class Sessions:
         """The session entry, computing what the pool lacks first (as a one-token request among the others)."""
         for _ in range(self.ATTEMPTS):
             try:
-                return await self.async_engine.call(lambda engine: engine.pack_session(prompt))
+                return await self.async_engine.call(lambda engine: engine.sessions.pack(prompt))
             except PrefixNotCached:
                 pass
             except ValueError as error:
