@@ -32,6 +32,8 @@ def server(kvbank_env, tmp_path_factory):
             "256",
             "--max-model-len",
             "1024",
+            "--kv-host-gb",
+            "0.05",
         ],
         kvbank_env,
         log_path,
@@ -101,6 +103,11 @@ def test_a_stream_keeps_its_last_frames_and_answers_from_them(server):
     assert chunks[-1] == "data: [DONE]"
     text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1] if json.loads(c[6:])["choices"])
     assert text == answer["choices"][0]["text"]
+    assert "recalled_frames" not in answer
+    status, recalled, _ = request(f"{server}/v1/streams/{stream_id}/ask", {**ask, "recall": 2})
+    assert status == 200 and len(recalled["recalled_frames"]) == 2, recalled
+    assert set(recalled["recalled_frames"]) <= {0, 1, 2}, "only evicted frames are recalled"
+    assert request(f"{server}/v1/streams/{stream_id}")[1]["recall_recalled"] == 2
     assert _delete(server, stream_id) == 200
     status, gone, _ = request(f"{server}/v1/streams/{stream_id}/frames", {"text": "late"})
     assert status == 404 and gone["error"]["code"] == "stream_not_found"

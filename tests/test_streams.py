@@ -362,6 +362,59 @@ def test_recalled_frames_sit_between_the_sinks_and_the_kept_frames_exactly(tiere
     _assert_all_free(tiered)
 
 
+#: distinct facts, one per frame: each question names exactly one of them
+NOTES = [
+    ("Maria", "locker code", "4417"),
+    ("the red truck", "parking spot", "B12"),
+    ("Professor Okafor", "office", "room 305"),
+    ("the bakery", "opening hour", "six in the morning"),
+    ("the cat", "favourite toy", "a blue feather"),
+    ("the train to Lyon", "platform", "platform nine"),
+    ("Jonas", "password hint", "his first dog"),
+    ("the museum", "ticket price", "twelve euros"),
+    ("the ship Aurora", "captain", "Elena Vasquez"),
+    ("the garden", "rarest flower", "a black tulip"),
+    ("the orchestra", "conductor", "Hiro Tanaka"),
+    ("the volcano", "height", "3,200 metres"),
+]
+
+
+def test_recall_brings_back_the_frame_the_question_is_about(tiered):
+    """Ten notes are evicted; each question about one of them recalls one frame (recall=1). A random
+    choice would bring back the right note with probability 1/10 per question, so 6 or more of 10
+    (chance: 1.5e-4) says the scoring finds the frame asked about. It recalls 7 of 10 in float32
+    and bfloat16 alike (mean keys against mean queries cannot tell apart notes whose questions
+    share most of their words)."""
+    tiered.reset_prefix_cache()
+    with tiered.open_stream(
+        "You read notes one at a time and answer questions about them briefly.", policy="frame_window(frames=2,sinks=4)"
+    ) as session:
+        for i, (who, what, value) in enumerate(NOTES):
+            session.append(f"Note {i}: the {what} of {who} is {value}.")
+        assert session.stats()["recallable_frames"] == 10
+        found = []
+        for i, (who, what, _) in enumerate(NOTES[:10]):
+            answer = session.ask(f"What is the {what} of {who}?", _greedy(max_tokens=1), recall=1)
+            assert answer.recalled_frames == session.last_recall()[0] and len(answer.recalled_frames) == 1
+            found.append(answer.recalled_frames[0] == i)
+        assert sum(found) >= 6, found
+        assert session.stats()["recall_recalled"] == 10 and session.stats()["recall_fallbacks"] == 0
+    _assert_all_free(tiered)
+
+
+def test_a_question_that_recalls_nothing_says_so(tiered):
+    """Recall asked of a stream that has evicted nothing yet runs on the kept frames alone, and the
+    answer and the stream's counters say so; a question that did not ask carries no recall field."""
+    with tiered.open_stream(SYSTEM, policy="frame_window(frames=8,sinks=4)") as session:
+        session.append(_frame(0))
+        plain = session.ask("Which ids are in view?", _greedy(max_tokens=4))
+        asked = session.ask("Which ids are in view?", _greedy(max_tokens=4), recall=2)
+        assert plain.recalled_frames is None and asked.recalled_frames == []
+        assert asked.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert session.stats()["recall_fallbacks"] == 1 and session.stats()["recall_recalled"] == 0
+    _assert_all_free(tiered)
+
+
 def test_a_corrupted_recall_entry_is_detected_and_never_served(tiered, llm):
     session = tiered.open_stream(SYSTEM, policy="frame_window(frames=2,sinks=4)")
     for i in range(6):
@@ -377,6 +430,7 @@ def test_a_corrupted_recall_entry_is_detected_and_never_served(tiered, llm):
     corrupted = session.ask("Which ids are in view?", _greedy(max_tokens=4), recall=3)
     assert session.last_recall()[0] == [] and corrupted.outputs[0].token_ids == plain.outputs[0].token_ids
     assert session.stats()["recall_corrupt"] == 3 and session.stats()["recall_recalled"] == 0
+    assert corrupted.recalled_frames == [] and session.stats()["recall_fallbacks"] == 1
     session.close()
     _assert_all_free(tiered)
     with llm.open_stream(SYSTEM) as untiered, pytest.raises(ValueError, match="recall=2 needs a KV tier"):

@@ -55,6 +55,8 @@ class RecallStats:
     recalled: int = 0
     missing: int = 0
     corrupt: int = 0
+    #: questions that asked to recall but ran on the kept frames alone (nothing came back, or no room)
+    fallbacks: int = 0
 
 
 def rotate(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    #: a stream question that asked to recall evicted frames: the frames it got back (empty when
+    #: none came back and it ran on the kept frames alone); None for every other request
+    recalled_frames: list[int] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold the next delta of the same request into this one, so that it covers both."""
@@ -93,6 +96,7 @@ class RequestOutput:
                 self.outputs.append(completion)
         self.outputs.sort(key=lambda c: c.index)
         self.finished, self.metrics, self.num_cached_tokens = later.finished, later.metrics, later.num_cached_tokens
+        self.recalled_frames = later.recalled_frames
 
 
 class Reports:

@@ -288,6 +288,9 @@ class Request(Reports):
             return [seq.delta_completion() for seq in self.seqs], self._new_prompt_logprobs()
         return [seq.completion() for seq in self.seqs], self.prompt_logprobs
 
+    def extra(self) -> dict:
+        return {"recalled_frames": list(self.recalled_frames)} if self.recall else {}
+
     def _new_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         if self.prompt_logprobs is None:
             return None

@@ -321,8 +321,10 @@ class StreamHost:
         return request
 
     def _launch_ask(self, stream: Stream, request: Request) -> None:
-        if request.recall and self._launch_recalling(stream, request):
-            return
+        if request.recall:
+            if self._launch_recalling(stream, request):
+                return
+            stream.archive.stats.fallbacks += 1
         source, question, params = stream.seq, request.prompt_token_ids, request.params
         kept = source.num_computed_tokens
         if kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:

@@ -198,7 +198,10 @@ class Streams:
         choices = [
             completion_choice(0, c, params.logprobs, None, None, output.prompt_token_ids) for c in output.outputs
         ]
-        return JSONResponse({**job.body(choices, usage=usage_json([Usage().add(output)])), "stream": stream_id})
+        answer = {**job.body(choices, usage=usage_json([Usage().add(output)])), "stream": stream_id}
+        if output.recalled_frames is not None:
+            answer["recalled_frames"] = output.recalled_frames
+        return JSONResponse(answer)
 
     async def describe(self, stream_id: str) -> dict:
         state = self._state(stream_id)
