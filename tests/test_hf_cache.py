@@ -7,6 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import (
+    TINY_HEAD_DIM,
+    TINY_HEADS,
+    TINY_KV_HEADS,
+    TINY_LAYERS,
+    TINY_VOCAB,
+    smollm2_135m_hf,
+    tiny_hf_config,
+    tiny_llama_config,
+)
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -35,7 +45,7 @@ from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
 
 DTYPES = ["int8", "fp8_e4m3", "int4", "int2"]
 TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
-HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 2
+HEADS, KV_HEADS, DIM, LAYERS = TINY_HEADS, TINY_KV_HEADS, TINY_HEAD_DIM, TINY_LAYERS
 
 
 ARCHS = {
@@ -51,18 +61,7 @@ def _tiny(arch: str, folder=None, **overrides):
     config_cls, extra = ARCHS[arch]
     extra = {**extra, **overrides}
     torch.manual_seed(0)
-    config = config_cls(
-        vocab_size=256,
-        hidden_size=HEADS * DIM,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        **extra,
-    )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(config_cls, **extra), dtype=torch.float32).eval()
     with torch.no_grad():  # biases and norms start at 0 and 1; make them matter
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -85,7 +84,7 @@ def arch_model(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompt():
-    return torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, TINY_VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
 def _greedy(model, prompt, cache, **kwargs):
@@ -180,7 +179,7 @@ def test_bad_arguments_name_the_value():
         KVBankQuantizedCache("int8", residual_length=-1)
     torch.manual_seed(0)
     tiny = LlamaForCausalLM(
-        LlamaConfig(
+        tiny_llama_config(
             vocab_size=64,
             hidden_size=48,
             intermediate_size=64,
@@ -299,15 +298,7 @@ def test_sinks_are_handed_over_rotated_to_sit_just_before_the_window(arch_model)
 
 
 def test_bytes_per_token_match_the_engine_for_the_bundled_model_shape():
-    config = LlamaConfig(
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        num_hidden_layers=30,
-        intermediate_size=1536,
-        torch_dtype="bfloat16",
-    )
-    sizes = bytes_per_token(config)
+    sizes = bytes_per_token(smollm2_135m_hf(torch_dtype="bfloat16"))
     assert sizes["auto"] == 23040 and sizes["int8"] == 11880
     assert sizes["int4"] == pytest.approx(6423.75) and sizes["int2"] == pytest.approx(3543.75)
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import tiny_config
 
 from kvbank import LLM, SamplingParams
 from kvbank.attention import quantized
@@ -10,22 +11,8 @@ from kvbank.cache.format import KVFormat
 from kvbank.cache.layers.kivi import ResidualSlots
 from kvbank.cache.layers.token import TokenKind, TokenLayer
 from kvbank.cache.storage import KVStorage, plan_pool
-from kvbank.models.config import ModelConfig
 
-SMALL = ModelConfig(
-    arch="llama",
-    vocab_size=10,
-    hidden_size=4 * 64,
-    intermediate_size=8,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=1e4,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
+SMALL = tiny_config()  # 4 layers of 4 heads over 2 KV heads of 64 dims
 
 
 def test_format_names_kinds_codecs_and_cache_namespace():

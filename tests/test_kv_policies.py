@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from policy_reference import Recorder, attention_weights, reference_logits
+from tiny_models import tiny_llama_config
 
 from kvbank import LLM, SamplingParams
 from kvbank.cache.policies import H2O, ContextShift, Limits, SinkWindow, SnapKV, parse_policy
@@ -274,15 +275,8 @@ def tiny_folder(tmp_path_factory):
     """A random Llama small enough to run 15,000 tokens (15 times its context) in seconds; memory
     bookkeeping is what is tested here (accuracy is tested on the bundled model above)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
+    config = tiny_llama_config(
+        vocab_size=320, hidden_size=256, intermediate_size=256, max_position_embeddings=1024, tie_word_embeddings=True
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-llama")

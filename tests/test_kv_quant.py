@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import smollm2_135m, tiny_config
 
 from kvbank import LLM, SamplingParams
 from kvbank.cache.format import KVFormat
@@ -20,23 +21,9 @@ from kvbank.cache.quant import (
 )
 from kvbank.cache.storage import KVStorage, plan_pool
 from kvbank.engine.runner import ModelRunner
-from kvbank.models.config import ModelConfig
 
 TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
-SMOL = ModelConfig(
-    arch="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=1e5,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
+SMOL = smollm2_135m()
 
 
 def _data(shape=(6, 16, 3, 64)) -> torch.Tensor:
@@ -235,20 +222,7 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
 
     torch.manual_seed(1)
     heads, kv_heads, dim, scale = 6, 2, 64, 0.125
-    config = ModelConfig(
-        arch="llama",
-        vocab_size=10,
-        hidden_size=heads * dim,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=dim,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
+    config = tiny_config(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
     storage = KVStorage(config, 24, 16, torch.float32, torch.device("cpu"), KVFormat(kv), reserved_seqs=1)
     layer = storage.layers[0]
     pool = BlockPool(24)

@@ -7,16 +7,19 @@ import sys
 
 import pytest
 from serving import request, start_server, stop_server, wait_healthy
+from tiny_models import smollm2_135m
 
 from kvbank import LLM, memory
 from kvbank.config import EngineConfig
 from kvbank.kernels import native
 
 # SmolLM2-135M: 49,152 x 576 embedding table tied to the LM head; 30 layers, 3 KV heads of 64 dims.
-EMBEDDING_BYTES = 49152 * 576 * 2
+SMOL = smollm2_135m()
+EMBEDDING_BYTES = SMOL.vocab_size * SMOL.hidden_size * 2
 # With packed weights the table stays the GGUF's Q8_0 blocks (34 bytes per 32), the LM head reading the same bytes.
-Q8_EMBEDDING_BYTES = 49152 * 576 // 32 * 34
-RESIDUAL_BYTES_PER_SLOT = 30 * 2 * 16 * 3 * 64 * 2
+Q8_EMBEDDING_BYTES = SMOL.vocab_size * SMOL.hidden_size // 32 * 34
+# A KIVI residual slot (int4 KV): K and V of one 16-token block in bfloat16, in every layer.
+RESIDUAL_BYTES_PER_SLOT = SMOL.num_layers * 2 * 16 * SMOL.num_kv_heads * SMOL.head_dim * 2
 SMALL_POOL = {"kv_cache_memory_gb": 0.05, "max_num_seqs": 4}
 
 

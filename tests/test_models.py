@@ -5,16 +5,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_hf_config  # noqa: E402
+
 from kvbank import LLM, SamplingParams  # noqa: E402
 
-TINY = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    max_position_embeddings=256,
-    initializer_range=0.25,
-)
+# Every case's changes to tiny_models' tiny decoder; CASES adds each one's heads and embedding tying.
+TINY = dict(vocab_size=320, max_position_embeddings=256, initializer_range=0.25)
 
 CASES = {
     "llama-gqa-tied": (
@@ -60,7 +56,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [100 + i for i in range(37)], [12]]
 def _save_random_checkpoint(name: str, folder) -> torch.nn.Module:
     config_cls, extra = CASES[name]
     torch.manual_seed(hash(name) % 1000)
-    model = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra), dtype=torch.float32).eval()
+    config = tiny_hf_config(config_cls, **TINY, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # q/k/v biases start at zero; make them matter
         for param_name, param in model.named_parameters():
             if param_name.endswith("bias") or "norm" in param_name:

@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 from serving import request, start_server, stop_server, wait_healthy
+from tiny_models import tiny_llama_config
 
 from kvbank import LLM, SamplingParams
 from kvbank.server import AsyncEngine, build_app
@@ -592,16 +593,7 @@ def bos_adding_checkpoint(tmp_path_factory):
     config.update(bos_token="<|endoftext|>", add_bos_token=True, chat_template=CHATML)
     config_path.write_text(json.dumps(config))
     torch.manual_seed(0)
-    model_config = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    transformers.LlamaForCausalLM(model_config).save_pretrained(folder)
+    transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=tokenizer.vocab_size)).save_pretrained(folder)
     return folder
 
 
