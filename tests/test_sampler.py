@@ -161,3 +161,30 @@ def test_seeded_draws_repeat_and_do_not_depend_on_batch_neighbours():
     assert sequence(7, [0]) == alone
     assert sequence(7, [0, 1, 2]) == alone
     assert sequence(8, [0]) != alone
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids has 1025 ids; at most 1024 are allowed"),
+        ({"stop_token_ids": [True]}, "stop_token_ids=.* must be non-negative integers"),
+        ({"stop": ["x"] * 65}, "stop has 65 strings; at most 64 are allowed"),
+        ({"stop": "y" * 1025}, r"stop=.*\(1025 characters\).* is longer than 1024 characters"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias has 1025 entries; at most 1024 are allowed"),
+    ],
+    ids=["stop-ids", "stop-id-bool", "stop-strings", "stop-string-length", "logit-bias"],
+)
+def test_what_is_checked_per_token_is_bounded(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+    at_limit = {
+        name: value[:-1] if not isinstance(value, dict) else dict(list(value.items())[:-1])
+        for name, value in fields.items()
+    }
+    if fields.get("stop_token_ids") != [True]:
+        SamplingParams(**at_limit)
+
+
+def test_stop_token_ids_stop_generation_through_a_set():
+    params = SamplingParams(stop_token_ids=[7, 3, 7])
+    assert params.stop_token_set == frozenset({3, 7}) and params.stop_token_ids == [7, 3, 7]

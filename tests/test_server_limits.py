@@ -115,6 +115,20 @@ def test_caps_on_max_tokens_and_n_are_400s_naming_value_and_limit(server):
     assert reply.usage.completion_tokens == MAX_TOKENS_CAP
 
 
+def test_per_token_checks_are_bounded_over_http(server):
+    """A flood of stop ids, stop strings or biases is a 400 naming the field and its limit, not a
+    slower engine thread for everyone."""
+    client = _client(server)
+    for extra, param, message in (
+        ({"stop_token_ids": list(range(400_000))}, "stop_token_ids", "at most 1024"),
+        ({"stop": ["a"] * 65}, "stop", "at most 64"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert message in raised.value.message and param in raised.value.message, raised.value.message
+
+
 def test_metrics_use_the_documented_names_and_move(server):
     before = _metrics(server)
     for name in (

@@ -9,6 +9,12 @@ from kvbank.cache.policies import KVPolicy, parse_policy
 _GREEDY_EPS = 1e-5
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: bounds on what a request may ask the engine to check per token: stop ids and strings are
+#: tested after every token, logit biases applied to every step's logits
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -44,10 +50,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     kv_policy: str | KVPolicy | None = None
     stop_strings: list[str] = field(init=False, repr=False)
+    #: `stop_token_ids` as a set, for the per-token check
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_set = frozenset(t for t in self.stop_token_ids if isinstance(t, int))
         if self.top_k == -1:
             self.top_k = 0
         if self.kv_policy is not None:
@@ -107,9 +116,18 @@ class SamplingParams:
             self.seed,
             f"must be an integer in [{SEED_MIN}, {SEED_MAX}]",
         )
+        _limit("stop", self.stop_strings, MAX_STOP_STRINGS, "strings")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop, "must be non-empty strings")
+        longest = max(self.stop_strings, key=len, default="")
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            len(longest) <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"{longest[:32]}... ({len(longest)} characters)",
+            f"is longer than {MAX_STOP_STRING_CHARS} characters",
+        )
+        _limit("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS, "ids")
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "must be non-negative integers",
@@ -123,6 +141,7 @@ class SamplingParams:
             self.logit_bias,
             "must be a dict from token id to bias",
         )
+        _limit("logit_bias", self.logit_bias or {}, MAX_LOGIT_BIAS, "entries")
         for token_id, bias in (self.logit_bias or {}).items():
             _check(_is_int(token_id) and token_id >= 0, "logit_bias token id", token_id, "must be an integer >= 0")
             _check(
@@ -145,6 +164,11 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _limit(name: str, items, limit: int, unit: str) -> None:
+    if len(items) > limit:
+        raise ValueError(f"{name} has {len(items)} {unit}; at most {limit} are allowed")
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

@@ -178,7 +178,7 @@ class Sequence:
         the sequence; None while it goes on. A matched stop string is cut from the text here."""
         params = self.params
         if self.num_output_tokens > params.min_tokens:
-            if token in params.stop_token_ids:
+            if token in params.stop_token_set:
                 return "stop", token
             if not params.ignore_eos and token in eos_token_ids:
                 return "stop", None
