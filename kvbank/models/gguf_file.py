@@ -9,6 +9,8 @@ GGUFReader does, so `tensors[i].data` has GGUFReader's shapes and dtypes (the in
 
 from __future__ import annotations
 
+import math
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -33,67 +35,112 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """`fields`: metadata key -> value (str, int, float, bool, or a list of them); `tensors`."""
+    """`fields`: metadata key -> value (str, int, float, bool, or a list of them); `tensors`.
+
+    Every count, length and offset is checked against the file's size before it is used: a
+    truncated, corrupted or hostile file is a ValueError naming the field, never another error.
+    """
+
+    #: arrays of arrays nest at most this deep (the format has no use for deeper ones)
+    MAX_DEPTH = 4
+    #: dimensions of a tensor (ggml's GGML_MAX_DIMS)
+    MAX_DIMS = 4
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if os.path.getsize(path) < 24:
+            raise ValueError(f"{path} is not a GGUF file (it has {os.path.getsize(path)} bytes, less than a header)")
         self._data = np.memmap(path, mode="r")
         self._buffer = memoryview(self._data)
         self._offset = 0
         if bytes(self._buffer[:4]) != _MAGIC:
             raise ValueError(f"{path} is not a GGUF file (it does not start with {_MAGIC!r})")
-        version, n_tensors, n_fields = struct.unpack_from("<IQQ", self._buffer, 4)
+        version, n_tensors, n_fields = self._unpack("<4xIQQ", "header")
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-        self._offset = 24
+        # a field takes at least 12 bytes (key length, type), a tensor's info at least 24
+        self._check_count(n_fields, 12, "metadata count")
+        self._check_count(n_tensors, 24, "tensor count")
         self.fields: dict[str, Any] = {}
         for _ in range(n_fields):
-            key = self._string()
-            (kind,) = self._unpack("<I")
-            self.fields[key] = self._value(kind)
+            key = self._string("metadata key")
+            (kind,) = self._unpack("<I", key)
+            self.fields[key] = self._value(kind, key, 0)
         infos = []
         for _ in range(n_tensors):
-            name = self._string()
-            (n_dims,) = self._unpack("<I")
-            dims = self._unpack(f"<{n_dims}Q")
-            kind, offset = self._unpack("<IQ")
+            name = self._string("tensor name")
+            (n_dims,) = self._unpack("<I", f"tensor {name} dimension count")
+            if not 1 <= n_dims <= self.MAX_DIMS:
+                raise ValueError(f"{path}: tensor {name} has {n_dims} dimensions (1 to {self.MAX_DIMS})")
+            dims = self._unpack(f"<{n_dims}Q", f"tensor {name} shape")
+            kind, offset = self._unpack("<IQ", f"tensor {name} type and offset")
             infos.append((name, dims, kind, offset))
-        alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+        #: where the header (metadata and tensor infos) ends, before the alignment padding
+        self.header_bytes = self._offset
+        alignment = self.fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or not 8 <= alignment <= 1 << 20:
+            raise ValueError(f"{path}: general.alignment={alignment!r} must be an integer in [8, 1048576]")
         start = -(-self._offset // alignment) * alignment
         self.tensors = [self._tensor(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
 
-    def _unpack(self, fmt: str) -> tuple:
+    def _fail(self, what: str, needed: int) -> ValueError:
+        return ValueError(
+            f"{self.path}: {what} needs {needed} bytes at offset {self._offset}, past the file's {len(self._data)}"
+        )
+
+    def _check_count(self, count: int, min_bytes: int, what: str) -> None:
+        if count * min_bytes > len(self._data) - self._offset:
+            raise ValueError(f"{self.path}: {what} {count} cannot fit in a file of {len(self._data)} bytes")
+
+    def _unpack(self, fmt: str, what: str) -> tuple:
+        size = struct.calcsize(fmt)
+        if self._offset + size > len(self._data):
+            raise self._fail(what, size)
         values = struct.unpack_from(fmt, self._buffer, self._offset)
-        self._offset += struct.calcsize(fmt)
+        self._offset += size
         return values
 
-    def _string(self) -> str:
-        (length,) = self._unpack("<Q")
+    def _string(self, what: str) -> str:
+        (length,) = self._unpack("<Q", f"{what} length")
+        if self._offset + length > len(self._data):
+            raise self._fail(what, length)
         start = self._offset
         self._offset += length
         return bytes(self._buffer[start : self._offset]).decode("utf-8", errors="replace")
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, key: str, depth: int) -> Any:
         if kind == _STRING:
-            return self._string()
+            return self._string(key)
         if kind == _ARRAY:
-            item, count = self._unpack("<IQ")
+            if depth >= self.MAX_DEPTH:
+                raise ValueError(f"{self.path}: {key} nests arrays deeper than {self.MAX_DEPTH}")
+            item, count = self._unpack("<IQ", f"{key} array header")
             if item == _STRING:
-                return [self._string() for _ in range(count)]
+                self._check_count(count, 8, f"{key} length")
+                return [self._string(key) for _ in range(count)]
             if item == _ARRAY:
-                return [self._value(_ARRAY) for _ in range(count)]
+                self._check_count(count, 12, f"{key} length")
+                return [self._value(_ARRAY, key, depth + 1) for _ in range(count)]
             if item not in _SCALARS:
-                raise ValueError(f"{self.path}: unknown GGUF array item type {item}")
-            return list(self._unpack(f"<{count}{_SCALARS[item]}"))
+                raise ValueError(f"{self.path}: {key} has unknown GGUF array item type {item}")
+            self._check_count(count, struct.calcsize(_SCALARS[item]), f"{key} length")
+            return list(self._unpack(f"<{count}{_SCALARS[item]}", key))
         if kind not in _SCALARS:
-            raise ValueError(f"{self.path}: unknown GGUF value type {kind}")
-        return self._unpack("<" + _SCALARS[kind])[0]
+            raise ValueError(f"{self.path}: {key} has unknown GGUF value type {kind}")
+        return self._unpack("<" + _SCALARS[kind], key)[0]
 
     def _tensor(self, name: str, dims: tuple[int, ...], kind: int, offset: int) -> GGUFTensor:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        qtype = GGMLQuantizationType(kind)
-        n_elements = int(np.prod(dims))
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise ValueError(f"{self.path}: tensor {name} has unknown type {kind}") from None
+        n_elements = math.prod(dims)
+        if n_elements == 0 or n_elements > 8 * len(self._data):  # no type stores fewer than 1/8 byte per element
+            raise ValueError(
+                f"{self.path}: tensor {name} has shape {list(dims)}, impossible in {len(self._data)} bytes"
+            )
         np_dims = tuple(reversed(dims))
         plain = {
             GGMLQuantizationType.F32: np.float32,
@@ -107,6 +154,8 @@ class GGUFFile:
         if plain is not None:
             dtype, count = np.dtype(plain), n_elements
         else:
+            if qtype not in GGML_QUANT_SIZES:
+                raise ValueError(f"{self.path}: tensor {name} has type {qtype.name}, which has no block size")
             block, type_size = GGML_QUANT_SIZES[qtype]
             if np_dims[-1] % block:
                 raise ValueError(f"{self.path}: tensor {name} rows of {np_dims[-1]} are not whole {qtype.name} blocks")
