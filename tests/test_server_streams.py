@@ -13,6 +13,7 @@ from serving import request, start_server, stop_server, wait_healthy
 from kvbank import LLM
 
 MAX_STREAMS = 3
+PER_TENANT = 2
 IDLE_TIMEOUT = 5
 SYSTEM = "You watch a video of moving objects and answer questions about it briefly."
 
@@ -26,6 +27,8 @@ def server(kvbank_env, tmp_path_factory):
             "warning",
             "--max-streams",
             str(MAX_STREAMS),
+            "--max-streams-per-tenant",
+            str(PER_TENANT),
             "--stream-idle-timeout",
             str(IDLE_TIMEOUT),
             "--num-gpu-blocks",
@@ -72,8 +75,12 @@ def _running(url: str) -> float:
     )
 
 
-def _delete(url: str, stream_id: str) -> int:
-    return httpx.delete(f"{url}/v1/streams/{stream_id}").status_code
+def _delete(url: str, stream_id: str, salt: str | None = None) -> int:
+    return httpx.delete(f"{url}/v1/streams/{stream_id}", headers=_salt_header(salt)).status_code
+
+
+def _salt_header(salt: str | None) -> dict:
+    return {} if salt is None else {"X-Cache-Salt": salt}
 
 
 def test_a_stream_keeps_its_last_frames_and_answers_from_them(server):
@@ -138,9 +145,13 @@ def test_a_client_that_hangs_up_mid_answer_leaves_the_stream_intact(server):
     assert _delete(server, stream_id) == 200
 
 
-def test_stream_limits_and_idle_expiry(server):
-    ids = [_open(server) for _ in range(MAX_STREAMS)]
+def test_stream_limits_per_tenant_and_server_and_idle_expiry(server):
+    ids = [_open(server) for _ in range(PER_TENANT)]
     status, body, headers = request(f"{server}/v1/streams", {"system": SYSTEM})
+    assert status == 429 and body["error"]["code"] == "too_many_tenant_streams", body
+    assert "--max-streams-per-tenant" in body["error"]["message"] and "retry-after" in {k.lower() for k in headers}
+    other = _open(server, cache_salt="tenant-b")  # a full tenant leaves room for the others
+    status, body, headers = request(f"{server}/v1/streams", {"system": SYSTEM, "cache_salt": "tenant-c"})
     assert (
         status == 429 and body["error"]["code"] == "too_many_streams" and "retry-after" in {k.lower() for k in headers}
     )
@@ -152,12 +163,56 @@ def test_stream_limits_and_idle_expiry(server):
         assert request(f"{server}/v1/streams/{ids[0]}/frames", {"text": "tick"})[0] == 200
         time.sleep(0.5)
     assert request(f"{server}/v1/streams/{ids[1]}")[0] == 404
-    assert request(f"{server}/v1/streams/{ids[2]}")[0] == 404
+    assert request(f"{server}/v1/streams/{other}", headers=_salt_header("tenant-b"))[0] == 404
     assert request(f"{server}/v1/streams/{ids[0]}")[0] == 200
     fresh = _open(server)  # the expired ones' places are free again
     for stream_id in (ids[0], fresh):
         assert _delete(server, stream_id) == 200
     assert _delete(server, fresh) == 404
+
+
+def _every_route(url: str, stream_id: str, salt: str | None) -> list[tuple[int, str]]:
+    """Describe, append, ask and close `stream_id` as the tenant of `salt`: each answer's status and
+    body, the id in it replaced, so that answers about different ids compare."""
+    in_body = {} if salt is None else {"cache_salt": salt}
+    base = f"{url}/v1/streams/{stream_id}"
+    answers = [
+        request(base, headers=_salt_header(salt))[:2],
+        request(f"{base}/frames", {"text": "intruder", **in_body})[:2],
+        request(f"{base}/ask", {"question": "What did you see?", "max_tokens": 1, **in_body})[:2],
+    ]
+    closed = httpx.delete(base, headers=_salt_header(salt))
+    answers.append((closed.status_code, closed.json()))
+    return [(status, json.dumps(body).replace(stream_id, "ID")) for status, body in answers]
+
+
+def _listed(url: str, salt: str | None) -> set[str]:
+    return {s["id"] for s in request(f"{url}/v1/streams", headers=_salt_header(salt))[1]["data"]}
+
+
+def test_a_stream_answers_only_its_own_tenant_and_as_if_missing_to_others(server):
+    salted, unsalted = _open(server, cache_salt="tenant-a"), _open(server)
+    assert re.fullmatch(r"stream-[0-9a-f]{32}", salted)
+    missing = _every_route(server, "stream-" + "0" * 32, "tenant-b")
+    assert [status for status, _ in missing] == [404] * 4
+    assert _every_route(server, salted, "tenant-b") == missing
+    assert _every_route(server, salted, None) == missing, "the default tenant reaches no salted stream"
+    assert _every_route(server, unsalted, "tenant-a") == missing, "a salted tenant reaches no unsalted stream"
+    assert (_listed(server, "tenant-a"), _listed(server, None), _listed(server, "tenant-b")) == (
+        {salted},
+        {unsalted},
+        set(),
+    )
+    status, state, _ = request(f"{server}/v1/streams/{salted}", headers=_salt_header("tenant-a"))
+    assert status == 200 and state["frames"] == 0, "no other tenant's frame reached the stream"
+    status, frame, _ = request(f"{server}/v1/streams/{salted}/frames", {"text": _frame(0), "cache_salt": "tenant-a"})
+    assert status == 200 and frame["index"] == 0, frame
+    ask = {"question": "Which ids?", "max_tokens": 2, "cache_salt": "tenant-a"}
+    status, answer, _ = request(f"{server}/v1/streams/{salted}/ask", ask)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+    status, body, _ = request(f"{server}/v1/streams/{salted}/ask", ask, headers=_salt_header("tenant-b"))
+    assert status == 400 and body["error"]["param"] == "cache_salt", "a salt header that disagrees is refused"
+    assert (_delete(server, salted, "tenant-a"), _delete(server, unsalted)) == (200, 200)
 
 
 def test_bad_stream_requests_get_400s_naming_the_field(server):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import logging
 import sys
 from typing import Any
@@ -29,6 +30,8 @@ PromptInput = str | list[int]
 #: unknown request fields that are ignored (with a warning) because they cannot change the answer
 HARMLESS_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+#: the tenant of requests without a cache_salt
+DEFAULT_TENANT = "default"
 EMBED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLING_FIELDS = (
     "n",
@@ -242,6 +245,14 @@ def with_salt(prompt: PromptInput | dict, cache_salt: str | None) -> PromptInput
     return {key: prompt, "cache_salt": cache_salt}
 
 
+def tenant_of(cache_salt: str | None) -> str:
+    """The tenant a request belongs to, by its `cache_salt`: "default" without one, else a digest of
+    the salt, safe in a path and in logs (the salt itself is never kept by the server's routes)."""
+    if cache_salt is None:
+        return DEFAULT_TENANT
+    return "tenant-" + hashlib.sha256(b"kvbank tenant\0" + cache_salt.encode()).hexdigest()[:32]
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template sees them; raises APIError for a role or content it must not see."""
     if not messages:
@@ -348,6 +359,10 @@ class SessionRestoreRequest(BaseModel):
     cache_salt: str | None = None
 
 
+class SessionDeleteRequest(SessionRestoreRequest):
+    """`POST /v1/sessions/delete`: the tenant's own session of that name."""
+
+
 class StreamOpenRequest(BaseModel):
     """`POST /v1/streams`; without a policy the stream keeps what the engine's default keeps."""
 
@@ -369,10 +384,13 @@ class FrameRequestBody(BaseModel):
     token_ids: list[int] | None = None
     prompt_embeds: EmbedsBody | None = None
     skip_repeat: bool = False
+    #: the stream's tenant: the cache_salt it was opened with
+    cache_salt: str | None = None
 
 
 class AskRequest(SamplingBody):
-    """`POST /v1/streams/{id}/ask`: a question and the sampling fields of a completion."""
+    """`POST /v1/streams/{id}/ask`: a question and the sampling fields of a completion; `cache_salt`
+    names the stream's tenant (the salt it was opened with)."""
 
     question: str | list[int]
     logprobs: int | None = None

@@ -15,12 +15,14 @@ from kvbank.config import option
 
 @dataclass
 class ServerLimits:
-    """An optional API key, a queue bound, per-request caps and the streaming sessions' limits.
+    """An optional API key, a queue bound, per-request caps, and the streams' and sessions' limits.
 
     `max_queued_requests`: requests accepted but still waiting for their first token (queued or
     being prefilled) beyond which new ones get 429 with Retry-After. `max_tokens_cap` bounds
     max_tokens (and is the default when a chat request names none); `max_n` bounds n. None means
-    no limit.
+    no limit, except for `max_streams_per_tenant`, where it means a quarter of `max_streams`
+    (`tenant_stream_limit`). A tenant is a `cache_salt` (no salt: the default tenant); its quotas
+    keep one tenant from taking every stream slot or filling the session folder.
     """
 
     api_key: str | None = option(
@@ -39,6 +41,19 @@ class ServerLimits:
     max_n: int | None = option(16, "largest n a request may ask for")
     retry_after_s: int = option(1, "seconds a refused client is told to wait (Retry-After)", cli=False)
     max_streams: int | None = option(16, "streaming sessions (/v1/streams) open at once; more get 429")
+    max_streams_per_tenant: int | None = option(
+        None,
+        "streams one tenant (cache_salt) may hold open; more get 429",
+        default_text="a quarter of --max-streams, at least 1",
+    )
+    max_sessions_per_tenant: int | None = option(
+        64, "session files one tenant (cache_salt) may keep in --session-dir; a save of a new name beyond gets 429"
+    )
+    max_session_gb_per_tenant: float | None = option(
+        4.0,
+        "GiB of session files one tenant (cache_salt) may keep in --session-dir; a save beyond gets 507",
+        metavar="GIB",
+    )
     stream_idle_timeout_s: float | None = option(
         600.0, "close a streaming session unused for this long", flag="--stream-idle-timeout", metavar="SECONDS"
     )
@@ -46,7 +61,27 @@ class ServerLimits:
     def __post_init__(self) -> None:
         if self.stream_idle_timeout_s is not None and self.stream_idle_timeout_s <= 0:
             raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be positive")
-        for name in ("max_queued_requests", "max_tokens_cap", "max_n", "max_streams"):
+        if self.max_session_gb_per_tenant is not None and self.max_session_gb_per_tenant <= 0:
+            raise ValueError(f"max_session_gb_per_tenant={self.max_session_gb_per_tenant} must be positive")
+        for name in (
+            "max_queued_requests",
+            "max_tokens_cap",
+            "max_n",
+            "max_streams",
+            "max_streams_per_tenant",
+            "max_sessions_per_tenant",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
+
+    def tenant_stream_limit(self) -> int | None:
+        """Streams one tenant may hold: `max_streams_per_tenant`, else a quarter of `max_streams`."""
+        if self.max_streams_per_tenant is not None or self.max_streams is None:
+            return self.max_streams_per_tenant
+        return max(1, self.max_streams // 4)
+
+    def session_bytes_per_tenant(self) -> int | None:
+        """`max_session_gb_per_tenant` in bytes."""
+        gb = self.max_session_gb_per_tenant
+        return None if gb is None else int(gb * 2**30)

@@ -6,14 +6,23 @@
     GET    /v1/streams/{id}          what it holds;  GET /v1/streams lists them
     DELETE /v1/streams/{id}
 
-A server holds at most `max_streams` streams; one unused for `stream_idle_timeout_s` is closed.
-A question whose client hangs up is aborted, which frees only the question's own blocks.
-Frames given as embeddings travel as `bodies.EmbedsBody` (raw bytes, never a pickle).
+A stream belongs to its tenant, the `cache_salt` it was opened with (none: the default tenant).
+Its id is a secret handle (`stream-` and 128 random bits), and every route but the open also needs
+the tenant: `cache_salt` in the body of a POST, the `X-Cache-Salt` header on GET and DELETE (none:
+the default tenant). A stream of another tenant is answered exactly as a missing one (404), and a
+tenant lists only its own streams.
+
+A server holds at most `max_streams` streams, a tenant at most `tenant_stream_limit()`; one unused
+for `stream_idle_timeout_s` is closed. A question whose client hangs up is aborted, which frees
+only the question's own blocks. Frames given as embeddings travel as `bodies.EmbedsBody` (raw
+bytes, never a pickle).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,7 +33,14 @@ from fastapi.responses import JSONResponse, Response
 
 from kvbank.engine.streams import FrameOutput, PoolFull
 from kvbank.server.async_engine import AsyncEngine, final_outputs
-from kvbank.server.bodies import AskRequest, FrameRequestBody, RequestChecks, StreamOpenRequest, decode_embeds
+from kvbank.server.bodies import (
+    AskRequest,
+    FrameRequestBody,
+    RequestChecks,
+    StreamOpenRequest,
+    decode_embeds,
+    tenant_of,
+)
 from kvbank.server.errors import APIError
 from kvbank.server.limits import ServerLimits
 from kvbank.server.responses import (
@@ -41,10 +57,13 @@ from kvbank.server.responses import (
 EXPIRY_CHECK_S = 1.0
 #: max_tokens of a question that names none
 ASK_DEFAULT_MAX_TOKENS = 64
+#: the header that names the tenant (its cache_salt) on the routes without a body
+SALT_HEADER = "X-Cache-Salt"
 
 
 @dataclass
 class _StreamState:
+    tenant: str
     created: int
     policy: str
     separator: str
@@ -69,22 +88,16 @@ class Streams:
 
     async def open(self, body: StreamOpenRequest) -> dict:
         self._start_expiry()
-        limit = self.limits.max_streams
-        if limit is not None and len(self.streams) >= limit:
-            raise APIError(
-                f"this server holds {len(self.streams)} streams, its limit (--max-streams); close one first",
-                status=429,
-                code="too_many_streams",
-                headers={"Retry-After": str(self.limits.retry_after_s)},
-            )
-        stream_id = f"stream-{uuid.uuid4().hex}"
+        tenant = tenant_of(body.cache_salt)
+        self._check_room(tenant)
+        stream_id = f"stream-{secrets.token_hex(16)}"
         system: Any = body.system
         if body.cache_salt is not None:
             system = {
                 "prompt" if isinstance(system, str) else "prompt_token_ids": system,
                 "cache_salt": body.cache_salt,
             }
-        state = self.streams[stream_id] = _StreamState(int(time.time()), body.policy or "", body.separator)
+        state = self.streams[stream_id] = _StreamState(tenant, int(time.time()), body.policy or "", body.separator)
         # Without a policy the engine's default applies; the answer spells out whichever it runs.
         policy = {} if body.policy is None else {"policy": body.policy}
 
@@ -119,7 +132,7 @@ class Streams:
         }
 
     async def append(self, stream_id: str, body: FrameRequestBody) -> dict:
-        state = self._state(stream_id)
+        state = self._state(stream_id, body.cache_salt)
         given = [name for name in ("text", "token_ids", "prompt_embeds") if getattr(body, name) is not None]
         if len(given) != 1:
             raise APIError(f"give exactly one of text, token_ids or prompt_embeds (got {len(given)})")
@@ -161,14 +174,14 @@ class Streams:
         }
 
     async def ask(self, stream_id: str, body: AskRequest, request: Request) -> Response:
-        state = self._state(stream_id)
+        state = self._state(stream_id, body.cache_salt)
         self.checks.check(body)
         max_tokens = body.max_tokens if body.max_tokens is not None else ASK_DEFAULT_MAX_TOKENS
         params = self.checks.sampling_params(
             body, self.checks.max_tokens(max_tokens, "max_tokens"), body.logprobs, None
         )
-        if body.prompt_logprobs is not None or body.kv_policy is not None or body.cache_salt is not None:
-            name = next(n for n in ("prompt_logprobs", "kv_policy", "cache_salt") if getattr(body, n) is not None)
+        if body.prompt_logprobs is not None or body.kv_policy is not None:
+            name = "prompt_logprobs" if body.prompt_logprobs is not None else "kv_policy"
             raise APIError(f"{name} cannot be given for a stream question: it runs on the stream's cache", param=name)
         job = Job("ask", "text_completion", "text_completion", self.checks.model_name, params, body.include_usage)
         request_id = f"{job.id}-0"
@@ -203,35 +216,59 @@ class Streams:
             answer["recalled_frames"] = output.recalled_frames
         return JSONResponse(answer)
 
-    async def describe(self, stream_id: str) -> dict:
-        state = self._state(stream_id)
+    async def describe(self, stream_id: str, cache_salt: str | None) -> dict:
+        state = self._state(stream_id, cache_salt)
         stats = await self.async_engine.call(lambda engine: engine.stream(stream_id).stats())
         return {"id": stream_id, "object": "stream", "created": state.created, "policy": state.policy, **stats}
 
-    async def list(self) -> dict:
-        return {"object": "list", "data": [await self.describe(stream_id) for stream_id in list(self.streams)]}
+    async def list(self, cache_salt: str | None) -> dict:
+        tenant = tenant_of(cache_salt)
+        own = [stream_id for stream_id, state in self.streams.items() if state.tenant == tenant]
+        return {"object": "list", "data": [await self.describe(stream_id, cache_salt) for stream_id in own]}
 
-    async def close(self, stream_id: str) -> dict:
-        self._state(stream_id)
+    async def close(self, stream_id: str, cache_salt: str | None) -> dict:
+        self._state(stream_id, cache_salt)
         self.streams.pop(stream_id, None)
         await self._close_quietly(stream_id)
         return {"id": stream_id, "object": "stream", "deleted": True}
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _state(self, stream_id: str) -> _StreamState:
+    def _check_room(self, tenant: str) -> None:
+        """Refuse a new stream beyond the server's limit or the tenant's."""
+        held = sum(state.tenant == tenant for state in self.streams.values())
+        checks = (
+            (len(self.streams), self.limits.max_streams, "this server", "--max-streams", "too_many_streams"),
+            (
+                held,
+                self.limits.tenant_stream_limit(),
+                "this tenant (cache_salt)",
+                "--max-streams-per-tenant",
+                "too_many_tenant_streams",
+            ),
+        )
+        for count, limit, holder, flag, code in checks:
+            if limit is not None and count >= limit:
+                raise APIError(
+                    f"{holder} holds {count} streams, its limit ({flag}); close one first",
+                    status=429,
+                    code=code,
+                    headers={"Retry-After": str(self.limits.retry_after_s)},
+                )
+
+    def _state(self, stream_id: str, cache_salt: str | None) -> _StreamState:
+        """The stream, if it exists and belongs to the tenant of `cache_salt`; another tenant's is
+        answered as a missing one, so that an id cannot be probed."""
         state = self.streams.get(stream_id)
-        if state is None:
-            raise APIError(
-                f"stream {stream_id!r} does not exist", status=404, param="stream_id", code="stream_not_found"
-            )
+        if state is None or not hmac.compare_digest(state.tenant, tenant_of(cache_salt)):
+            raise _not_found(stream_id)
         return state
 
     async def _submit(self, stream_id: str, start, request_id: str):
         try:
             return await self.async_engine.submit(start, request_id)
         except KeyError:
-            raise APIError(f"stream {stream_id!r} does not exist", status=404, code="stream_not_found") from None
+            raise _not_found(stream_id) from None
         except PoolFull as error:
             raise APIError(str(error), status=507, code="kv_pool_full") from error
         except ValueError as error:
@@ -271,29 +308,50 @@ class Streams:
                     await self._close_quietly(stream_id)
 
 
+def _not_found(stream_id: str) -> APIError:
+    return APIError(f"stream {stream_id!r} does not exist", status=404, param="stream_id", code="stream_not_found")
+
+
+def _header_salt(request: Request) -> str | None:
+    return request.headers.get(SALT_HEADER)
+
+
+def _same_salt(request: Request, cache_salt: str | None) -> None:
+    """A POST names its tenant in the body; a salt header that says otherwise is refused, not ignored."""
+    header = _header_salt(request)
+    if header is not None and header != cache_salt:
+        raise APIError(
+            f"the {SALT_HEADER} header differs from the body's cache_salt: a POST names its tenant in the body",
+            param="cache_salt",
+        )
+
+
 def install_streams(app: FastAPI, streams: Streams) -> None:
     """The /v1/streams routes."""
 
     @app.post("/v1/streams")
-    async def open_stream(body: StreamOpenRequest) -> dict:
+    async def open_stream(body: StreamOpenRequest, request: Request) -> dict:
+        _same_salt(request, body.cache_salt)
         return await streams.open(body)
 
     @app.get("/v1/streams")
-    async def list_streams() -> dict:
-        return await streams.list()
+    async def list_streams(request: Request) -> dict:
+        return await streams.list(_header_salt(request))
 
     @app.get("/v1/streams/{stream_id}")
-    async def describe_stream(stream_id: str) -> dict:
-        return await streams.describe(stream_id)
+    async def describe_stream(stream_id: str, request: Request) -> dict:
+        return await streams.describe(stream_id, _header_salt(request))
 
     @app.post("/v1/streams/{stream_id}/frames")
-    async def append_frame(stream_id: str, body: FrameRequestBody) -> dict:
+    async def append_frame(stream_id: str, body: FrameRequestBody, request: Request) -> dict:
+        _same_salt(request, body.cache_salt)
         return await streams.append(stream_id, body)
 
     @app.post("/v1/streams/{stream_id}/ask")
     async def ask(stream_id: str, body: AskRequest, request: Request) -> Response:
+        _same_salt(request, body.cache_salt)
         return await streams.ask(stream_id, body, request)
 
     @app.delete("/v1/streams/{stream_id}")
-    async def close_stream(stream_id: str) -> dict:
-        return await streams.close(stream_id)
+    async def close_stream(stream_id: str, request: Request) -> dict:
+        return await streams.close(stream_id, _header_salt(request))
