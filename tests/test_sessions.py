@@ -135,9 +135,19 @@ KEY = "sk-sessions-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _start(kvbank_env, session_dir, log_path):
+# A float32 session of DOCUMENT is about 6 MB: a tenant fits one and a short one, not two of them.
+MAX_SESSIONS = 2
+QUOTA_GB = 0.008
+QUOTA_BYTES = int(QUOTA_GB * 2**30)
+SALT_A, SALT_B = "salt-of-tenant-a", "salt-of-tenant-b"
+SHORT = (
+    "Every ship that passes the northern rocks is logged by the lighthouse keeper, who opens the harbour office at six."
+)
+
+
+def _start(kvbank_env, session_dir, log_path, *flags: str):
     return start_server(
-        ["--dtype", "float32", "--api-key", KEY, "--session-dir", str(session_dir), "--log-level", "warning"],
+        ["--dtype", "float32", "--api-key", KEY, "--session-dir", str(session_dir), "--log-level", "warning", *flags],
         kvbank_env,
         log_path,
     )
@@ -163,8 +173,9 @@ def test_session_saved_on_one_server_is_a_cache_hit_after_a_restart(kvbank_env, 
         stop_server(process)
     assert status == 200, saved
     assert saved["session"] == "doc" and saved["tokens"] > 100
-    assert saved["bytes"] == (sessions / "doc.kv").stat().st_size
-    (sessions / "bad.kv").write_bytes((sessions / "doc.kv").read_bytes()[:-1])
+    (doc,) = sessions.glob("*/doc.kv")  # the salted tenant's folder, not named after the salt
+    assert doc.parent.name != "t" and saved["bytes"] == doc.stat().st_size
+    (doc.parent / "bad.kv").write_bytes(doc.read_bytes()[:-1])
 
     process, url = second
     try:
@@ -183,7 +194,7 @@ def test_session_saved_on_one_server_is_a_cache_hit_after_a_restart(kvbank_env, 
         stop_server(process)
     assert missing[0] == 404 and "'nope' does not exist" in missing[1]["error"]["message"]
     assert truncated[0] == 422 and "session 'bad' cannot be loaded: truncated" in truncated[1]["error"]["message"]
-    assert wrong_salt[0] == 422 and "another cache_salt" in wrong_salt[1]["error"]["message"]
+    assert wrong_salt[0] == 404 and wrong_salt[1]["error"]["message"] == "session 'doc' does not exist"
     assert bad_name[0] == 400 and bad_name[1]["error"]["param"] == "session"
     assert no_prompt[0] == 400 and "exactly one of prompt" in no_prompt[1]["error"]["message"]
     assert restored == (200, {"session": "doc", "tokens": saved["tokens"]})
@@ -229,3 +240,63 @@ def test_a_save_while_another_request_runs_leaves_that_request_exact(saver, load
     assert saved.json()["bytes"] == (tmp_path / "s.kv").stat().st_size
     assert completion.status_code == 200, completion.text
     assert completion.json()["choices"][0]["text"] == alone.outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def tenant_server(kvbank_env, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tenants")
+    flags = ("--max-sessions-per-tenant", str(MAX_SESSIONS), "--max-session-gb-per-tenant", str(QUOTA_GB))
+    process, url = _start(kvbank_env, folder / "sessions", folder / "server.log", *flags)
+    try:
+        wait_healthy(process, url, folder / "server.log")
+        yield url, folder / "sessions"
+    finally:
+        stop_server(process)
+
+
+def _save(url: str, name: str, prompt: str, salt: str | None) -> tuple[int, dict]:
+    return _post(f"{url}/v1/sessions/save", {"session": name, "prompt": prompt, "cache_salt": salt})
+
+
+def _restore(url: str, name: str, salt: str | None) -> tuple[int, dict]:
+    return _post(f"{url}/v1/sessions/restore", {"session": name, "cache_salt": salt})
+
+
+def test_two_tenants_each_keep_and_restore_their_own_session_of_one_name(tenant_server):
+    url, folder = tenant_server
+    status_a, a = _save(url, "shared", DOCUMENT, SALT_A)
+    status_b, b = _save(url, "shared", SHORT, SALT_B)
+    assert (status_a, status_b) == (200, 200), (a, b)
+    assert a["tokens"] != b["tokens"]
+    assert _restore(url, "shared", SALT_A) == (200, {"session": "shared", "tokens": a["tokens"]})
+    assert _restore(url, "shared", SALT_B) == (200, {"session": "shared", "tokens": b["tokens"]})
+    status, missing = _restore(url, "shared", None)  # the default tenant has no session of that name
+    assert status == 404 and missing["error"]["message"] == "session 'shared' does not exist"
+    assert not any(salt in str(path) for path in folder.rglob("*") for salt in (SALT_A, SALT_B))
+    assert _post(f"{url}/v1/sessions/delete", {"session": "shared", "cache_salt": SALT_B}) == (
+        200,
+        {"session": "shared", "deleted": True},
+    )
+    assert _restore(url, "shared", SALT_B)[0] == 404
+    assert _restore(url, "shared", SALT_A) == (200, {"session": "shared", "tokens": a["tokens"]})
+    assert _post(f"{url}/v1/sessions/delete", {"session": "shared", "cache_salt": SALT_B})[0] == 404
+
+
+def test_a_tenant_past_its_session_count_or_bytes_is_refused_and_others_are_not(tenant_server):
+    url, _ = tenant_server
+    salt = "salt-of-tenant-c"
+    status, big = _save(url, "big", DOCUMENT, salt)
+    assert status == 200, big
+    status, short = _save(url, "short", SHORT, salt)
+    assert status == 200, short
+    assert big["bytes"] + short["bytes"] <= QUOTA_BYTES < 2 * big["bytes"], "the quota this test needs"
+    status, over_count = _save(url, "third", SHORT, salt)
+    assert status == 429 and over_count["error"]["code"] == "too_many_sessions", over_count
+    assert "--max-sessions-per-tenant" in over_count["error"]["message"]
+    assert _save(url, "big", DOCUMENT, salt)[0] == 200, "saving over one's own session counts it once"
+    assert _save(url, "third", SHORT, "salt-of-tenant-d")[0] == 200, "another tenant's quota is its own"
+    assert _post(f"{url}/v1/sessions/delete", {"session": "short", "cache_salt": salt})[0] == 200
+    status, over_bytes = _save(url, "big2", DOCUMENT, salt)
+    assert status == 507 and over_bytes["error"]["code"] == "session_quota_exceeded", over_bytes
+    assert "--max-session-gb-per-tenant" in over_bytes["error"]["message"]
+    assert _restore(url, "big", salt)[0] == 200 and _restore(url, "big2", salt)[0] == 404

@@ -3,7 +3,7 @@
     GET  /health                 200 while the engine thread runs
     GET  /metrics                Prometheus text
     GET  /v1/models              POST /v1/completions, /v1/chat/completions   (`completions`)
-    POST /v1/sessions/save       POST /v1/sessions/restore                     (`sessions`)
+    POST /v1/sessions/save, /v1/sessions/restore, /v1/sessions/delete          (`sessions`)
     *    /v1/streams...                                                          (`streams`)
     POST /flush_cache            (GET too, as SGLang) empties the prefix cache -> {"blocks", "tokens"}
     GET  /dashboard              the live cache page                           (`dashboard`)
@@ -60,7 +60,7 @@ def build_app(
     checks = RequestChecks(limits, served_model_name, async_engine.engine.model_config.vocab_size)
     _install_server_routes(app, async_engine)
     install_completions(app, Completions(async_engine, checks, limits))
-    install_sessions(app, Sessions(async_engine, Path(session_dir) if session_dir is not None else None))
+    install_sessions(app, Sessions(async_engine, Path(session_dir) if session_dir is not None else None, limits))
     install_streams(app, Streams(async_engine, checks, limits))
     install_dashboard(app, async_engine, limits.api_key)
     return app
