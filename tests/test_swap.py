@@ -112,3 +112,49 @@ def test_forked_siblings_swapped_apart_keep_their_tokens(llm, prompts, unpreempt
     assert [c.token_ids for c in forks.outputs] == [unpreempted[0]] * 3
     assert llm.stats()["num_swaps_out"] > before
     _assert_all_free(llm)
+
+
+def _finish(engine, requests) -> list[list[int]]:
+    for request_id, prompt, params in requests:
+        engine.add_request(prompt, params, request_id=request_id)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+    return [outputs[request_id] for request_id, _, _ in requests]
+
+
+@pytest.mark.parametrize("policy", ["sink_window(sinks=4,window=16)", "h2o(heavy=8,recent=8)"])
+def test_sequences_a_policy_has_edited_are_swapped_whole_and_keep_their_tokens(prompts, monkeypatch, policy):
+    """A sequence that has evicted tokens (moved slots, re-rotated keys, H2O's score buffers)
+    cannot be recomputed from its tokens. Here it arrives second and evicts; the first, a plain sequence,
+    grows until the pool is full and preempts it: it is swapped whole (every block, the open tail,
+    the unrotated copies, the cache state) and finishes exactly as it does alone."""
+    from kvbank.cache import swap
+
+    full = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    windowed = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, kv_policy=policy)
+    # The plain sequence alone needs 13 blocks of 8, the windowed one 9 for its prompt and 3 once it
+    # has evicted: together they do not fit. One chunk holds each prompt: evictions then happen at
+    # the same steps alone and together.
+    small = LLM(block_size=BLOCK_SIZE, num_gpu_blocks=15, max_num_batched_tokens=72, preemption_mode="swap")
+    engine = small.engine
+    long = prompts[1] + prompts[2] + prompts[3]  # past what either policy keeps, so both evict at once
+    alone = _finish(engine, [("a", prompts[0], full)]) + _finish(engine, [("b", long, windowed)])
+    name = policy.split("(")[0]
+    assert small.stats()["num_preemptions"] == 0 and small.stats()[f"evicted_tokens_{name}"] > 0
+    whole = []
+    original = swap.Swapper.swap_out
+
+    def recording(self, seq):
+        whole.append(swap.edited(seq))
+        original(self, seq)
+
+    monkeypatch.setattr(swap.Swapper, "swap_out", recording)
+    together = _finish(engine, [("a2", prompts[0], full), ("b2", long, windowed)])
+    stats = small.stats()
+    assert together == alone
+    assert whole and all(whole), "the windowed sequence was not preempted after it evicted: no whole swap tested"
+    assert stats["num_swaps_in"] == stats["num_swaps_out"] == len(whole)
+    assert engine.manager.num_free_blocks == engine.num_blocks and stats["swap_bytes_used"] == 0

@@ -7,15 +7,22 @@ and keeps this module free of any kind's private state.
 
 Swapped-in blocks are fresh blocks owned by the sequence alone, so siblings of an `n > 1`
 request that once shared blocks each swap their own copy and never write into each other's.
+
+A sequence a long-context policy has edited (evicted tokens, moved slots, re-rotated keys, score
+buffers) cannot be recomputed exactly from its tokens: it is swapped whole instead — every block of
+its table, the open tail included, its unrotated leading copies, and its cache state (computed
+tokens, evictions, rotary offset, scores) — and comes back exactly as it left, into fresh blocks.
+Its pool kind must keep everything in blocks: the policies run on dense pools only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kvbank.cache.manager import KVCacheManager, Sequence
+from kvbank.cache.manager import KVCacheManager, Sequence, blocks_for
 from kvbank.cache.storage import KVStorage
 
 #: Computed tokens from which `auto` swaps a victim instead of recomputing it: one block, the
@@ -34,6 +41,16 @@ class _Swapped:
     tensors: list[torch.Tensor]
     num_blocks: int
     nbytes: int
+    #: a whole swap (an edited sequence): how many of the blocks are its table (the rest its
+    #: pristine copies), and its cache state (computed, evicted, rope offset, score buffers)
+    table_blocks: int | None = None
+    state: tuple[int, int, int, Any] | None = None
+
+
+def edited(seq: Sequence) -> bool:
+    """Whether a long-context policy has edited `seq`'s cache (or keeps scores for it): its K/V can
+    no longer be recomputed from its tokens alone."""
+    return bool(seq.num_evicted) or seq.kv_state is not None
 
 
 class Swapper:
@@ -77,45 +94,69 @@ class Swapper:
         return self.mode == "swap"
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        """`seq` has full computed blocks and they fit in the free swap space.
-
-        A sequence a long-context policy has edited (or that carries score buffers) is recomputed
-        instead: its blocks no longer map to its token positions.
-        """
-        if seq.num_evicted or seq.kv_state is not None:
-            return False
-        num_blocks = self._full_blocks(seq)
+        """`seq` has computed blocks to swap (full ones; every one if it is edited) and they fit in
+        the free swap space."""
+        num_blocks = self._blocks_to_swap(seq)
         return num_blocks > 0 and self.bytes_used + num_blocks * self.bytes_per_block <= self.space_bytes
 
     def swap_out(self, seq: Sequence) -> None:
-        """Copy `seq`'s full computed blocks to host memory (its pool blocks are still its own)."""
+        """Copy `seq`'s blocks to host memory (its pool blocks are still its own): its full computed
+        blocks, or, for an edited sequence, every block and its cache state (restored by `swap_in`)."""
         assert seq not in self.swapped
-        num_blocks = self._full_blocks(seq)
+        whole = edited(seq)
+        table = seq.block_table + seq.pristine_blocks if whole else seq.block_table[: self._full_blocks(seq)]
         pin = torch.cuda.is_available() and self.storage.device.type == "cuda"
-        tensors = [torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in self.storage.tensors]
-        self.storage.read_blocks(seq.block_table[:num_blocks], tensors)
-        nbytes = num_blocks * self.bytes_per_block
-        self.swapped[seq] = _Swapped(tensors, num_blocks, nbytes)
+        tensors = [torch.empty((len(table), *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in self.storage.tensors]
+        self.storage.read_blocks(table, tensors)
+        nbytes = len(table) * self.bytes_per_block
+        entry = _Swapped(tensors, len(table), nbytes)
+        if whole:
+            entry.table_blocks = len(seq.block_table)
+            entry.state = (seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.kv_state)
+        self.swapped[seq] = entry
         self.bytes_used += nbytes
         self.num_swaps_out += 1
 
     def is_swapped(self, seq: Sequence) -> bool:
         return seq in self.swapped
 
-    def swap_in(self, seq: Sequence) -> None:
-        """Write `seq`'s swapped blocks back into its freshly allocated table and count them computed.
+    def is_whole(self, seq: Sequence) -> bool:
+        """`seq` is swapped whole: `swap_in` gives it its blocks itself (no allocation first)."""
+        entry = self.swapped.get(seq)
+        return entry is not None and entry.state is not None
 
-        Leading blocks the allocation found in the prefix cache already hold the same tokens' K/V
-        and are kept; only the rest are written.
+    def blocks_to_resume(self, seq: Sequence, budget: int) -> int:
+        """Free blocks a whole-swapped `seq` needs to come back and compute what it can of its
+        pending tokens within a step's `budget`."""
+        entry = self.swapped[seq]
+        computed, evicted = entry.state[0], entry.state[1]
+        num_new = min(seq.num_tokens - computed, budget)
+        grow = max(0, blocks_for(computed - evicted + num_new, self.manager.block_size) - entry.table_blocks)
+        return entry.num_blocks + grow
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Write `seq`'s swapped blocks back and count them computed.
+
+        A whole swap takes fresh blocks and restores the sequence's table, copies and cache state
+        exactly. Otherwise the blocks go into its freshly allocated table: leading blocks the
+        allocation found in the prefix cache already hold the same tokens' K/V and are kept; only
+        the rest are written.
         """
         entry = self._pop(seq)
+        self.num_swaps_in += 1
+        if entry.state is not None:
+            assert not seq.block_table and not seq.pristine_blocks
+            blocks = self.manager.take_blocks(entry.num_blocks)
+            self.storage.write_blocks(blocks, entry.tensors)
+            seq.block_table, seq.pristine_blocks = blocks[: entry.table_blocks], blocks[entry.table_blocks :]
+            seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.kv_state = entry.state
+            return
         assert len(seq.block_table) >= entry.num_blocks
         first = seq.num_computed_tokens // self.manager.block_size
         if first < entry.num_blocks:
             rows = [t[first:] for t in entry.tensors]
             self.storage.write_blocks(seq.block_table[first : entry.num_blocks], rows)
             seq.num_computed_tokens = entry.num_blocks * self.manager.block_size
-        self.num_swaps_in += 1
 
     def discard(self, seq: Sequence) -> None:
         """Free `seq`'s host copy, if it has one (it finished or was aborted while swapped)."""
@@ -129,3 +170,6 @@ class Swapper:
 
     def _full_blocks(self, seq: Sequence) -> int:
         return seq.num_computed_tokens // self.manager.block_size
+
+    def _blocks_to_swap(self, seq: Sequence) -> int:
+        return len(seq.block_table) + len(seq.pristine_blocks) if edited(seq) else self._full_blocks(seq)

@@ -103,21 +103,32 @@ class Scheduler:
                 break
             if seq.loading:  # its prefix is on its way from a tier; later ones need not wait for it
                 continue
-            if slots + _slots(seq) > self.max_num_seqs or not self.manager.can_allocate(seq):
+            whole = self.swapper is not None and self.swapper.is_whole(seq)
+            if slots + _slots(seq) > self.max_num_seqs or not self._fits(seq, whole, budget):
                 break
             slots += _slots(seq)
             self.waiting.remove(seq)
-            self.manager.allocate(seq)
-            if self.swapper is not None and self.swapper.is_swapped(seq):
+            if whole:  # an edited sequence comes back exactly as it left, and grows from there
                 self.swapper.swap_in(seq)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                copies = self.manager.append_slots(seq, num_new)
+            else:
+                self.manager.allocate(seq)
+                if self.swapper is not None and self.swapper.is_swapped(seq):
+                    self.swapper.swap_in(seq)
+                num_new, copies = min(seq.num_tokens - seq.num_computed_tokens, budget), []
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, copies))
             budget -= num_new
         # Decodes first keeps their single-token attention in one batched call.
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return scheduled
+
+    def _fits(self, seq: Sequence, whole: bool, budget: int) -> bool:
+        if not whole:
+            return self.manager.can_allocate(seq)
+        return self.manager.num_free_blocks >= self.swapper.blocks_to_resume(seq, budget)
 
     def park(self, seq: Sequence) -> None:
         """Take a stream's sequence out of the running set between frames; it keeps its blocks."""
