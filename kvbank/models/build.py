@@ -10,6 +10,7 @@ import torch
 from kvbank import kernels
 from kvbank.config import EngineConfig
 from kvbank.models.config import ModelConfig
+from kvbank.models.gemma3 import Gemma3ForCausalLM
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import ProgressFn, load_model
 from kvbank.models.packed import Int4Blocks, Int8Blocks, packed_matmul_available
@@ -82,14 +83,36 @@ def assemble(
     tensors in `state_dict` and `int4` this builds the same model without any data, which is how
     kvbank.memory.predict sizes it.
     """
+    check_supported(config, engine)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (Gemma3ForCausalLM if config.arch == "gemma3" else LlamaForCausalLM)(config)
     model.load_weights(state_dict, engine.torch_dtype)
     if not engine.packs_int4_weights(bool(int4) and packed_matmul_available(torch.device(engine.device))):
         return model, 0
     native = integer_kernels(engine)
     max_rows = None if engine.batch_invariant else PACKED_MAX_ROWS
     return model, model.pack_weights(int4, max_rows, int8, native)
+
+
+def check_supported(config: ModelConfig, engine: EngineConfig) -> None:
+    """Refuse an engine configuration a model with sliding-window layers cannot run correctly.
+
+    Those layers read their window from dense K/V only (attention/window.py), and the
+    long-context policies move tokens between slots, which a window over slots would not follow.
+    """
+    if not any(config.layer_windows):
+        return
+    if set(engine.kv_format.kinds(config.num_layers, engine.torch_dtype)) != {"dense"}:
+        raise ValueError(
+            f"kv_cache_dtype={engine.kv_cache_dtype!r} is not supported for {config.arch} (head_dim="
+            f"{config.head_dim}, sliding-window layers): the quantized KV kernels take head_dim 64 or 128 and "
+            "windows are read from dense K/V only; use kv_cache_dtype='auto'"
+        )
+    if engine.kv_policy != "full":
+        raise ValueError(
+            f"kv_policy={engine.kv_policy!r} is not supported for {config.arch}: its sliding-window layers "
+            "need every token at its own slot; use kv_policy='full'"
+        )
 
 
 class PeakTracker:

