@@ -1,0 +1,217 @@
+"""Gemma 3 270M (the gemma3 GGUF architecture) against transformers' reading of the same file:
+greedy tokens in float32 (sliding windows included), the tokenizer, the chat template; the
+default bfloat16 configuration; and the configurations it refuses."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gemma import gemma_path, transformers_folder
+
+from kvbank import LLM, SamplingParams
+from kvbank.attention.metadata import AttentionMetadata, PrefillChunk
+from kvbank.attention.window import window_attention, window_rows
+from kvbank.config import EngineConfig
+from kvbank.models.build import check_supported
+from kvbank.models.loader import describe_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+STORY = (
+    "The lighthouse keeper had lived on the island for thirty-one years. Every evening he climbed the "
+    "spiral stairs, trimmed the wick, polished the great lens and watched the ships pass. "
+)
+PROMPTS = [
+    "The capital of France is",
+    "Write a Python function that returns the n-th Fibonacci number.\n\ndef fib(n):",
+    # longer than the 512-token window: the local layers no longer see the start
+    "Remember this number: 7391.\n\n" + STORY * 14 + "\nQuestion: what number did I ask you to remember?\nAnswer:",
+]
+# Gemma 3's published chat template (the GGUF carries none): both renderers must agree on it.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = "
+    "messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}"
+    "{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return gemma_path()
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    import transformers
+
+    folder = transformers_folder(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def llm32(path):
+    # A 256-token budget prefills the long prompt in chunks, next to the other prompts' decodes.
+    return LLM(path, dtype="float32", max_num_batched_tokens=256, num_gpu_blocks=256, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(path, num_gpu_blocks=256)
+
+
+def _encode(llm, prompts):
+    return [llm.get_tokenizer().encode(p) for p in prompts]
+
+
+def test_metadata_gives_gemmas_shape(path):
+    config = describe_model(path).config
+    assert (config.arch, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        "gemma3",
+        18,
+        4,
+        1,
+        256,
+    )
+    assert config.layer_windows == tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert (config.rope_theta, config.rope_local_theta, config.query_pre_attn_scalar) == (1e6, 1e4, 256)
+    assert config.final_logit_softcapping is None and config.tie_word_embeddings and not config.attention_bias
+
+
+def test_greedy_tokens_match_transformers_in_float32_and_need_the_window(llm32, reference, monkeypatch):
+    model, _ = reference
+    prompts = _encode(llm32, PROMPTS)
+    assert len(prompts[2]) > 520
+    outputs = llm32.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=5))
+    for prompt, output in zip(prompts, outputs):
+        with torch.inference_mode():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
+        assert output.outputs[0].token_ids == expected.tolist()
+    # Without the window the long prompt's first answer differs: the test above would fail.
+    for layer in llm32.engine.runner.model.layers:
+        monkeypatch.setattr(layer.self_attn, "window", None)
+    unwindowed = llm32.generate(prompts[2:], SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    first, other = outputs[2].outputs[0].logprobs[0], unwindowed[0].outputs[0].logprobs[0]
+    assert max(abs(first[t].logprob - other[t].logprob) for t in set(first) & set(other)) > 0.01
+
+
+def test_window_attention_reads_exactly_the_last_window_positions():
+    torch.manual_seed(0)
+    window, block_size, heads, dim, length = 8, 4, 4, 16, 21
+    keys, values = torch.randn(length, 1, dim), torch.randn(length, 1, dim)
+    table = torch.randperm(8)[:6]
+    k_cache, v_cache = torch.zeros(8, block_size, 1, dim), torch.zeros(8, block_size, 1, dim)
+    slots = table[torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size
+    k_cache.view(-1, 1, dim)[slots], v_cache.view(-1, 1, dim)[slots] = keys, values
+    q = torch.randn(length, heads, dim)
+    # one decode at the last position, then a chunk continuing from position 5
+    meta = AttentionMetadata(
+        slot_mapping=slots[[20, *range(5, 20)]],
+        num_decode_tokens=1,
+        decode_block_tables=table.unsqueeze(0),
+        decode_context_lens=torch.tensor([length]),
+        prefills=[PrefillChunk(1, 16, 5, table)],
+        block_size=block_size,
+        dtype=torch.float32,
+    )
+    rows = q[[20, *range(5, 20)]]
+    got = window_attention(rows, k_cache, v_cache, window_rows(meta, window), 0.25)
+    key, query = torch.arange(length).unsqueeze(0), torch.arange(length).unsqueeze(1)
+    visible = (key <= query) & (key > query - window)  # transformers' sliding-window mask
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, scale=0.25, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(got, expected[[20, *range(5, 20)]])
+
+
+TEXTS = [
+    "Hello world",
+    "  two leading spaces,   runs   of spaces\n\n\n\ttabs\r\nand CRLF",
+    "digits 0 7 42 1234567890 3.14159 1,000,000 -12e-3",
+    "héllo naïve café Ünïcödé 日本語のテキスト 한국어 Привет мир عربى",
+    "emoji 😀👍🏽 👨‍👩‍👧 🇫🇷 ✨",
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "a\u00a0b\u200bc\u3000d",
+    "",
+    " ",
+    "def f(x):\n    return {'k': x ** 2}  # square",
+]
+
+
+def test_tokenizer_matches_transformers(llm, reference):
+    ours, (_, theirs) = llm.get_tokenizer(), reference
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.stop_token_ids == {theirs.eos_token_id, theirs.convert_tokens_to_ids("<end_of_turn>")}
+
+
+def test_chat_template_renders_like_transformers(llm, reference):
+    ours, (_, theirs) = llm.get_tokenizer(), reference
+    messages = [{"role": "user", "content": "Hi!"}]
+    assert ours.chat_template is None and theirs.chat_template is None  # the file carries none
+    with pytest.raises(ValueError, match="no chat template"):
+        ours.apply_chat_template(messages)
+    conversation = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "  And 3 + 3?  "},
+    ]
+    ours.chat_template = GEMMA3_TEMPLATE
+    try:
+        for generation_prompt in (True, False):
+            expected = theirs.apply_chat_template(
+                conversation, chat_template=GEMMA3_TEMPLATE, tokenize=False, add_generation_prompt=generation_prompt
+            )
+            assert ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt) == expected
+        assert ours.apply_chat_template(conversation, tokenize=True) == theirs.apply_chat_template(
+            conversation, chat_template=GEMMA3_TEMPLATE, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+    finally:
+        ours.chat_template = None
+
+
+def _chat(llm, text):
+    return llm.get_tokenizer().encode(f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_default_bfloat16_completes_in_fluent_english(llm):
+    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    text = llm.generate(_encode(llm, PROMPTS[:1]), GREEDY)[0].outputs[0].text
+    assert "France" in text and re.fullmatch(r"[A-Za-z0-9 ,.'\n-]+", text), text
+
+
+def test_default_bfloat16_chat_answer_is_the_same_alone_and_batched(llm):
+    # The GGUF is the pretrained (not instruction-tuned) 270M: its chat answers are poor, but
+    # they must not depend on what else runs.
+    question = _chat(llm, "Why is the sky blue?")
+    alone = llm.generate([question], GREEDY)[0].outputs[0].token_ids
+    others = [_chat(llm, "Name three colors."), _encode(llm, PROMPTS[1:2])[0]]
+    batched = llm.generate([others[0], question, others[1]], GREEDY)
+    assert batched[1].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype='int8'.*head_dim=256"),
+        ({"kv_policy": "h2o(heavy=256,recent=256)"}, "kv_policy=.*sliding-window"),
+    ],
+)
+def test_refuses_what_the_windows_cannot_run(path, option, match):
+    config = describe_model(path).config
+    with pytest.raises(ValueError, match=match):
+        check_supported(config, EngineConfig(model=path, **option))
+    check_supported(dataclasses.replace(config, layer_windows=()), EngineConfig(model=path, **option))
