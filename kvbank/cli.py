@@ -136,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
     async_engine = AsyncEngine(llm.engine)
     if args.session_dir is not None:
-        Path(args.session_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.session_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # its files hold conversations
     app = build_app(async_engine, name, limits, session_dir=args.session_dir)
     url = f"http://{args.host}:{args.port}"
     print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
@@ -440,11 +440,12 @@ def _engine_flags() -> argparse.ArgumentParser:
 def _add_config_flag(group, config_field: dataclasses.Field, aliases: Sequence[str] = ()) -> None:
     meta = config_field.metadata
     help_text = meta.get("help", config_field.name.replace("_", " "))
+    env = meta.get("env")
     _add_flag(
         group,
         config_field.name,
         _ENGINE_TYPES[config_field.name],
-        config_field.default,
+        os.environ.get(env, config_field.default) if env else config_field.default,
         help_text,
         choices=meta.get("choices"),
         metavar=meta.get("metavar"),

@@ -3,7 +3,8 @@
 `EngineConfig` is the one place engine options and their defaults live: `LLM(model, **kw)`
 builds it, and the `kvbank` command generates its flags from the fields and their metadata
 (`help`, and optionally `choices`, `metavar`, `default_text` for a default that is not a value,
-and `plan=False` for options that change none of the numbers `kvbank plan` prints).
+`env` for an environment variable that the command's flag defaults to, and `plan=False` for options
+that change none of the numbers `kvbank plan` prints).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ _WEIGHT_FORMATS = ("auto", "dense", "int4")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 #: most tokens one step computes unless `max_num_batched_tokens` says otherwise
 DEFAULT_PREFILL_CHUNK = 2048
+TIER_KEY_ENV = "KVBANK_TIER_KEY"
+#: a shorter tier key could be guessed from one entry and its MAC
+MIN_TIER_KEY_CHARS = 16
 
 
 def option(default: Any, help_text: str, **metadata: Any) -> Any:
@@ -128,6 +132,19 @@ class EngineConfig:
         0, "prefix-cache hits a chunk needs before it is offloaded (0: every chunk)", plan=False
     )
     kv_tier_chunk_tokens: int = option(256, "tokens per tier entry (a multiple of --block-size)", plan=False)
+    kv_tier_key: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a log line or a traceback
+        metadata={
+            "help": "secret that signs every tier entry, stream frame and session file (keyed BLAKE2b): "
+            "entries without its MAC are refused; without a key, whoever can write the store can change "
+            f"what is served (at least {MIN_TIER_KEY_CHARS} characters, e.g. `openssl rand -hex 32`)",
+            "env": TIER_KEY_ENV,
+            "metavar": "KEY",
+            "default_text": f"${TIER_KEY_ENV}, else no key",
+            "plan": False,
+        },
+    )
     preemption_mode: str = option(
         "auto",
         "what happens to a sequence the pool cannot hold: swap its blocks to host RAM, "
@@ -183,6 +200,7 @@ class EngineConfig:
         if not isinstance(self.kv_offload_min_hits, int) or self.kv_offload_min_hits < 0:
             raise ValueError(f"kv_offload_min_hits={self.kv_offload_min_hits!r} must be an integer >= 0")
         chunk_blocks_for(self.kv_tier_chunk_tokens, self.block_size)  # raises if bad
+        _check_tier_key(self.kv_tier_key)
         parse_policy(self.kv_policy)  # raises if bad
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
@@ -217,6 +235,12 @@ class EngineConfig:
         if self.weight_format == "int4" and not usable:
             raise ValueError("weight_format='int4' needs a GGUF with Q4_0/Q4_1 weights, dtype=bfloat16 and a CPU")
         return usable and self.weight_format != "dense"
+
+
+def _check_tier_key(key: object) -> None:
+    if key is not None and not (isinstance(key, str) and len(key) >= MIN_TIER_KEY_CHARS):
+        got = f"{len(key)} characters" if isinstance(key, str) else f"a {type(key).__name__}"  # never the key
+        raise ValueError(f"kv_tier_key must be a string of at least {MIN_TIER_KEY_CHARS} characters, got {got}")
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -3,6 +3,9 @@ engine and served from the prefix cache with identical outputs; damaged or forei
 
 import asyncio
 import dataclasses
+import json
+import os
+import struct
 
 import httpx
 import pytest
@@ -10,8 +13,10 @@ from fastapi.testclient import TestClient
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams
+from kvbank.cache import session
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.session import read_session
+from kvbank.cache.tiers import entry
 from kvbank.server import AsyncEngine, build_app
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -118,8 +123,8 @@ def small():
     return LLM(dtype="float32", num_gpu_blocks=4)
 
 
-def test_a_pool_too_small_for_the_session_refuses_it(session_file, small):
-    with pytest.raises(ValueError, match=r"needs \d+ free KV blocks but the pool has 4 of 4 free"):
+def test_a_pool_too_small_for_the_session_refuses_it_before_reading_it(session_file, small):
+    with pytest.raises(ValueError, match=r"cannot be loaded: oversize: \d+ bytes, more than a pool of 4 blocks"):
         small.load_session(session_file, cache_salt="tenant-a")
     assert small.engine.manager.num_free_blocks == 4
 
@@ -127,6 +132,150 @@ def test_a_pool_too_small_for_the_session_refuses_it(session_file, small):
 def test_a_prompt_shorter_than_a_block_has_nothing_to_save(saver, tmp_path):
     with pytest.raises(ValueError, match="fills no block"):
         saver.save_session([1, 2, 3], tmp_path / "short.kv")
+
+
+# --- files as untrusted input, and the tier key ---------------------------------------------------
+
+SECRET = b"root:x:0:0:secret-bytes-of-another-file\n"
+
+
+def test_a_session_file_is_written_0600_whatever_the_umask(saver, conversation, tmp_path):
+    old = os.umask(0)
+    try:
+        saver.save_session(conversation, tmp_path / "private.kv")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "private.kv").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("target", ["secret", "session"])
+def test_a_symlinked_session_file_is_refused_without_echoing_its_target(session_file, loader, tmp_path, target):
+    secret = tmp_path / "passwd"
+    secret.write_bytes(SECRET)
+    link = tmp_path / "pw.kv"
+    link.symlink_to(secret if target == "secret" else session_file)  # even a valid session is not followed
+    with pytest.raises(ValueError, match=f"{link} cannot be loaded: a symbolic link") as refused:
+        loader.load_session(link, cache_salt="tenant-a")
+    assert "x:0:0" not in str(refused.value) and "secret-bytes" not in str(refused.value)
+
+
+def test_a_file_that_is_no_session_is_refused_without_echoing_its_bytes(loader, tmp_path):
+    other = tmp_path / "passwd.kv"
+    other.write_bytes(SECRET * 10)
+    with pytest.raises(ValueError, match="cannot be loaded: header: not a kvbank entry$") as refused:
+        loader.load_session(other, cache_salt="tenant-a")
+    assert "x:0:0" not in str(refused.value) and "secret-bytes" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_or_a_directory_is_refused_at_once(loader, tmp_path, kind):
+    path = tmp_path / "odd.kv"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()  # a FIFO would block a plain open
+    with pytest.raises(ValueError, match="cannot be loaded: header: not a regular file"):
+        loader.load_session(path, cache_salt="tenant-a")
+
+
+def test_an_oversized_file_is_refused_before_it_is_allocated(session_file, loader, tmp_path, monkeypatch):
+    huge = tmp_path / "huge.kv"
+    huge.write_bytes(session_file.read_bytes())
+    os.truncate(huge, 1 << 40)  # sparse: a terabyte that takes no disk, with a valid prefix
+    allocated = []
+    monkeypatch.setattr(session, "bytearray", lambda n: allocated.append(n) or bytearray(n), raising=False)
+    with pytest.raises(ValueError, match="cannot be loaded: oversize"):
+        loader.load_session(huge, cache_salt="tenant-a")
+    assert allocated == []
+    loader.load_session(session_file, cache_salt="tenant-a")
+    assert allocated == [session_file.stat().st_size]  # the spy sees the allocations it should
+
+
+def _reheader(blob: bytes, edit) -> bytes:
+    """The session file with its header changed by `edit` and a valid unkeyed checksum."""
+    header_len, payload_len = struct.unpack_from("<IQ", blob, 8)
+    text = edit(blob[entry.PREFIX_BYTES : entry.PREFIX_BYTES + header_len])
+    text += b" " * (-(entry.PREFIX_BYTES + len(text)) % 16)
+    fields = struct.pack("<4sHHIQ", entry.MAGIC, entry.VERSION, 0, len(text), payload_len)
+    body = text + blob[entry.PREFIX_BYTES + header_len :]
+    return fields + entry.digest(None, fields, body) + body
+
+
+def _edit_json(change):
+    def edit(text: bytes) -> bytes:
+        header = json.loads(text)
+        change(header)
+        return json.dumps(header).encode()
+
+    return edit
+
+
+HOSTILE_HEADERS = {
+    "missing model": _edit_json(lambda h: h.pop("model")),
+    "nested 10,000 deep": lambda text: b"[" * 10_000 + b"]" * 10_000,
+    "token ids as text": _edit_json(lambda h: h.update(token_ids=[str(t) for t in h["token_ids"]])),
+    "kind as a list": _edit_json(lambda h: h.update(kind=["session"])),
+    "position as null": _edit_json(lambda h: h.update(position=None)),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_HEADERS)
+def test_a_hostile_header_with_a_valid_checksum_is_a_value_error(session_file, loader, tmp_path, name):
+    hostile = tmp_path / "hostile.kv"
+    hostile.write_bytes(_reheader(session_file.read_bytes(), HOSTILE_HEADERS[name]))
+    with pytest.raises(ValueError, match=f"{hostile} cannot be loaded: header: "):
+        loader.load_session(hostile, cache_salt="tenant-a")
+
+
+def test_reheadering_alone_keeps_a_session_loadable(session_file, loader, tmp_path):
+    """The hostile headers above are refused for their flaw, not for how they are rewritten."""
+    same = tmp_path / "same.kv"
+    same.write_bytes(_reheader(session_file.read_bytes(), _edit_json(lambda h: None)))
+    assert loader.load_session(same, cache_salt="tenant-a") == loader.load_session(session_file, cache_salt="tenant-a")
+
+
+TIER_KEY = "a-tier-key-of-32-characters-----"
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    return LLM(dtype="float32", num_gpu_blocks=64, kv_tier_key=TIER_KEY)
+
+
+@pytest.fixture(scope="module")
+def keyed_file(keyed, conversation, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keyed") / "harbour.kv"
+    keyed.save_session(_tokens(conversation), path)
+    return path
+
+
+def test_a_keyed_engine_loads_its_own_signed_session(keyed, keyed_file, conversation):
+    assert keyed.load_session(keyed_file) == _tokens(conversation)
+
+
+def test_signed_and_unsigned_sessions_are_refused_by_the_other_kind_of_engine(keyed, keyed_file, loader, session_file):
+    with pytest.raises(ValueError, match="mac: the entry is signed with a tier key, and this engine has no tier key"):
+        loader.load_session(keyed_file)
+    with pytest.raises(ValueError, match="mac: the entry is not signed, and this engine has a tier key"):
+        keyed.load_session(session_file, cache_salt="tenant-a")
+
+
+def test_a_signed_session_is_refused_under_another_key(keyed, keyed_file):
+    root = root_hash(keyed.engine.cache_namespace, None)
+    other = dataclasses.replace(keyed.engine.entry_format, key=entry.tier_key("another-key-of-enough-characters"))
+    with pytest.raises(ValueError, match="mac: the MAC does not match the tier key"):
+        read_session(keyed_file, other, root)
+    read_session(keyed_file, keyed.engine.entry_format, root)
+
+
+def test_a_signed_session_rewritten_without_the_key_is_refused(keyed, keyed_file, tmp_path):
+    blob = bytearray(keyed_file.read_bytes())
+    header_len, payload_len = struct.unpack_from("<IQ", blob, 8)
+    blob[entry.PREFIX_BYTES + header_len :] = bytes(payload_len)  # zeroed K/V
+    for flags in (entry.KEYED, 0):  # still claiming the key, or an honest unkeyed checksum
+        fields = struct.pack("<4sHHIQ", entry.MAGIC, entry.VERSION, flags, header_len, payload_len)
+        blob[: entry.PREFIX_BYTES] = fields + entry.digest(None, fields, blob[entry.PREFIX_BYTES :])
+        forged = tmp_path / "forged.kv"
+        forged.write_bytes(blob)
+        with pytest.raises(ValueError, match=f"{forged} cannot be loaded: mac: "):
+            keyed.load_session(forged)
 
 
 # --- the server ----------------------------------------------------------------------------------

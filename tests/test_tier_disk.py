@@ -2,8 +2,11 @@
 
 import errno
 import hashlib
+import json
 import logging
 import os
+import stat
+import struct
 import subprocess
 import threading
 from pathlib import Path
@@ -11,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbank.cache.tiers import disk
+from kvbank.cache.tiers import disk, entry
 from kvbank.cache.tiers.disk import DiskTier
 from kvbank.cache.tiers.entry import BadEntry, EntryFormat, EntryInfo, pack, unpack
 
@@ -203,7 +206,9 @@ def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True
+        )
         refused = mounted.stderr.decode().strip() if mounted.returncode else None
     except FileNotFoundError:
         refused = "no mount command"
@@ -301,3 +306,191 @@ def test_read_only_directory_is_a_clear_error(tmp_path):
     read_only.mkdir(mode=0o555)
     with pytest.raises(ValueError, match="ro"):
         DiskTier(read_only, SIZE)
+
+
+# --- privacy and tamper evidence -------------------------------------------------------------
+
+
+@pytest.fixture
+def open_umask():
+    """A umask that takes no bits off: modes must come from the code, not from the umask."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path, open_umask):
+    root = tmp_path / "cache" / "kv"
+    tier = DiskTier(root, 10 * SIZE)
+    tier.put(ENTRIES[:2])
+    (file, _) = entry_files(root)
+    assert [oct(stat_mode(p)) for p in (tmp_path / "cache", root, file.parent, file)] == [
+        "0o700",
+        "0o700",
+        "0o700",
+        "0o600",
+    ]
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_directory_others_may_read_is_made_private(tmp_path):
+    shared = tmp_path / "kv"
+    shared.mkdir()
+    shared.chmod(0o755)
+    DiskTier(shared, SIZE)
+    assert stat_mode(shared) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_a_directory_group_or_others_may_write_is_refused(tmp_path, mode):
+    shared = tmp_path / "kv"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(
+        ValueError, match=rf"disk tier directory '{shared}' is writable by group or others \(mode {mode:o}\)"
+    ):
+        DiskTier(shared, SIZE)
+    assert stat_mode(shared) == mode
+
+
+def test_a_directory_of_another_user_is_refused_by_its_stat():
+    other = os.geteuid() + 1
+    st = os.stat_result((stat.S_IFDIR | 0o700, 0, 0, 1, other, 0, 0, 0, 0, 0))
+    with pytest.raises(ValueError, match=rf"'/srv/kv' is owned by uid {other}, not by this process's uid"):
+        disk.check_private(Path("/srv/kv"), st, "disk tier directory")
+    mine = os.stat_result((stat.S_IFDIR | 0o700, 0, 0, 1, os.geteuid(), 0, 0, 0, 0, 0))
+    disk.check_private(Path("/srv/kv"), mine, "disk tier directory")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="only root can give a directory away")
+def test_a_directory_owned_by_nobody_is_refused(tmp_path):
+    foreign = tmp_path / "kv"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(ValueError, match=f"'{foreign}' is owned by uid 65534"):
+        DiskTier(foreign, SIZE)
+
+
+def test_a_file_larger_than_the_tier_is_removed_before_it_is_allocated(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 10 * SIZE)
+    tier.put(ENTRIES[:2])
+    huge = tier._path(ENTRIES[0][0])
+    os.truncate(huge, 1 << 40)  # sparse: a terabyte that takes no disk
+    allocated = []
+    monkeypatch.setattr(disk, "bytearray", lambda n: allocated.append(n) or bytearray(n), raising=False)
+    assert tier.get(keys(0, 1))[0] is None
+    assert allocated == [SIZE]  # the second entry only
+    assert not huge.exists() and tier.contains(keys(0)) == [False]
+    assert (tier.stats.corrupt, tier.stats.entries, tier.stats.bytes_used) == (1, 1, SIZE)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_symlink_or_fifo_under_an_entry_name_is_never_read(tmp_path, plant):
+    secret = tmp_path / "secret"
+    secret.write_bytes(ENTRIES[1][1])  # a valid entry, elsewhere: following the link would serve it
+    tier = DiskTier(tmp_path / "kv", 10 * SIZE)
+    tier.put(ENTRIES[:1])
+    path = tier._path(ENTRIES[0][0])
+    path.unlink()
+    if plant == "symlink":
+        path.symlink_to(secret)
+    else:
+        os.mkfifo(path)
+    assert tier.get(keys(0)) == [None]  # at once: a FIFO is not waited on
+    assert not path.exists() and not path.is_symlink() and secret.exists()
+    assert (tier.stats.corrupt, tier.stats.entries) == (1, 0)
+
+
+def forge(header: dict | bytes, payload_len: int = 0, declared: tuple[int, int] | None = None) -> bytes:
+    """An entry whose header says what the caller wants, with a valid unkeyed checksum over it."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    text += b" " * (-(entry.PREFIX_BYTES + len(text)) % 16)
+    header_len, declared_payload = declared or (len(text), payload_len)
+    fields = struct.pack("<4sHHIQ", entry.MAGIC, entry.VERSION, 0, header_len, declared_payload)
+    body = text + bytes(payload_len)
+    return fields + entry.digest(None, fields, body) + body
+
+
+def valid_header(num_blocks: int = 2) -> dict:
+    return {
+        "model": FMT.model,
+        "dtype": FMT.dtype,
+        "kv_format": FMT.kv_format,
+        "block_size": FMT.block_size,
+        "layout": [[dtype, list(shape)] for dtype, shape in FMT.layout],
+        "kind": "chunk",
+        "key": ENTRIES[0][0].hex(),
+        "parent": bytes(16).hex(),
+        "position": 0,
+        "num_blocks": num_blocks,
+        "token_ids": list(range(16 * num_blocks)),
+    }
+
+
+def without(name: str) -> dict:
+    header = valid_header()
+    del header[name]
+    return header
+
+
+def with_field(**fields) -> dict:
+    return {**valid_header(), **fields}
+
+
+HOSTILE = {
+    "missing model": without("model"),
+    "missing token ids": without("token_ids"),
+    "nested 10,000 deep": b"[" * 10_000 + b"]" * 10_000,
+    "nested inside a field": with_field(kind=json.loads("[" * 50 + "]" * 50)),
+    "not an object": b'"just a string"',
+    "block size as text": with_field(block_size="16"),
+    "block size as bool": with_field(block_size=True),
+    "token ids as text": with_field(token_ids=[str(t) for t in range(32)]),
+    "negative token id": with_field(token_ids=[-1] * 32),
+    "too few token ids": with_field(token_ids=[1] * 5),
+    "layout of numbers": with_field(layout=[1, 2]),
+    "key not hex": with_field(key="zz" * 16),
+    "short key": with_field(key="ab"),
+    "zero blocks": with_field(num_blocks=0, token_ids=[]),
+    "not JSON": b"{not json",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_header_with_a_valid_checksum_is_a_bad_entry(name):
+    blob = forge(HOSTILE[name], FMT.payload_bytes(2))
+    with pytest.raises(BadEntry) as refused:
+        unpack(FMT, blob)
+    assert refused.value.reason == "header"
+
+
+def test_the_forged_header_is_accepted_when_it_is_valid():
+    """The hostile headers above fail for their flaw, not for how they are forged."""
+    info, views = unpack(FMT, forge(valid_header(), FMT.payload_bytes(2)))
+    assert info.num_blocks == 2 and views[0].shape == (2, 16, 3, 64)
+
+
+@pytest.mark.parametrize(
+    "declared", [(2**32 - 16, 0), (16, 2**63), (2**20, FMT.payload_bytes(2))], ids=["header", "payload", "both"]
+)
+def test_huge_declared_sizes_are_refused_before_anything_is_read(declared):
+    blob = forge(valid_header(), FMT.payload_bytes(2), declared=declared)
+    with pytest.raises(BadEntry) as refused:
+        unpack(FMT, blob)
+    assert refused.value.reason == "truncated"
+
+
+def test_a_header_longer_than_its_blocks_can_need_is_refused():
+    padded = json.dumps(valid_header()).encode() + b" " * FMT.max_header_bytes(FMT.payload_bytes(2))
+    with pytest.raises(BadEntry, match="header is more than"):
+        unpack(FMT, forge(padded, FMT.payload_bytes(2)))
+
+
+def test_an_entry_of_an_older_format_version_is_refused_cleanly():
+    blob = bytearray(ENTRIES[0][1])
+    struct.pack_into("<H", blob, 4, entry.VERSION - 1)
+    with pytest.raises(BadEntry, match="format version 1, this kvbank reads version 2"):
+        unpack(FMT, blob)

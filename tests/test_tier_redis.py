@@ -1,5 +1,6 @@
 """The Redis tier against real redis-server processes: standalone (TCP and unix socket) and a 3-master cluster."""
 
+import dataclasses
 import logging
 import os
 import signal
@@ -9,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from kvbank.cache.tiers.entry import BadEntry, EntryFormat, EntryInfo, pack, tier_key, unpack
 from kvbank.cache.tiers.redis import BACKOFF_START_S, RedisTier
 
 pytest_plugins = ["redis_servers"]  # redis_server, unix_redis_server, redis_cluster
@@ -286,3 +288,23 @@ def test_password_is_masked_in_logs(make_tier, caplog):
     with caplog.at_level(logging.WARNING, logger="kvbank.tiers"):
         tier.get([key(1)])
     assert "hunter2" not in caplog.text and "redis://:***@127.0.0.1:1" in caplog.text
+
+
+def test_a_signed_entry_changed_in_redis_without_the_key_is_refused(redis_server, make_tier):
+    """Redis stores what anyone with access writes: only the tier key tells kvbank's entries apart."""
+    fmt = EntryFormat("m", "bfloat16", "auto", 16, (("bfloat16", (16, 3, 64)),))
+    keyed = dataclasses.replace(fmt, key=tier_key("a-tier-key-of-32-characters-----"))
+    info = EntryInfo(key(1), bytes(16), 0, 2, tuple(range(32)))
+    signed = bytes(pack(keyed, info, lambda views: [v.normal_() for v in views]).numpy())
+    tier = make_tier(redis_server.url)
+    assert tier.put([(key(1), signed)]) == 1
+    assert unpack(keyed, tier.get([key(1)])[0])[0] == info
+    with pytest.raises(BadEntry, match="signed with a tier key, and this engine has no tier key"):
+        unpack(fmt, tier.get([key(1)])[0])  # a reader without the key: refused, not a crash
+
+    forged = pack(fmt, info, lambda views: [v.zero_() for v in views])  # all an attacker can sign
+    redis_server.client().set(f"{tier.prefix}{key(1).hex()}", bytes(forged.numpy()))
+    with pytest.raises(BadEntry) as refused:
+        unpack(keyed, tier.get([key(1)])[0])
+    assert refused.value.reason == "mac"
+    assert unpack(fmt, tier.get([key(1)])[0])[0] == info  # without a key it would be served

@@ -7,15 +7,22 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import time
+import types
 import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from serving import start_server, stop_server, wait_healthy
 
-from kvbank import LLM, SamplingParams
-from kvbank.cache.tiers.entry import PREFIX_BYTES, EntryFormat, pack, unpack
+from kvbank import LLM, SamplingParams, cli
+from kvbank.cache.frames import Frame
+from kvbank.cache.recall import FrameArchive
+from kvbank.cache.tiers.entry import KEYED, MAGIC, PREFIX_BYTES, VERSION, EntryFormat, digest, pack, tier_key, unpack
+from kvbank.cache.tiers.host import HostTier
+from kvbank.config import EngineConfig
 
 pytest_plugins = ["redis_servers"]
 
@@ -123,6 +130,180 @@ def _rewrite_for_another_model(fmt: EntryFormat, path: Path) -> None:
             dst.copy_(src)
 
     path.write_bytes(pack(other, info, fill).numpy().tobytes())
+
+
+# --- tamper evidence: the tier key, and hostile headers -----------------------------------------
+
+TIER_KEY = "a-tier-key-of-32-characters-----"
+OTHER_KEY = "another-key-of-enough-characters"
+
+
+def _first_chunk(fmt: EntryFormat, directory: Path) -> Path:
+    return next(f for f in directory.glob("*/*.kv") if unpack(fmt, f.read_bytes())[0].position == 0)
+
+
+def _resign(blob: bytes | bytearray, header: bytes | None = None, flags: int = 0, payload_len: int | None = None):
+    """`blob` with its header (and declared payload length) replaced and an unkeyed checksum that
+    matches: what anyone who can write the store, but has no key, can make."""
+    header_len, real_payload = struct.unpack_from("<IQ", blob, 8)
+    if header is None:
+        header = bytes(blob[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    header += b" " * (-(PREFIX_BYTES + len(header)) % 16)
+    fields = struct.pack("<4sHHIQ", MAGIC, VERSION, flags, len(header), payload_len or real_payload)
+    body = header + bytes(blob[PREFIX_BYTES + header_len :])
+    return fields + digest(None, fields, body) + body
+
+
+def _zero_payload(path: Path, flags: int = 0) -> None:
+    """New K/V (zeros) under the same header, checksummed again."""
+    blob = bytearray(path.read_bytes())
+    header_len, payload_len = struct.unpack_from("<IQ", blob, 8)
+    blob[PREFIX_BYTES + header_len :] = bytes(payload_len)
+    path.write_bytes(_resign(blob, flags=flags))
+
+
+def test_without_a_key_a_payload_rewritten_with_its_checksum_is_served(cold, tmp_path):
+    """The documented trust boundary: without a key, whoever can write the store decides what is served."""
+    ids, expected = cold
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path)) as llm:
+        assert _run(llm, ids) == (expected, 0)
+        fmt = llm.engine.offload.format
+    _zero_payload(_first_chunk(fmt, tmp_path))
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path)) as llm:
+        assert _run(llm, ids)[1] == 592
+        assert llm.tier_stats()["offload"]["bad_entries"] == 0
+
+
+def test_with_a_key_a_payload_rewritten_without_it_is_refused_and_replaced(cold, tmp_path):
+    ids, expected = cold
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path), kv_tier_key=TIER_KEY) as llm:
+        assert _run(llm, ids) == (expected, 0)
+        fmt = llm.engine.offload.format
+    assert fmt.key == tier_key(TIER_KEY)
+    first = _first_chunk(fmt, tmp_path)
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path), kv_tier_key=TIER_KEY) as llm:
+        for n, flags in enumerate((0, KEYED)):  # an honest unkeyed checksum, or one that claims the key
+            _zero_payload(first, flags)
+            assert _run(llm, ids) == (expected, 0)
+            assert llm.tier_stats()["offload"]["bad_entries"] == n + 1
+            _flush(llm)
+            unpack(fmt, first.read_bytes())  # deleted, then written anew and signed
+            _evict_pool(llm)
+        assert _run(llm, ids) == (expected, 592)
+        assert llm.tier_stats()["disk"]["corrupt"] == 2
+
+
+def test_entries_of_another_key_or_of_none_are_refused_cleanly(cold, tmp_path):
+    ids, expected = cold
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path), kv_tier_key=TIER_KEY) as llm:
+        assert _run(llm, ids) == (expected, 0)
+    for key in (OTHER_KEY, None):  # the first chunk breaks the run: one bad entry each
+        with LLM(**SMALL, kv_disk_dir=str(tmp_path), kv_tier_key=key) as llm:
+            assert _run(llm, ids) == (expected, 0)
+            assert llm.tier_stats()["offload"]["bad_entries"] == 1
+            assert llm.tier_stats()["disk"]["corrupt"] == 1
+
+
+def _edit_header(change):
+    def edit(blob: bytes) -> bytes:
+        header_len = struct.unpack_from("<I", blob, 8)[0]
+        header = json.loads(blob[PREFIX_BYTES : PREFIX_BYTES + header_len])
+        change(header)
+        return _resign(blob, json.dumps(header).encode())
+
+    return edit
+
+
+HOSTILE = {
+    "missing model": _edit_header(lambda h: h.pop("model")),
+    "nested 10,000 deep": lambda blob: _resign(blob, b"[" * 10_000 + b"]" * 10_000),
+    "wrong types": _edit_header(lambda h: h.update(block_size="16", position=[0])),
+    "huge declared size": lambda blob: _resign(blob, payload_len=2**62),
+}
+
+
+def test_hostile_headers_with_a_valid_checksum_are_deleted_and_counted(cold, tmp_path, caplog):
+    ids, expected = cold
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path)) as llm:
+        assert _run(llm, ids) == (expected, 0)
+        fmt = llm.engine.offload.format
+    first = _first_chunk(fmt, tmp_path)
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path)) as llm:
+        for n, spoil in enumerate(HOSTILE.values()):
+            first.write_bytes(spoil(first.read_bytes()))
+            assert _run(llm, ids) == (expected, 0)
+            assert llm.tier_stats()["offload"]["bad_entries"] == n + 1
+            _flush(llm)
+            unpack(fmt, first.read_bytes())  # deleted, then written anew by the recompute
+            _evict_pool(llm)
+        assert llm.tier_stats()["disk"]["corrupt"] == len(HOSTILE)
+    assert "loading KV blocks from the tiers failed" not in caplog.text  # no traceback: a bad entry
+
+
+def test_archived_frames_are_signed_with_the_tier_key():
+    host = HostTier(2**20)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+
+    def archive(key: str | None) -> FrameArchive:
+        fmt = EntryFormat("m", "float32", "auto", 16, (), key=tier_key(key))
+        offload = types.SimpleNamespace(
+            tiers=[host],
+            format=fmt,
+            store_later=lambda tier, k, data: tier.put([(k, data)]) == 1,
+            delete_later=lambda tier, keys: tier.delete(keys),
+            flush=lambda: True,
+        )
+        return FrameArchive(offload, b"namespace", inv_freq, limit=8)
+
+    keys, values = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
+    frame = Frame(index=0, start=0, length=3, digest=bytes(16), embeds=None, sink=False)
+
+    def stored(writer: str | None, reader: str | None) -> int:
+        host.delete(list(host._entries))
+        written, read = archive(writer), archive(reader)
+        written.store(frame, [1, 2, 3], keys, values, first=0)
+        found = read.load(list(written.frames), (2, 1, 8), torch.float32)
+        assert read.stats.corrupt == 1 - len(found)
+        return len(found)
+
+    assert [stored(TIER_KEY, TIER_KEY), stored(None, None)] == [1, 1]
+    assert [stored(None, TIER_KEY), stored(OTHER_KEY, TIER_KEY), stored(TIER_KEY, None)] == [0, 0, 0]
+
+
+def test_the_tier_key_flag_defaults_to_the_environment_and_is_never_shown(monkeypatch, capsys):
+    monkeypatch.setenv("KVBANK_TIER_KEY", TIER_KEY)
+    parser = cli._build_parser()
+    assert parser.parse_args(["serve"]).kv_tier_key == TIER_KEY
+    assert parser.parse_args(["serve", "--kv-tier-key", OTHER_KEY]).kv_tier_key == OTHER_KEY
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    shown = capsys.readouterr().out
+    assert "--kv-tier-key KEY" in shown and TIER_KEY not in shown
+    assert TIER_KEY not in repr(EngineConfig(kv_tier_key=TIER_KEY))
+    with pytest.raises(ValueError, match="kv_tier_key must be a string of at least 16 characters, got 6 characters"):
+        EngineConfig(kv_tier_key="hunter")
+
+
+def test_keyed_redis_entries_rewritten_without_the_key_are_deleted(cold, redis_server):
+    ids, expected = cold
+    with LLM(**SMALL, kv_redis_url=redis_server.url, kv_host_gb=0.25, kv_tier_key=TIER_KEY) as llm:
+        assert _run(llm, ids) == (expected, 0)
+        _flush(llm)
+        fmt = llm.engine.offload.format
+        host = llm.engine.offload.tiers[0]
+        signed = [struct.unpack_from("<H", blob, 6)[0] == KEYED for blob in host.get(list(host._entries))]
+        assert len(signed) == 10 and all(signed)  # the host tier's entries are signed too
+    client = redis_server.client()
+    first = next(k for k in client.keys("kvbank:*") if unpack(fmt, client.get(k))[0].position == 0)
+    blob = bytearray(client.get(first))
+    header_len, payload_len = struct.unpack_from("<IQ", blob, 8)
+    blob[PREFIX_BYTES + header_len :] = bytes(payload_len)
+    client.set(first, _resign(blob))
+    with LLM(**SMALL, kv_redis_url=redis_server.url, kv_tier_key=TIER_KEY) as llm:
+        assert _run(llm, ids) == (expected, 0)
+        assert llm.tier_stats()["redis"]["corrupt"] == 1
+        _flush(llm)
+        unpack(fmt, client.get(first))  # deleted, then written anew and signed
 
 
 def test_disk_full_stops_writing_and_keeps_serving(cold, tmp_path):

@@ -12,13 +12,15 @@ offload's store thread, so a slow tier does not stall the engine); per
 question with recall, a forward of the question alone (for its queries), the tier reads, and a
 copy of the whole kept window into the question's blocks (positions are reassigned there).
 
-Entries are self-describing and checksummed like every other tier entry: a frame whose bytes do
-not match its header, its stream's namespace or its recorded length is skipped and deleted.
+Entries are self-describing and checksummed like every other tier entry (signed with the tier
+key when the engine has one, see entry.py): a frame whose bytes do not match its digest, its
+stream's namespace, its signing or its recorded length is skipped, counted and deleted.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections import deque
 from dataclasses import dataclass
@@ -31,10 +33,14 @@ from kvbank.cache.frames import Frame
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
 from kvbank.cache.storage import KVStorage
+from kvbank.cache.tiers.entry import KEYED, digest
 
 MAGIC = b"KVBFRAME"
-VERSION = 1
-_HEADER = struct.Struct("<8sH16s16sIIII")  # magic, version, namespace, checksum, layers, tokens, heads, dim
+#: 2: a flags field (KEYED), and the digest covers the header too
+VERSION = 2
+# magic, version, flags, namespace, digest, layers, tokens, heads, dim; the digest covers the rest
+_HEADER = struct.Struct("<8sHH16s16sIIII")
+_DIGEST_AT = 28
 
 
 @dataclass(slots=True)
@@ -114,6 +120,7 @@ class FrameArchive:
         #: writes and deletes go through the offload's store thread; reads wait for them to land
         self.offload = offload
         self.tier = offload.tiers[0]
+        self.key = offload.format.key
         self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
         self.inv_freq = inv_freq.float().cpu()
         self.limit = limit
@@ -182,24 +189,29 @@ class FrameArchive:
 
     def _pack(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:
         payload = _raw(keys) + _raw(values)
-        checksum = hashlib.blake2b(payload, digest_size=16).digest()
-        return _HEADER.pack(MAGIC, VERSION, self.namespace, checksum, *keys.shape) + payload
+        flags = KEYED if self.key is not None else 0
+        header = bytearray(_HEADER.pack(MAGIC, VERSION, flags, self.namespace, bytes(16), *keys.shape))
+        header[_DIGEST_AT : _DIGEST_AT + 16] = digest(self.key, _undigested(header), payload)
+        return bytes(header) + payload
 
     def _unpack(self, blob, shape: tuple[int, ...], dtype: torch.dtype):
-        data = bytes(blob)
-        if len(data) < _HEADER.size:
+        data = memoryview(blob).cast("B")
+        if len(data) != _HEADER.size + 2 * torch.Size(shape).numel() * dtype.itemsize:
             return None
-        magic, version, namespace, checksum, *stored = _HEADER.unpack_from(data)
+        magic, version, flags, namespace, stored_digest, *stored = _HEADER.unpack_from(data)
+        ours = (MAGIC, VERSION, KEYED if self.key is not None else 0, self.namespace, shape)
+        if (magic, version, flags, namespace, tuple(stored)) != ours:
+            return None
         payload = data[_HEADER.size :]
-        size = 2 * torch.Size(shape).numel() * dtype.itemsize
-        if (magic, version, namespace, tuple(stored)) != (MAGIC, VERSION, self.namespace, shape) or len(
-            payload
-        ) != size:
-            return None
-        if hashlib.blake2b(payload, digest_size=16).digest() != checksum:
+        if not hmac.compare_digest(digest(self.key, _undigested(data[: _HEADER.size]), payload), stored_digest):
             return None
         both = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(2, *shape)
         return both[0], both[1]
+
+
+def _undigested(header) -> bytes:
+    """The header's bytes that its digest covers: all but the digest."""
+    return bytes(header[:_DIGEST_AT]) + bytes(header[_DIGEST_AT + 16 : _HEADER.size])
 
 
 def _raw(tensor: torch.Tensor) -> bytes:

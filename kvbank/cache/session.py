@@ -8,11 +8,17 @@ recomputes the chain from the tokens and refuses a file whose keys do not match.
 
 Packing and installing touch the pool and run on the engine thread; reading, writing and
 verifying a file touch neither, so a server does them off that thread.
+
+A session file holds a conversation's tokens, so it is written 0600. A name may come from a
+client, so reading opens only a regular file (never through a symlink), refuses one larger than
+the pool could hold before allocating for it, and never echoes a refused file's bytes.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +29,12 @@ import torch
 from kvbank.cache.blocks import Block, BlockPool
 from kvbank.cache.prefix import block_hash
 from kvbank.cache.storage import KVStorage
-from kvbank.cache.tiers.entry import BadEntry, EntryFormat, EntryInfo, pack, unpack
+from kvbank.cache.tiers.entry import PREFIX_BYTES, BadEntry, EntryFormat, EntryInfo, check_prefix, pack, unpack
 
 SESSION_KIND = "session"
+FILE_MODE = 0o600
+#: no symlink followed, and no wait for a writer if the name is a FIFO
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class PrefixNotCached(ValueError):
@@ -89,6 +98,7 @@ def write_session(path: str | Path, blob: torch.Tensor) -> int:
     path = Path(path)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp's mode too, but this file must be private whatever Python does
         with os.fdopen(fd, "wb") as file:
             file.write(memoryview(blob.numpy()))
             file.flush()
@@ -104,15 +114,19 @@ def read_session(path: str | Path, fmt: EntryFormat, root: bytes, name: str | No
     """Read and verify a session file for the chain starting at `root` (this model, format and salt).
 
     Raises FileNotFoundError for a missing file and ValueError naming the file (as `name`, by
-    default "session file PATH") and the reason for a truncated, corrupted, foreign or wrongly
-    salted one.
+    default "session file PATH") and the reason for anything else: a symlink or other non-regular
+    file, an unreadable, oversized, truncated, corrupted, unsigned, foreign or wrongly salted one.
     """
-    blob = bytearray(Path(path).read_bytes())
     name = name or f"session file {path}"
     try:
-        info, views = unpack(fmt, blob)
+        info, views = unpack(fmt, _read_entry(path, fmt))
     except BadEntry as error:
         raise ValueError(f"{name} cannot be loaded: {error}") from None
+    except OSError as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        why = "a symbolic link" if error.errno == errno.ELOOP else os.strerror(error.errno or errno.EIO).lower()
+        raise ValueError(f"{name} cannot be loaded: {why}") from None
     if info.kind != SESSION_KIND:
         raise ValueError(f"{name} holds a {info.kind!r} entry, not a session")
     keys = chain_keys(root, info.token_ids, fmt.block_size)
@@ -121,6 +135,23 @@ def read_session(path: str | Path, fmt: EntryFormat, root: bytes, name: str | No
     if (info.position, info.num_blocks, info.key) != (0, len(keys), keys[-1] if keys else None):
         raise ValueError(f"{name} is inconsistent: its chain keys do not match its token ids")
     return Session(list(info.token_ids), root, keys, views)
+
+
+def _read_entry(path: str | Path, fmt: EntryFormat) -> bytearray:
+    """The file's bytes, once it is known to be a regular file whose prefix fits `fmt` (BadEntry if not)."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadEntry("header", "not a regular file")
+        check_prefix(fmt, os.pread(fd, PREFIX_BYTES, 0), st.st_size)
+        blob = bytearray(st.st_size)
+        with open(fd, "rb", buffering=0, closefd=False) as file:
+            n = file.readinto(blob)
+    finally:
+        os.close(fd)
+    del blob[n:]  # shorter than its size said (written meanwhile): unpack refuses it as truncated
+    return blob
 
 
 def install_session(pool: BlockPool, storage: KVStorage, session: Session) -> int:

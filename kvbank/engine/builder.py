@@ -65,7 +65,7 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release
     )
     namespace = model_config.fingerprint + f"|{dtype_name(dtype)}".encode() + config.kv_format.namespace
-    entry_format = entry_format_for(storage, model_config.fingerprint, namespace)
+    entry_format = entry_format_for(storage, model_config.fingerprint, namespace, config.kv_tier_key)
     max_model_len = model_config.max_position_embeddings
     kv_policy = parse_policy(config.kv_policy)
     chunk = config.prefill_chunk(max_model_len, kv_policy.chunk_room(config.block_size, max_model_len))

@@ -50,16 +50,21 @@ def build_tiers(config: TierOptions, namespace: bytes) -> list[Tier]:
     return tiers
 
 
-def entry_format_for(storage: KVStorage, fingerprint: bytes, namespace: bytes) -> EntryFormat:
-    """What this pool's entries (tier chunks and session files) must say to be loaded into it."""
-    from kvbank.cache.tiers.entry import EntryFormat, dtype_name
+def entry_format_for(
+    storage: KVStorage, fingerprint: bytes, namespace: bytes, tier_key: str | None = None
+) -> EntryFormat:
+    """What this pool's entries (tier chunks, stream frames and session files) must say to be loaded
+    into it; with `tier_key` (EngineConfig.kv_tier_key) they are signed with it and must be."""
+    from kvbank.cache.tiers import entry
 
-    return EntryFormat(
+    return entry.EntryFormat(
         model=fingerprint.hex(),
-        dtype=dtype_name(storage.dtype),
+        dtype=entry.dtype_name(storage.dtype),
         kv_format=namespace[len(fingerprint) :].decode(),
         block_size=storage.block_size,
         layout=storage.layout(),
+        key=entry.tier_key(tier_key),
+        max_blocks=storage.num_blocks,
     )
 
 

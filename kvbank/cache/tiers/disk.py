@@ -11,6 +11,12 @@ with it, and what it would protect is a cache entry. A file torn by a power loss
 checksum, which the engine checks on every load, deletes, and recomputes.
 
 Last use survives restarts as the file's mtime: a hit sets it, a restart sorts by it.
+
+Privacy: a header holds the prompt's token ids, so the directory is created 0700 and every file
+0600, whatever the umask. A directory owned by another user, or writable by group or others, is
+refused at startup (whoever can write it can plant or swap entries); one readable by others is
+made 0700. A read opens only a regular file (no symlinks, FIFOs or devices) and checks its size
+against the tier's capacity before allocating for it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,14 +43,16 @@ DISK_FULL_PAUSE_S = 30.0
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 #: a temp file this old is stale even if its pid names a live process (the pid was reused)
 _STALE_TEMP_S = 3600.0
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 
 class DiskTier(Tier):
     """Entries as files under `directory`, at most `capacity_bytes` in all, least recently used evicted first.
 
-    Safe for several threads, and for several processes on one directory: a file another process
-    evicted reads as a miss. Each process enforces the budget over the files it knows of (those
-    found at start plus its own writes).
+    Safe for several threads, and for several processes of one user on one directory: a file another
+    process evicted reads as a miss. Each process enforces the budget over the files it knows of
+    (those found at start plus its own writes).
     """
 
     name = "disk"
@@ -59,6 +68,7 @@ class DiskTier(Tier):
         self._last_stamp = 0  # mtime (ns) of the latest use, kept strictly increasing
         self._paused_until = 0.0  # time.monotonic() before which puts are dropped: the disk was full
         self._warned_full = False
+        private_directory(self.directory, "disk tier directory")
         _check_writable(self.directory)
         self._scan()
 
@@ -96,6 +106,9 @@ class DiskTier(Tier):
         except OSError as e:
             self._read_failed(key, e)
             return None
+        except _NotAnEntry as e:
+            self._refuse(key, str(e))
+            return None
         with self.lock:
             self.stats.hits += 1
             self.stats.load_bytes += len(blob)
@@ -104,13 +117,36 @@ class DiskTier(Tier):
         return blob
 
     def _read(self, path: Path, stamp: int) -> bytearray:
-        with open(path, "rb", buffering=0) as f:
-            blob = bytearray(os.fstat(f.fileno()).st_size)
-            n = f.readinto(blob)
-            with contextlib.suppress(OSError):  # another user's file in a shared directory: still a hit
-                os.utime(f.fileno(), ns=(stamp, stamp))
+        try:  # O_NONBLOCK: opening a FIFO planted under the name must not wait for a writer
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _NotAnEntry(f"{path}, a symbolic link") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _NotAnEntry(f"{path}, not a regular file")
+            if st.st_size > self._capacity:
+                raise _NotAnEntry(f"{path} of {st.st_size} bytes, more than the tier's {self._capacity}")
+            blob = bytearray(st.st_size)
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                n = f.readinto(blob)
+            with contextlib.suppress(OSError):  # a file of root's in the directory: still a hit
+                os.utime(fd, ns=(stamp, stamp))
+        finally:
+            os.close(fd)
         del blob[n:]  # the file was shorter than its size said: the entry checksum will refuse it
         return blob
+
+    def _refuse(self, key: bytes, why: str) -> None:
+        """A file that cannot be an entry: counted as corrupt, removed, answered as a miss."""
+        with self.lock:
+            self.stats.misses += 1
+            self.stats.corrupt += 1
+            self._forget(key)
+        log.warning("disk tier: removed %s", why)
+        self._unlink([self._path(key)])
 
     def _read_failed(self, key: bytes, e: OSError) -> None:
         with self.lock:
@@ -161,11 +197,12 @@ class DiskTier(Tier):
         return victims
 
     def _write(self, path: Path, blob: memoryview, stamp: int) -> None:
-        path.parent.mkdir(exist_ok=True)
+        _mkdir_private(path.parent)
         temp = path.parent / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
             try:
+                os.fchmod(fd, FILE_MODE)  # the umask may have taken bits off, never added: exact either way
                 _write_all(fd, blob)
                 os.utime(fd, ns=(stamp, stamp))
             finally:
@@ -232,18 +269,64 @@ class DiskTier(Tier):
         """Index the entry files by last use and remove temp files left by crashed writers."""
         found = []
         for sub in self.directory.iterdir():
-            if not sub.is_dir():
+            if not sub.is_dir() or sub.is_symlink():
                 continue
             for path in sub.iterdir():
                 if path.name.startswith(TEMP_PREFIX):
                     _remove_if_stale(path)
-                elif (key := _key_of(path)) is not None and (st := _stat(path)) is not None:
+                elif (key := _key_of(path)) is not None and (st := _stat(path)) is not None and _regular(st):
                     found.append((st.st_mtime_ns, key, st.st_size))
         for mtime, key, size in sorted(found):
             self._index[key] = size
             self.stats.bytes_used += size
             self._last_stamp = mtime
         self.stats.entries = len(self._index)
+
+
+class _NotAnEntry(Exception):
+    """A file under an entry's name that cannot be one (not a regular file, larger than the tier)."""
+
+
+def private_directory(directory: Path, what: str) -> None:
+    """Create `directory` 0700 if missing; refuse (ValueError) one that others own or may write, and
+    make one that others may read 0700."""
+    try:
+        _mkdir_private(directory, parents=True)
+        st = directory.stat()
+    except OSError as e:
+        raise ValueError(f"{what} {str(directory)!r} is not a usable directory: {e}") from None
+    check_private(directory, st, what)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        log.warning("%s %s was open to other users (mode %o); making it %o", what, directory, mode, DIR_MODE)
+        os.chmod(directory, DIR_MODE)
+
+
+def check_private(directory: Path, st: os.stat_result, what: str) -> None:
+    """Refuse (ValueError) a directory, as `st` describes it, that is not ours alone to write."""
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{what} {str(directory)!r} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ValueError(
+            f"{what} {str(directory)!r} is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}: "
+            "its owner could change what is served"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(
+            f"{what} {str(directory)!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+            "they could change what is served; chmod 700 it"
+        )
+
+
+def _mkdir_private(directory: Path, parents: bool = False) -> None:
+    """Create `directory` (and, with `parents`, its missing parents) 0700, whatever the umask."""
+    if parents and not directory.parent.exists():
+        _mkdir_private(directory.parent, parents=True)
+    try:
+        os.mkdir(directory, DIR_MODE)
+    except FileExistsError:
+        return
+    os.chmod(directory, DIR_MODE)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -253,7 +336,6 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 def _check_writable(directory: Path) -> None:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         probe.touch(exist_ok=False)
         probe.unlink()
@@ -274,9 +356,14 @@ def _key_of(path: Path) -> bytes | None:
 
 def _stat(path: Path) -> os.stat_result | None:
     try:
-        return path.stat()
+        return path.lstat()
     except FileNotFoundError:  # evicted by another process during the scan
         return None
+
+
+def _regular(st: os.stat_result) -> bool:
+    """A regular file (anything else under an entry's name is refused when read: not worth a budget)."""
+    return stat.S_ISREG(st.st_mode)
 
 
 def _remove_if_stale(path: Path) -> None:
