@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gemma import gemma_path, transformers_folder
 
 from kvbank import LLM, SamplingParams
+from kvbank.attention.fast import native_decode_kernel
 from kvbank.attention.metadata import AttentionMetadata, PrefillChunk
 from kvbank.attention.window import window_attention, window_rows
 from kvbank.config import EngineConfig
@@ -196,6 +197,9 @@ def test_default_bfloat16_completes_in_fluent_english(llm):
 def test_default_bfloat16_chat_answer_is_the_same_alone_and_batched(llm):
     # The GGUF is the pretrained (not instruction-tuned) 270M: its chat answers are poor, but
     # they must not depend on what else runs.
+    # full-attention layers by rows through the native decode kernel where it runs, windowed ones row-wise always
+    kernel = native_decode_kernel(torch.device("cpu"), torch.bfloat16, 4, 1, 256, 16)
+    assert llm.engine.runner.storage.kind("dense").attend_rows == (kernel is not None)
     question = _chat(llm, "Why is the sky blue?")
     alone = llm.generate([question], GREEDY)[0].outputs[0].token_ids
     others = [_chat(llm, "Name three colors."), _encode(llm, PROMPTS[1:2])[0]]

@@ -44,7 +44,13 @@ def native_decode_kernel(
     active instruction-set level (avx2 and above, kvbank/kernels/isa.h), else None."""
     if device.type != "cpu" or dtype != torch.bfloat16 or num_heads % num_kv_heads:
         return None
-    if num_heads // num_kv_heads > 8 or head_dim not in (64, 128) or block_size > 64 or DECODE_PARTITION % block_size:
+    # 256 (Gemma) runs the kernel's generic-width loop; 64 and 128 also have AVX-512 BF16 variants
+    if (
+        num_heads // num_kv_heads > 8
+        or head_dim not in (64, 128, 256)
+        or block_size > 64
+        or DECODE_PARTITION % block_size
+    ):
         return None
     module = kernels.native()
     return module if module is not None and module.dense_attention_isa() != "scalar" else None
