@@ -87,6 +87,7 @@ def test_metadata_gives_gemmas_shape(path):
     assert config.final_logit_softcapping is None and config.tie_word_embeddings and not config.attention_bias
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_in_float32_and_need_the_window(llm32, reference, monkeypatch):
     model, _ = reference
     prompts = _encode(llm32, PROMPTS)
@@ -194,6 +195,7 @@ def test_default_bfloat16_completes_in_fluent_english(llm):
     assert "France" in text and re.fullmatch(r"[A-Za-z0-9 ,.'\n-]+", text), text
 
 
+@pytest.mark.slow
 def test_default_bfloat16_chat_answer_is_the_same_alone_and_batched(llm):
     # The GGUF is the pretrained (not instruction-tuned) 270M: its chat answers are poor, but
     # they must not depend on what else runs.
