@@ -221,3 +221,8 @@ def test_refuses_what_the_windows_cannot_run(path, option, match):
     with pytest.raises(ValueError, match=match):
         check_supported(config, EngineConfig(model=path, **option))
     check_supported(dataclasses.replace(config, layer_windows=()), EngineConfig(model=path, **option))
+
+
+def test_the_engine_refuses_a_quantized_kv_cache_at_load(path):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*head_dim=256.*sliding-window"):
+        LLM(path, kv_cache_dtype="int4")
