@@ -132,6 +132,16 @@ def test_window_attention_reads_exactly_the_last_window_positions():
         q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, scale=0.25, enable_gqa=True
     ).transpose(0, 1)
     torch.testing.assert_close(got, expected[[20, *range(5, 20)]])
+    # the last position again, now inside a prefill chunk: the same bits as its decode
+    chunked = dataclasses.replace(
+        meta,
+        slot_mapping=slots[5:],
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefills=[PrefillChunk(0, 16, 5, table)],
+    )
+    assert torch.equal(window_attention(q[5:], k_cache, v_cache, window_rows(chunked, window), 0.25)[-1], got[0])
 
 
 TEXTS = [

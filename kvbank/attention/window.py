@@ -20,38 +20,52 @@ WINDOW_ROWS = 64
 
 
 @dataclass(slots=True)
+class WindowRun:
+    """Rows `first`..`last - 1` of the step: consecutive positions of one sequence (a prefill chunk).
+
+    Row first + i reads `slots[i : i + window]`, so the run's rows share one gather."""
+
+    first: int
+    last: int
+    #: flat pool slots of positions p - window + 1 .. q, p and q the run's first and last positions
+    slots: torch.Tensor
+    #: float32 over the same positions: 0 where the key exists, -inf before position 0
+    mask: torch.Tensor
+
+
+@dataclass(slots=True)
 class WindowRows:
     """Every new token's window, built once per step for all layers of one window size."""
 
     window: int
-    #: [T, window] flat pool slots each row reads (masked ones point at a valid slot)
-    slots: torch.Tensor
-    #: [T, window] float32, 0 where the key is visible and -inf before position 0
-    mask: torch.Tensor
+    #: [decodes, window] flat pool slots each decode reads, and their mask as in WindowRun
+    decode_slots: torch.Tensor
+    decode_mask: torch.Tensor
+    runs: list[WindowRun]
 
 
 def window_rows(meta: AttentionMetadata, window: int) -> WindowRows:
     """The window of every new token of the step (decodes first, then each prefill chunk)."""
     assert window > 0
     bs, device = meta.block_size, meta.slot_mapping.device
-    offsets = torch.arange(1 - window, 1, device=device)
-    parts = []
-    if meta.num_decode_tokens:
-        keys = (meta.decode_context_lens - 1).unsqueeze(1) + offsets
-        parts.append((keys, meta.decode_block_tables))
+
+    def slots_and_mask(positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        clamped = positions.clamp(min=0)  # masked keys read a slot that exists
+        slots = table.gather(-1, clamped // bs) * bs + clamped % bs
+        return slots, torch.zeros(positions.shape, device=device).masked_fill_(positions < 0, float("-inf"))
+
+    n = meta.num_decode_tokens
+    if n:
+        keys = (meta.decode_context_lens - 1).unsqueeze(1) + torch.arange(1 - window, 1, device=device)
+        decode_slots, decode_mask = slots_and_mask(keys, meta.decode_block_tables)
+    else:
+        decode_slots = decode_mask = torch.zeros(0, window, device=device)
+    runs = []
     for chunk in meta.prefills:
-        positions = torch.arange(chunk.context_start, chunk.kv_len, device=device)
-        keys = positions.unsqueeze(1) + offsets
-        parts.append((keys, chunk.block_table.unsqueeze(0).expand(len(positions), -1)))
-    slots, masks = [], []
-    for keys, tables in parts:
-        clamped = keys.clamp(min=0)
-        blocks = tables.gather(1, clamped // bs)
-        slots.append(blocks * bs + clamped % bs)
-        masks.append(torch.zeros(keys.shape, device=device).masked_fill_(keys < 0, float("-inf")))
-    rows = WindowRows(window, torch.cat(slots), torch.cat(masks))
-    assert rows.slots.shape[0] == meta.slot_mapping.shape[0]
-    return rows
+        positions = torch.arange(chunk.context_start - window + 1, chunk.kv_len, device=device)
+        runs.append(WindowRun(chunk.start, chunk.end, *slots_and_mask(positions, chunk.block_table)))
+    assert n + sum(run.last - run.first for run in runs) == meta.slot_mapping.shape[0]
+    return WindowRows(window, decode_slots.long(), decode_mask, runs)
 
 
 def window_attention(
@@ -59,17 +73,32 @@ def window_attention(
 ) -> torch.Tensor:
     """Attention of every new token (q: [T, heads, dim]) over its window of the dense caches
     ([num_blocks, block_size, kv_heads, dim], this step's K/V already written), in float32."""
-    T, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, head_dim, window = k_cache.shape[2], k_cache.shape[3], rows.window
     keys_flat, values_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for first in range(0, T, WINDOW_ROWS):
-        last = min(T, first + WINDOW_ROWS)
-        slots = rows.slots[first:last]
+    for first in range(0, rows.decode_slots.shape[0], WINDOW_ROWS):
+        last = min(rows.decode_slots.shape[0], first + WINDOW_ROWS)
+        slots = rows.decode_slots[first:last]
         keys = keys_flat[slots].float().permute(0, 2, 3, 1)  # [r, kv_heads, dim, window]
-        values = values_flat[slots].float().transpose(1, 2)  # [r, kv_heads, window, dim]
-        queries = q[first:last].float().view(last - first, num_kv_heads, -1, head_dim)
-        scores = torch.matmul(queries, keys).mul_(scale).add_(rows.mask[first:last, None, None, :])
-        attended = torch.matmul(scores.softmax(dim=-1), values)
-        out[first:last] = attended.view(last - first, num_heads, head_dim).to(q.dtype)
+        values = values_flat[slots].float().permute(0, 2, 3, 1)
+        out[first:last] = _attend(q[first:last], keys, values, rows.decode_mask[first:last], scale)
+    for run in rows.runs:
+        for first in range(run.first, run.last, WINDOW_ROWS):
+            last = min(run.last, first + WINDOW_ROWS)
+            span = slice(first - run.first, last - run.first + window - 1)
+            # row i's window is the gathered slots i .. i + window - 1: a view, not a gather per row
+            keys = keys_flat[run.slots[span]].float().unfold(0, window, 1)  # [r, kv_heads, dim, window]
+            values = values_flat[run.slots[span]].float().unfold(0, window, 1)
+            out[first:last] = _attend(q[first:last], keys, values, run.mask[span].unfold(0, window, 1), scale)
     return out
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    # keys and values [r, kv_heads, dim, window]: one row's arithmetic whatever rows share the call
+    rows, num_kv_heads, head_dim = q.shape[0], keys.shape[1], keys.shape[2]
+    queries = q.float().view(rows, num_kv_heads, -1, head_dim)
+    scores = torch.matmul(queries, keys.contiguous()).mul_(scale).add_(mask[:, None, None, :])
+    attended = torch.matmul(scores.softmax(dim=-1), values.transpose(2, 3).contiguous())
+    return attended.view(rows, -1, head_dim).to(q.dtype)
