@@ -101,6 +101,15 @@ class Admission:
 
     # --- requests -----------------------------------------------------------------------------
 
+    def check_policy(self, policy: KVPolicy) -> None:
+        """Refuse a long-context policy this pool or this model cannot run (ValueError naming it)."""
+        if not isinstance(policy, Full) and any(self.model_config.layer_windows):
+            raise ValueError(
+                f"kv_policy={policy} is not supported for {self.model_config.arch}: its sliding-window layers "
+                "need every token at its own slot"
+            )
+        policy.check(self.limits)
+
     def request(
         self, prompt: PromptType, params: SamplingParams, request_id: str | None, arrival_time: float | None
     ) -> Request:
@@ -119,7 +128,7 @@ class Admission:
             len(parsed.token_ids),
         )
         if policy is not self.kv_policy:
-            policy.check(self.limits)
+            self.check_policy(policy)
         params = self.resolve_max_tokens(params, parsed.token_ids, root, policy)
         self.check_sampling(params)
         peak = None if isinstance(policy, Full) else policy.peak_slots(prompt_len, params.max_tokens, self.limits)

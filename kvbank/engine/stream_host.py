@@ -93,7 +93,7 @@ class StreamHost:
         """
         admit = self.admission
         policy = parse_policy(policy, stream=True)
-        policy.check(admit.limits)
+        admit.check_policy(policy)
         stream_id = admit.stream_id(stream_id, self.streams)
         if not isinstance(separator, str):
             raise ValueError(f"separator={separator!r} must be a string")
