@@ -22,6 +22,7 @@ MAX_NUM_SEQS = 4
 MAX_QUEUED = 40
 MAX_TOKENS_CAP = 48
 MAX_N = 3
+MAX_CHOICES = 6
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,8 @@ def server(kvbank_env, tmp_path_factory):
             str(MAX_TOKENS_CAP),
             "--max-n",
             str(MAX_N),
+            "--max-choices",
+            str(MAX_CHOICES),
             "--num-gpu-blocks",
             "256",
         ],
@@ -251,6 +254,50 @@ def test_full_queue_is_a_429_with_retry_after_and_nothing_is_lost(server):
     assert error["code"] == "rate_limit_exceeded" and str(MAX_QUEUED) in error["message"]
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses if r.status_code == 200)
     assert _until_idle(server)["kvbank:kv_cache_usage_perc"] == 0
+
+
+def test_stream_frames_pass_the_same_queue_bound_as_completions(server):
+    """Every kind of work that queues on the engine is admitted by one check, not only completions."""
+    status, opened, _ = request(f"{server}/v1/streams", {"system": "You watch a feed."}, headers=AUTH)
+    assert status == 200, opened
+    frames = f"/v1/streams/{opened['id']}/frames"
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300) as http:
+            return await asyncio.gather(
+                *(http.post(frames, json={"text": f"frame {i}"}) for i in range(2 * MAX_QUEUED + 8))
+            )
+
+    try:
+        responses = asyncio.run(run())
+    finally:
+        httpx.delete(f"{server}/v1/streams/{opened['id']}", headers=AUTH, timeout=60)
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429} and statuses.count(429) > 0, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert _until_idle(server)["kvbank:num_requests_waiting"] == 0
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(server):
+    status, body, _ = request(
+        f"{server}/v1/completions", {"prompt": ["Hi"] * (MAX_QUEUED + 1), "max_tokens": 1}, headers=AUTH
+    )
+    assert status == 400, body
+    assert str(MAX_QUEUED + 1) in body["error"]["message"] and str(MAX_QUEUED) in body["error"]["message"]
+
+
+def test_prompts_times_n_is_capped_by_max_choices(server):
+    status, body, _ = request(
+        f"{server}/v1/completions", {"prompt": ["Hi", "Ho", "Ha"], "n": MAX_N, "max_tokens": 1}, headers=AUTH
+    )
+    assert status == 400 and body["error"]["param"] == "n", body
+    assert str(3 * MAX_N) in body["error"]["message"] and str(MAX_CHOICES) in body["error"]["message"]
+    status, body, _ = request(
+        f"{server}/v1/completions", {"prompt": ["Hi", "Ho"], "n": MAX_N, "max_tokens": 1}, headers=AUTH
+    )
+    assert status == 200 and len(body["choices"]) == 2 * MAX_N
 
 
 def test_client_that_disconnects_mid_stream_frees_its_blocks_within_a_second(server):

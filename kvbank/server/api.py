@@ -54,7 +54,8 @@ def build_app(
     with `session_dir`, sessions are saved to and restored from files in that folder."""
     limits = limits or ServerLimits()
     app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
-    install_error_handlers(app)
+    install_error_handlers(app, limits.retry_after_s)
+    async_engine.max_queued = limits.max_queued_requests
     if limits.api_key is not None:
         install_api_key(app, limits.api_key)
     checks = RequestChecks(limits, served_model_name, async_engine.engine.model_config.vocab_size)

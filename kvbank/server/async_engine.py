@@ -35,6 +35,18 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can run any more."""
 
 
+class QueueFullError(RuntimeError):
+    """Admitting more work would put more than `limit` items in the engine's queue (the server
+    answers 429 with Retry-After: the queue drains as requests get their first token)."""
+
+    def __init__(self, queued: int, asked: int, limit: int) -> None:
+        super().__init__(
+            f"the server is busy: {queued} requests are queued and the limit is {limit} "
+            "(--max-queued-requests); retry later"
+        )
+        self.queued, self.asked, self.limit = queued, asked, limit
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -183,6 +195,9 @@ class AsyncEngine:
         #: called on the engine thread with every step's outputs (e.g. latency metrics)
         self.observers: list[Callable[[list[RequestOutput]], None]] = []
         self._pending_adds = 0
+        #: work waiting for the engine (requests without a first output, queued calls that
+        #: compute) beyond which `admit` refuses more; None: no bound
+        self.max_queued: int | None = None
         self._thread = threading.Thread(target=self._run, name="kvbank-engine", daemon=True)
         self._thread.start()
         self._stopping = threading.Event()
@@ -201,6 +216,13 @@ class AsyncEngine:
     def num_queued(self) -> int:
         """Requests submitted on this loop that have no output yet (queued, or being prefilled)."""
         return self._pending_adds
+
+    def admit(self, count: int = 1) -> None:
+        """Raise QueueFullError unless `count` more items fit in the queue (`max_queued`): the one
+        admission check every kind of work that queues on the engine passes."""
+        limit = self.max_queued
+        if limit is not None and self._pending_adds + count > limit:
+            raise QueueFullError(self._pending_adds, count, limit)
 
     async def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
@@ -233,6 +255,7 @@ class AsyncEngine:
         and wait until it is accepted; its outputs come back as a RequestStream (see `add_request`)."""
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running") from self._error
+        self.admit()
         self._pending_adds += 1  # before any await, so that admission control sees it at once
         try:
             if prepare is not None:
@@ -286,16 +309,25 @@ class AsyncEngine:
         """Ask the engine thread to stop a request and free its blocks (unknown ids are ignored)."""
         self._inbox.put(_Abort(request_id))
 
-    async def call(self, work: Callable[[LLMEngine], T]) -> T:
+    async def call(self, work: Callable[[LLMEngine], T], queued: bool = False) -> T:
         """Run `work(engine)` on the engine thread between two steps; returns its result or raises its exception.
 
         For short work on the pool (saving or installing a session): every running request waits for it.
+        `queued` work computes (a session save prefills its prompt), so it passes `admit` and counts
+        in `num_queued` until it is done.
         """
         if not self.is_running:
             raise EngineDeadError("the engine thread is not running") from self._error
-        mailbox = _Mailbox(asyncio.get_running_loop())
-        self._inbox.put(_Call(work, mailbox))
-        reply = await mailbox.get()
+        if queued:
+            self.admit()
+            self._pending_adds += 1
+        try:
+            mailbox = _Mailbox(asyncio.get_running_loop())
+            self._inbox.put(_Call(work, mailbox))
+            reply = await mailbox.get()
+        finally:
+            if queued:
+                self._pending_adds -= 1
         if isinstance(reply, BaseException):
             raise reply
         return reply

@@ -174,14 +174,20 @@ class Completions:
     async def _start(self, prompts: list[Any], params: SamplingParams, job_id: str) -> list[RequestStream]:
         """Submit every prompt; if the engine refuses one, abort those already accepted."""
         limit = self.limits.max_queued_requests
-        if limit is not None and self.async_engine.num_queued + len(prompts) > limit:
+        if limit is not None and len(prompts) > limit:
             raise APIError(
-                f"the server is busy: {self.async_engine.num_queued} requests are queued and the limit "
-                f"is {limit} (--max-queued-requests); retry later",
-                status=429,
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(self.limits.retry_after_s)},
+                f"{len(prompts)} prompts in one request can never fit in this server's queue of {limit} "
+                "(--max-queued-requests); send fewer prompts per request",
+                param="prompt",
             )
+        choices, max_choices = len(prompts) * params.n, self.limits.max_choices
+        if max_choices is not None and choices > max_choices:
+            raise APIError(
+                f"{len(prompts)} prompts x n={params.n} would start {choices} sequences, over this server's "
+                f"limit of {max_choices} per request (--max-choices)",
+                param="n",
+            )
+        self.async_engine.admit(len(prompts))
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from kvbank.server.async_engine import QueueFullError
 from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS, cookie_token
 
 # SamplingParams and the engine start their errors with "<field>=", "<field>[<key>]=" or
@@ -64,8 +65,14 @@ def error_response(
     return JSONResponse(error_body(message, param, code, error_type), status_code=status)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
     """Every failure, ours or the framework's, answered in OpenAI's error shape."""
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, error: QueueFullError) -> JSONResponse:
+        response = error_response(str(error), 429, code="rate_limit_exceeded")
+        response.headers["Retry-After"] = str(retry_after_s)
+        return response
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:

@@ -39,6 +39,9 @@ class ServerLimits:
         default_text="no cap",
     )
     max_n: int | None = option(16, "largest n a request may ask for")
+    max_choices: int | None = option(
+        64, "largest number of sequences (prompts x n) one request may start; each holds its own KV blocks"
+    )
     retry_after_s: int = option(1, "seconds a refused client is told to wait (Retry-After)", cli=False)
     max_streams: int | None = option(16, "streaming sessions (/v1/streams) open at once; more get 429")
     max_streams_per_tenant: int | None = option(
@@ -67,6 +70,7 @@ class ServerLimits:
             "max_queued_requests",
             "max_tokens_cap",
             "max_n",
+            "max_choices",
             "max_streams",
             "max_streams_per_tenant",
             "max_sessions_per_tenant",

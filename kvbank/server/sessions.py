@@ -153,7 +153,7 @@ class Sessions:
         """The session entry, computing what the pool lacks first (as a one-token request among the others)."""
         for _ in range(self.ATTEMPTS):
             try:
-                return await self.async_engine.call(lambda engine: engine.sessions.pack(prompt))
+                return await self.async_engine.call(lambda engine: engine.sessions.pack(prompt), queued=True)
             except PrefixNotCached:
                 pass
             except ValueError as error:
