@@ -237,10 +237,11 @@ def test_repeated_chat_prompt_is_served_from_the_prefix_cache(client):
 
 def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(base_url, client, reference):
     limit = reference.engine.max_model_len
-    status, body = _post(f"{base_url}/v1/completions", {"prompt": "Hi", "max_tokens": limit + 100})
+    # max_tokens under --max-tokens-cap (default 4096), prompt + max_tokens over the context
+    status, body = _post(f"{base_url}/v1/completions", {"prompt": [1] * (limit - 50), "max_tokens": 100})
     assert status == 400
     message = _assert_openai_error(body)["message"]
-    assert str(limit + 100) in message and str(limit) in message
+    assert str(limit + 50) in message and str(limit) in message
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=limit)
 
@@ -619,3 +620,21 @@ def test_pin_prompt_hits_chat_requests_on_a_bos_adding_model(bos_adding_checkpoi
     assert status == 200, body
     assert pinned >= 16
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == pinned
+
+
+def test_evicting_policy_requests_are_bounded_by_default(base_url, reference):
+    """A policy that evicts runs past the context, so the default --max-tokens-cap and the default
+    prompt bound (twice the context) are what keep one request finite."""
+    policy = "sink_window(sinks=4,window=64)"
+    status, body = _post(
+        f"{base_url}/v1/completions", {"prompt": "Hi", "max_tokens": 1_000_000_000, "kv_policy": policy}
+    )
+    assert status == 400 and _assert_openai_error(body)["param"] == "max_tokens", body
+    assert "4096" in body["error"]["message"] and "--max-tokens-cap" in body["error"]["message"]
+    limit = 2 * reference.engine.max_model_len
+    status, body = _post(
+        f"{base_url}/v1/completions", {"prompt": [1] * (limit + 1), "max_tokens": 1, "kv_policy": policy}
+    )
+    assert status == 400, body
+    message = _assert_openai_error(body)["message"]
+    assert str(limit + 1) in message and str(limit) in message and "--max-prompt-tokens" in message

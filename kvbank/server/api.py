@@ -56,6 +56,7 @@ def build_app(
     app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
     install_error_handlers(app, limits.retry_after_s)
     async_engine.max_queued = limits.max_queued_requests
+    async_engine.max_prompt_tokens = limits.prompt_token_limit(async_engine.engine.max_model_len)
     if limits.api_key is not None:
         install_api_key(app, limits.api_key)
     checks = RequestChecks(limits, served_model_name, async_engine.engine.model_config.vocab_size)

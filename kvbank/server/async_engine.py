@@ -198,6 +198,8 @@ class AsyncEngine:
         #: work waiting for the engine (requests without a first output, queued calls that
         #: compute) beyond which `admit` refuses more; None: no bound
         self.max_queued: int | None = None
+        #: longest prompt `add_request` accepts, checked once it is tokenized; None: no bound
+        self.max_prompt_tokens: int | None = None
         self._thread = threading.Thread(target=self._run, name="kvbank-engine", daemon=True)
         self._thread.start()
         self._stopping = threading.Event()
@@ -238,6 +240,7 @@ class AsyncEngine:
 
         async def prepare() -> None:
             tokenized["prompt"], tokenized["text"] = await self._tokenized(prompt)
+            self._check_prompt_length(tokenized["prompt"])
 
         def start(engine: LLMEngine):
             return engine.add_request(tokenized["prompt"], params, request_id)
@@ -289,6 +292,12 @@ class AsyncEngine:
 
     def _started(self) -> None:
         self._pending_adds -= 1
+
+    def _check_prompt_length(self, prompt: PromptType) -> None:
+        limit = self.max_prompt_tokens
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        if limit is not None and isinstance(ids, list) and len(ids) > limit:
+            raise ValueError(f"prompt has {len(ids)} tokens, over this server's limit of {limit} (--max-prompt-tokens)")
 
     async def generate(
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None

@@ -34,9 +34,16 @@ class ServerLimits:
     )
     max_queued_requests: int | None = option(512, "requests waiting for a batch slot beyond which new ones get 429")
     max_tokens_cap: int | None = option(
+        4096,
+        "largest max_tokens a request may ask for; also the default for chat requests that name none "
+        "(a policy that evicts, e.g. sink_window, runs past the context, so without a cap one request "
+        "could decode forever)",
+    )
+    max_prompt_tokens: int | None = option(
         None,
-        "largest max_tokens a request may ask for; also the default for chat requests that name none",
-        default_text="no cap",
+        "longest prompt (in tokens) a request may send; the engine already refuses prompts over the "
+        "context unless a policy that evicts runs them, and this bounds those too",
+        default_text="twice the model's context",
     )
     max_n: int | None = option(16, "largest n a request may ask for")
     max_choices: int | None = option(
@@ -69,6 +76,7 @@ class ServerLimits:
         for name in (
             "max_queued_requests",
             "max_tokens_cap",
+            "max_prompt_tokens",
             "max_n",
             "max_choices",
             "max_streams",
@@ -84,6 +92,11 @@ class ServerLimits:
         if self.max_streams_per_tenant is not None or self.max_streams is None:
             return self.max_streams_per_tenant
         return max(1, self.max_streams // 4)
+
+    def prompt_token_limit(self, context: int) -> int | None:
+        """Longest prompt a request may send: `max_prompt_tokens`, else twice `context` (a policy that
+        evicts keeps at most the context, so a longer prompt is mostly prefill thrown away)."""
+        return self.max_prompt_tokens if self.max_prompt_tokens is not None else 2 * context
 
     def session_bytes_per_tenant(self) -> int | None:
         """`max_session_gb_per_tenant` in bytes."""
