@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import time
 
 import httpx
@@ -46,6 +47,8 @@ def server(kvbank_env, tmp_path_factory):
             str(MAX_N),
             "--max-choices",
             str(MAX_CHOICES),
+            "--max-body-mb",
+            "1",
             "--num-gpu-blocks",
             "256",
         ],
@@ -123,7 +126,7 @@ def test_per_token_checks_are_bounded_over_http(server):
     slower engine thread for everyone."""
     client = _client(server)
     for extra, param, message in (
-        ({"stop_token_ids": list(range(400_000))}, "stop_token_ids", "at most 1024"),
+        ({"stop_token_ids": list(range(100_000))}, "stop_token_ids", "at most 1024"),
         ({"stop": ["a"] * 65}, "stop", "at most 64"),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
     ):
@@ -298,6 +301,28 @@ def test_prompts_times_n_is_capped_by_max_choices(server):
         f"{server}/v1/completions", {"prompt": ["Hi", "Ho"], "n": MAX_N, "max_tokens": 1}, headers=AUTH
     )
     assert status == 200 and len(body["choices"]) == 2 * MAX_N
+
+
+def test_bodies_over_max_body_mb_are_413_before_and_while_reading(server):
+    # Content-Length alone is refused: the answer comes before any of the body is sent.
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {2 * 2**20}\r\n\r\n".encode()
+        )
+        answer = ""
+        while "}}" not in answer and (chunk := sock.recv(65536)):
+            answer += chunk.decode()
+    assert answer.startswith("HTTP/1.1 413") and "request_too_large" in answer, answer
+
+    def chunks():
+        for _ in range(3):
+            yield b" " * 2**19  # a chunked body (no Content-Length) that passes 1 MiB while read
+
+    response = httpx.post(f"{server}/v1/completions", content=chunks(), headers=AUTH, timeout=60)
+    assert response.status_code == 413 and "--max-body-mb" in response.json()["error"]["message"]
+    assert request(f"{server}/v1/completions", {"prompt": "Hi", "max_tokens": 1}, headers=AUTH)[0] == 200
 
 
 def test_client_that_disconnects_mid_stream_frees_its_blocks_within_a_second(server):

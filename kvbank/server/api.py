@@ -35,7 +35,7 @@ from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.bodies import RequestChecks
 from kvbank.server.completions import Completions, install_completions
 from kvbank.server.dashboard import install_dashboard
-from kvbank.server.errors import APIError, install_api_key, install_error_handlers
+from kvbank.server.errors import APIError, BodyLimit, install_api_key, install_error_handlers
 from kvbank.server.limits import ServerLimits
 from kvbank.server.metrics import RequestTimer, render_metrics
 from kvbank.server.sessions import Sessions, install_sessions
@@ -57,6 +57,9 @@ def build_app(
     install_error_handlers(app, limits.retry_after_s)
     async_engine.max_queued = limits.max_queued_requests
     async_engine.max_prompt_tokens = limits.prompt_token_limit(async_engine.engine.max_model_len)
+    body_limit = limits.body_byte_limit(async_engine.engine.max_model_len, async_engine.engine.model_config.hidden_size)
+    if body_limit is not None:
+        app.add_middleware(BodyLimit, limit=body_limit)
     if limits.api_key is not None:
         install_api_key(app, limits.api_key)
     checks = RequestChecks(limits, served_model_name, async_engine.engine.model_config.vocab_size)

@@ -65,6 +65,55 @@ def error_response(
     return JSONResponse(error_body(message, param, code, error_type), status_code=status)
 
 
+class BodyTooLarge(Exception):
+    """A request body over the server's limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is over this server's limit of {limit} bytes (--max-body-mb)")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413, from its Content-Length before anything
+    is read, or as soon as a streamed (chunked) body passes the limit."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            response = error_response(str(BodyTooLarge(self.limit)), 413, code="request_too_large")
+            return await response(scope, receive, send)
+        seen, too_large = 0, False
+
+        async def counted():
+            nonlocal seen, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    # The app sees a client that left (FastAPI would call a failed read a 400);
+                    # what it answers is dropped and the 413 goes out instead.
+                    too_large = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded(message) -> None:
+            if not too_large:
+                await send(message)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large:
+            response = error_response(str(BodyTooLarge(self.limit)), 413, code="request_too_large")
+            await response(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
     """Every failure, ours or the framework's, answered in OpenAI's error shape."""
 

@@ -45,6 +45,13 @@ class ServerLimits:
         "context unless a policy that evicts runs them, and this bounds those too",
         default_text="twice the model's context",
     )
+    max_body_mb: float | None = option(
+        None,
+        "largest request body in MiB; a larger one gets 413 (checked from Content-Length and while reading)",
+        metavar="MIB",
+        default_text="room for the largest prompt_embeds the model accepts (context x hidden size float32, "
+        "base64), at least 16",
+    )
     max_n: int | None = option(16, "largest n a request may ask for")
     max_choices: int | None = option(
         64, "largest number of sequences (prompts x n) one request may start; each holds its own KV blocks"
@@ -71,6 +78,8 @@ class ServerLimits:
     def __post_init__(self) -> None:
         if self.stream_idle_timeout_s is not None and self.stream_idle_timeout_s <= 0:
             raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be positive")
+        if self.max_body_mb is not None and self.max_body_mb <= 0:
+            raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
         if self.max_session_gb_per_tenant is not None and self.max_session_gb_per_tenant <= 0:
             raise ValueError(f"max_session_gb_per_tenant={self.max_session_gb_per_tenant} must be positive")
         for name in (
@@ -97,6 +106,13 @@ class ServerLimits:
         """Longest prompt a request may send: `max_prompt_tokens`, else twice `context` (a policy that
         evicts keeps at most the context, so a longer prompt is mostly prefill thrown away)."""
         return self.max_prompt_tokens if self.max_prompt_tokens is not None else 2 * context
+
+    def body_byte_limit(self, context: int, hidden_size: int) -> int | None:
+        """`max_body_mb` in bytes; by default the base64 of a full context of float32 embeddings
+        (the largest body a request needs) and 1 MiB for the rest, at least 16 MiB."""
+        if self.max_body_mb is not None:
+            return int(self.max_body_mb * 2**20)
+        return max(16 * 2**20, context * hidden_size * 4 * 4 // 3 + 2**20)
 
     def session_bytes_per_tenant(self) -> int | None:
         """`max_session_gb_per_tenant` in bytes."""
