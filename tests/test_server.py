@@ -93,6 +93,7 @@ def test_health_and_models_list_the_served_model(base_url, client, reference):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].max_model_len == reference.engine.max_model_len
+    assert models[0].root == MODEL_NAME  # the name, never the model's filesystem path
 
 
 def test_completion_equals_offline_greedy(client, reference):

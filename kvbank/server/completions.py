@@ -77,7 +77,7 @@ class Completions:
             "object": "model",
             "created": self.created,
             "owned_by": "kvbank",
-            "root": str(self.engine.model_path),
+            "root": self.model_name,  # never a filesystem path: it tells a client nothing it needs
             "max_model_len": self.engine.max_model_len,
         }
         return {"object": "list", "data": [card]}

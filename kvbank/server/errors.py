@@ -4,7 +4,9 @@ API key every route but /health and the dashboard's public ones needs."""
 from __future__ import annotations
 
 import hmac
+import logging
 import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +15,8 @@ from starlette.exceptions import HTTPException
 
 from kvbank.server.async_engine import QueueFullError
 from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS, cookie_token
+
+logger = logging.getLogger(__name__)
 
 # SamplingParams and the engine start their errors with "<field>=", "<field>[<key>]=" or
 # "<field> token id=".
@@ -143,7 +147,12 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
-        return error_response(f"internal error: {error}", 500, error_type="internal_server_error")
+        # The detail (paths, internals) goes to the log only, under an id the client can quote.
+        request_id = uuid.uuid4().hex
+        logger.error("internal error %s", request_id, exc_info=error)
+        return error_response(
+            f"internal error (request id {request_id})", 500, code=request_id, error_type="internal_server_error"
+        )
 
 
 def _field_path(loc: tuple | list) -> str | None:
