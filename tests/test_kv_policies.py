@@ -335,19 +335,31 @@ def test_n_completions_fork_a_policys_cache_and_each_equals_one_alone(llm, text_
     _assert_all_free(llm)
 
 
-def test_a_preempted_sequence_that_evicted_is_recomputed_not_swapped(llm, text_ids):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_preempted_sequence_that_evicted_is_recomputed_or_swapped_whole(llm, text_ids, mode):
+    # With swap off it is recomputed from its tokens (its cache state reset); with swap it leaves
+    # whole and comes back with its evictions, rotary offset and sink copies as they were
+    # (tests/test_swap.py checks that it then gives the tokens it gives alone).
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, kv_policy="sink_window(sinks=4,window=64)")
     request = engine.add_request(text_ids[:200], params)
     seq = request.seqs[0]
     while not (seq.num_evicted and seq.num_output_tokens > 5):
         engine.step()
-    swaps = engine.swapper.num_swaps_out
-    engine.scheduler._preempt(seq)
-    assert (seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.pristine_blocks) == (0, 0, 0, [])
-    while engine.requests:
-        engine.step()
-    assert seq.num_output_tokens == 30 and engine.swapper.num_swaps_out == swaps
+    swaps, saved_mode = engine.swapper.num_swaps_out, engine.swapper.mode
+    state = (seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, len(seq.pristine_blocks))
+    engine.swapper.mode = mode
+    try:
+        engine.scheduler._preempt(seq)
+        assert (seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.pristine_blocks) == (0, 0, 0, [])
+        engine.step()  # back in: recomputing from the first token, or exactly as it left
+        if mode == "swap":
+            assert (seq.num_computed_tokens - 1, seq.num_evicted, seq.rope_offset, len(seq.pristine_blocks)) == state
+        while engine.requests:
+            engine.step()
+    finally:
+        engine.swapper.mode = saved_mode
+    assert seq.num_output_tokens == 30 and engine.swapper.num_swaps_out == swaps + (mode == "swap")
     _assert_all_free(llm)
 
 

@@ -422,6 +422,8 @@ def test_two_tenants_each_keep_and_restore_their_own_session_of_one_name(tenant_
     status, missing = _restore(url, "shared", None)  # the default tenant has no session of that name
     assert status == 404 and missing["error"]["message"] == "session 'shared' does not exist"
     assert not any(salt in str(path) for path in folder.rglob("*") for salt in (SALT_A, SALT_B))
+    tenants = [path for path in folder.iterdir() if path.is_dir()]
+    assert len(tenants) >= 2 and all(path.stat().st_mode & 0o777 == 0o700 for path in tenants)  # private
     assert _post(f"{url}/v1/sessions/delete", {"session": "shared", "cache_salt": SALT_B}) == (
         200,
         {"session": "shared", "deleted": True},

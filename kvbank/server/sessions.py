@@ -61,7 +61,7 @@ class Sessions:
         async with self._lock(path.parent):
             kept = await asyncio.to_thread(_kept_sizes, path.parent)
             self._check_quota(kept, body.session, blob.numel())
-            await asyncio.to_thread(path.parent.mkdir, exist_ok=True)
+            await asyncio.to_thread(path.parent.mkdir, mode=0o700, exist_ok=True)
             size = await asyncio.to_thread(write_session, path, blob)
         return {"session": body.session, "tokens": len(prompt["prompt_token_ids"]), "bytes": size}
 
