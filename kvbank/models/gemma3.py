@@ -107,23 +107,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         """As LlamaForCausalLM.forward."""
         T = input_ids.shape[0]
-        rows = self._rows(T)
-        if rows > T:
-            input_ids, positions = F.pad(input_ids, (0, rows - T)), F.pad(positions, (0, rows - T))
-        x = self.embed_tokens(input_ids) * self.embed_scale
-        if embeds is not None:
-            x[embeds[0]] = embeds[1].to(x.dtype)
+        x, positions = self._embed(input_ids, positions, embeds)
         full = self.rope_cos[positions], self.rope_sin[positions]
         local = self.rope_local_cos[positions], self.rope_local_sin[positions]
         windows = {w: window_rows(meta, w) for w in set(self.config.layer_windows) - {None}}
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            window = layer.self_attn.window
-            if window is not None and kv_cache.kind != "dense":
-                raise ValueError(f"a sliding-window layer needs dense KV storage, not {kv_cache.kind!r}")
+            window = layer.self_attn.window  # dense storage only: check_supported refuses the rest at build
             cos, sin = full if window is None else local
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, windows.get(window))
         return (x + residual)[:T]
+
+    def _token_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits, soft-capped where the model says so."""

@@ -245,6 +245,24 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
+    def _embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's input rows (padded to a matmul size) and their positions; `embeds` = (rows,
+        values) replaces those rows' token embeddings."""
+        T = input_ids.shape[0]
+        rows = self._rows(T)
+        if rows > T:
+            input_ids, positions = F.pad(input_ids, (0, rows - T)), F.pad(positions, (0, rows - T))
+        x = self._token_rows(input_ids)
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
+        return x, positions
+
+    def _token_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input rows of token ids (a model that scales its embeddings overrides this)."""
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -256,12 +274,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of the new tokens (before the final norm); `embeds` = (rows,
         values) replaces those rows' token embeddings (a prompt or frame given as embeddings)."""
         T = input_ids.shape[0]
-        rows = self._rows(T)
-        if rows > T:
-            input_ids, positions = F.pad(input_ids, (0, rows - T)), F.pad(positions, (0, rows - T))
-        x = self.embed_tokens(input_ids)
-        if embeds is not None:
-            x[embeds[0]] = embeds[1].to(x.dtype)
+        x, positions = self._embed(input_ids, positions, embeds)
+        rows = x.shape[0]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         step = self._stack_attention(rows, kv_caches, meta)
         if step is not None:
