@@ -1,6 +1,7 @@
 """The HTTP server's app: OpenAI-compatible routes over an `AsyncEngine`, and the server's own.
 
-    GET  /health                 200 while the engine thread runs
+    GET  /health                 200 while the engine thread runs and the server is not draining (`worker`)
+    GET  /model_info, /server_info, /get_load   SGLang's worker routes, for routers (`worker`)
     GET  /metrics                Prometheus text
     GET  /v1/models              POST /v1/completions, /v1/chat/completions   (`completions`)
     POST /v1/sessions/save, /v1/sessions/restore, /v1/sessions/delete          (`sessions`)
@@ -15,6 +16,9 @@ refused with a 400 naming the field, and so is any field this server does not kn
 that cannot change the answer (`bodies.HARMLESS_FIELDS`, e.g. `metadata`, `store`) are ignored,
 with a warning in the log.
 
+`app.state.drain` is the server's `worker.Drain`: `kvbank serve` starts it on SIGTERM, and from then
+/health fails and new work is refused with 503 while running requests finish.
+
 `/flush_cache` drops every cached prefix block that no request holds and no pin keeps (the tiers
 below the pool keep theirs, so the next request for a flushed prefix loads it from a tier): the
 way to show a tier hit without restarting. It runs on the engine thread between two steps, so
@@ -28,18 +32,19 @@ import os
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from kvbank import memory
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.bodies import RequestChecks
 from kvbank.server.completions import Completions, install_completions
 from kvbank.server.dashboard import install_dashboard
-from kvbank.server.errors import APIError, BodyLimit, install_api_key, install_error_handlers
+from kvbank.server.errors import BodyLimit, install_api_key, install_error_handlers
 from kvbank.server.limits import ServerLimits
 from kvbank.server.metrics import RequestTimer, render_metrics
 from kvbank.server.sessions import Sessions, install_sessions
 from kvbank.server.streams import Streams, install_streams
+from kvbank.server.worker import Drain, DrainGate, install_worker_routes
 
 __all__ = ["ServerLimits", "build_app"]
 
@@ -62,7 +67,10 @@ def build_app(
         app.add_middleware(BodyLimit, limit=body_limit)
     if limits.api_key is not None:
         install_api_key(app, limits.api_key)
+    app.state.drain = drain = Drain()
+    app.add_middleware(DrainGate, drain=drain, retry_after_s=limits.retry_after_s)
     checks = RequestChecks(limits, served_model_name, async_engine.engine.model_config.vocab_size)
+    install_worker_routes(app, async_engine, served_model_name, limits, drain)
     _install_server_routes(app, async_engine)
     install_completions(app, Completions(async_engine, checks, limits))
     install_sessions(app, Sessions(async_engine, Path(session_dir) if session_dir is not None else None, limits))
@@ -72,15 +80,9 @@ def build_app(
 
 
 def _install_server_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
-    """/health, /metrics and /flush_cache: the server's own routes."""
+    """/metrics and /flush_cache: the server's own routes."""
     timer = RequestTimer()
     async_engine.observers.append(timer.observe)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not async_engine.is_running:
-            raise APIError("the engine thread has stopped", status=503)
-        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,221 @@
+"""A replica behind a router: SGLang's worker routes, and the drain that lets it leave a fleet cleanly.
+
+    GET /health       200 while the engine thread runs and the server is not draining; else 503
+    GET /model_info   the model (path, tokenizer, served name, architecture, context)
+    GET /server_info  the server's settings and limits, and its load now (`internal_states`)
+    GET /get_load     the load, one entry per data-parallel rank (one here), as SGLang answers it
+
+Routers probe these under SGLang's names and shapes: sglang-router reads `served_model_name`,
+`model_path`, `tp_size`, `dp_size` from /server_info and `model_type`, `architectures` from
+/model_info when a worker registers, and its `power_of_two` policy polls /get_load, summing
+`num_tokens` over the entries as the worker's load. Every number comes from the engine's own
+counters as of its latest step (`AsyncEngine.stats()`), never a guess: `num_tokens` is the KV
+tokens live sequences hold plus the prompt tokens still queued.
+
+Draining (`Drain`): once started (by SIGTERM in `kvbank serve`), /health answers 503, so the router's
+health checker takes the replica out of rotation, and every request that would start new work
+(a completion, a chat completion, a new stream, a session restore) is refused with 503, an
+OpenAI error body and Retry-After, which a router retries on another replica. Requests already
+running go on; `Drain.idle` says when none is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+import kvbank
+from kvbank.server.async_engine import AsyncEngine
+from kvbank.server.errors import error_response
+from kvbank.server.limits import ServerLimits
+
+#: (method, path) of requests that start new work; a draining server refuses them
+NEW_WORK = {
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/streams"),
+    ("POST", "/v1/sessions/restore"),
+}
+#: probes a router or a scraper sends; they are not work a drain waits for
+PROBES = {"/health", "/metrics", "/model_info", "/server_info", "/get_load", "/get_model_info", "/get_server_info"}
+#: EngineConfig fields /server_info never shows (secrets)
+SECRET_FIELDS = {"kv_tier_key"}
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@]*@")
+
+
+class Drain:
+    """Whether the server is draining, since when, and how many requests are in flight (HTTP)."""
+
+    def __init__(self) -> None:
+        self.started_at: float | None = None
+        self.in_flight = 0
+        self.refused = 0
+
+    @property
+    def draining(self) -> bool:
+        return self.started_at is not None
+
+    def start(self) -> bool:
+        """Start draining; False if it had started already."""
+        if self.started_at is not None:
+            return False
+        self.started_at = time.monotonic()
+        return True
+
+    def idle(self, async_engine: AsyncEngine) -> bool:
+        """No request is in flight over HTTP and the engine has none running or waiting."""
+        stats = async_engine.stats()
+        return (
+            self.in_flight == 0
+            and async_engine.num_queued == 0
+            and not stats.get("num_requests_running", 0)
+            and not stats.get("num_requests_waiting", 0)
+        )
+
+
+class DrainGate:
+    """ASGI middleware: counts requests in flight (probes aside) and, while draining, refuses new
+    work with 503, an OpenAI error body and Retry-After."""
+
+    def __init__(self, app, drain: Drain, retry_after_s: int = 1) -> None:
+        self.app, self.drain, self.retry_after_s = app, drain, retry_after_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            return await self.app(scope, receive, send)
+        if self.drain.draining and (scope["method"], scope["path"]) in NEW_WORK:
+            self.drain.refused += 1
+            response = error_response(
+                "this server is draining (shutting down) and takes no new requests; retry on another replica",
+                503,
+                code="server_draining",
+                error_type="service_unavailable",
+            )
+            response.headers["Retry-After"] = str(self.retry_after_s)
+            return await response(scope, receive, send)
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+def install_worker_routes(
+    app: FastAPI, async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits, drain: Drain
+) -> None:
+    """/health, /model_info, /server_info and /get_load (with the deprecated /get_* spellings SGLang kept)."""
+    engine = async_engine.engine
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return _unavailable("the engine thread has stopped", "engine_stopped")
+        if drain.draining:
+            return _unavailable("this server is draining (shutting down)", "server_draining")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/model_info")
+    @app.get("/get_model_info", include_in_schema=False)
+    async def model_info() -> dict:
+        config = engine.model_config
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,  # the tokenizer travels in the model file
+            "served_model_name": served_model_name,
+            "is_generation": True,
+            "model_type": config.arch,
+            "architectures": [config.arch],
+            "context_length": engine.max_model_len,
+            "vocab_size": config.vocab_size,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info", include_in_schema=False)
+    async def server_info() -> dict:
+        return {
+            **_server_args(async_engine),
+            **{f.name: getattr(limits, f.name) for f in dataclasses.fields(limits) if f.name != "api_key"},
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "served_model_name": served_model_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "load_balance_method": "round_robin",
+            "disaggregation_mode": "null",
+            "context_length": engine.max_model_len,
+            "max_total_num_tokens": engine.num_blocks * engine.block_size,
+            "max_running_requests": engine.config.max_num_seqs,
+            "max_req_input_len": async_engine.max_prompt_tokens or engine.max_model_len,
+            "page_size": engine.block_size,
+            "draining": drain.draining,
+            "internal_states": [load(async_engine, drain)],
+            "version": kvbank.__version__,
+        }
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict]:
+        return [load(async_engine, drain)]
+
+
+def load(async_engine: AsyncEngine, drain: Drain | None = None) -> dict[str, Any]:
+    """The engine's load now, under SGLang's names (`num_reqs`, `num_waiting_reqs`, `num_tokens`) and
+    the cache's (`token_usage`, `cached_tokens`, `cache_hit_rate`), with kvbank's counters."""
+    stats = async_engine.stats()
+    engine = async_engine.engine
+    running = int(stats.get("num_requests_running", 0))
+    waiting = int(stats.get("num_requests_waiting", 0)) + async_engine.num_queued
+    num_blocks = int(stats.get("num_blocks", engine.num_blocks))
+    usage = float(stats.get("kv_cache_usage", 0.0))
+    used_tokens = round(usage * num_blocks * engine.block_size)
+    return {
+        "dp_rank": 0,
+        "num_reqs": running + waiting,
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_tokens": used_tokens + _waiting_prompt_tokens(async_engine),
+        "token_usage": usage,
+        "num_used_tokens": used_tokens,
+        "max_total_num_tokens": num_blocks * engine.block_size,
+        "cached_tokens": int(stats.get("prefix_cache_hits", 0)),
+        "prompt_tokens": int(stats.get("prompt_tokens", 0)),
+        "cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
+        "finished_requests": int(stats.get("finished_requests", 0)),
+        "draining": drain is not None and drain.draining,
+    }
+
+
+def _waiting_prompt_tokens(async_engine: AsyncEngine) -> int:
+    # Read from the engine thread's structures without a lock: a snapshot that may be one step
+    # stale, like every other gauge here (the list is only ever replaced or appended to).
+    try:
+        return sum(len(seq.token_ids) for seq in list(async_engine.engine.scheduler.waiting))
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+def _server_args(async_engine: AsyncEngine) -> dict[str, Any]:
+    """The engine's settings, secrets left out and credentials in URLs masked."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(async_engine.engine.config):
+        if f.name in SECRET_FIELDS:
+            continue
+        value = getattr(async_engine.engine.config, f.name)
+        if isinstance(value, str) and "://" in value:
+            value = _URL_CREDENTIALS.sub("***@", value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    out["max_num_batched_tokens"] = async_engine.engine.scheduler.max_num_batched_tokens
+    return out
+
+
+def _unavailable(message: str, code: str) -> JSONResponse:
+    return error_response(message, 503, code=code, error_type="service_unavailable")
