@@ -29,6 +29,15 @@ logger = logging.getLogger("kvbank.server")
 PromptInput = str | list[int]
 #: unknown request fields that are ignored (with a warning) because they cannot change the answer
 HARMLESS_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
+#: SGLang's extensions with the values sglang-router writes into every request it forwards: at
+#: these values they change nothing here and are ignored silently; any other value is refused
+ROUTER_DEFAULTS = {
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 #: the tenant of requests without a cache_salt
 DEFAULT_TENANT = "default"
@@ -215,11 +224,12 @@ class RequestChecks:
 
 def _check_extra_fields(body: SamplingBody) -> None:
     """Refuse fields this server does not know; only `HARMLESS_FIELDS` are ignored, with a warning."""
-    unknown = set(body.model_extra or ()) - HARMLESS_FIELDS
+    extra = {k: v for k, v in (body.model_extra or {}).items() if ROUTER_DEFAULTS.get(k, ...) is not v}
+    unknown = set(extra) - HARMLESS_FIELDS
     if unknown:
         raise APIError(f"unsupported request field(s): {', '.join(sorted(unknown))}", param=min(unknown))
-    if body.model_extra:
-        logger.warning("ignoring request fields that cannot change the answer: %s", ", ".join(sorted(body.model_extra)))
+    if extra:
+        logger.warning("ignoring request fields that cannot change the answer: %s", ", ".join(sorted(extra)))
 
 
 def completion_prompts(prompt: Any) -> list[PromptInput]:
