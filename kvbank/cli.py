@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
+import time
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -126,6 +128,10 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.drain_grace <= args.shutdown_timeout:
+        raise ValueError(
+            f"--drain-grace {args.drain_grace:g} must be between 0 and --shutdown-timeout {args.shutdown_timeout:g}"
+        )
     missing = [file for file in args.pin_prompt if not Path(file).is_file()]
     if missing:
         raise ValueError(f"--pin-prompt file {missing[0]!r} does not exist")
@@ -146,8 +152,10 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        # uvicorn stops accepting on SIGTERM/SIGINT, lets running requests finish for up to
-        # --shutdown-timeout seconds, then cancels them (which aborts them and frees their blocks).
+        # On SIGTERM the server drains (_GracefulServer): /health fails and new work gets 503 while
+        # running requests finish, for at least --drain-grace and at most --shutdown-timeout
+        # seconds; then uvicorn stops accepting and cancels what still runs (which aborts it and
+        # frees its blocks). A second SIGTERM, or SIGINT, stops at once.
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -155,9 +163,9 @@ def _serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
-        _GracefulServer(config).run()
+        _GracefulServer(config, app.state.drain, async_engine, args.drain_grace, args.shutdown_timeout).run()
     finally:
-        async_engine.shutdown()
+        async_engine.shutdown()  # writes what the tiers' writer has queued, then closes them
     print("kvbank: stopped", flush=True)
     return 0
 
@@ -281,16 +289,47 @@ def _mib(n: float) -> str:
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn, except that a stop by SIGTERM/SIGINT ends the process with status 0.
+    """uvicorn that drains on SIGTERM before it stops, and ends the process with status 0.
 
-    uvicorn re-raises the signal after its graceful shutdown, so the process would die by it.
+    The first SIGTERM starts `drain` (/health answers 503, new work 503) and keeps the listener
+    open: the router's health checker sees the 503 and moves traffic while running requests
+    finish. The server stops once `drain_grace` seconds have passed and nothing runs, or once
+    `deadline` seconds have passed whatever runs; uvicorn's graceful shutdown then gets what is
+    left of the deadline. SIGINT, or a second SIGTERM, stops without draining.
+    uvicorn re-raises the signal after its graceful shutdown, so the process would die by it: the
+    captured signals are dropped.
     """
 
+    def __init__(self, config: uvicorn.Config, drain, async_engine: AsyncEngine, drain_grace: float, deadline: float):
+        super().__init__(config)
+        self.drain, self.async_engine = drain, async_engine
+        self.drain_grace, self.deadline = drain_grace, deadline
+
     def handle_exit(self, sig: int, frame) -> None:
-        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and not self.should_exit and self.drain.start():
+            print(
+                f"kvbank: draining: /health fails and new requests get 503; stopping once idle after "
+                f"{self.drain_grace:g} s, at most {self.deadline:g} s (--drain-grace, --shutdown-timeout)",
+                flush=True,
+            )
+        else:
+            super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        started = self.drain.started_at
+        if started is None:
+            return False
+        waited = time.monotonic() - started
+        if waited >= self.deadline or (waited >= self.drain_grace and self.drain.idle(self.async_engine)):
+            self.config.timeout_graceful_shutdown = max(0.0, self.deadline - waited)
+            self.should_exit = True
+            return True
+        return False
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -392,6 +431,15 @@ def _build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to let running requests finish before aborting them (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--drain-grace",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGTERM, seconds to keep answering (/health 503, new requests 503) even when idle, so a "
+        "router's health checks see the replica leave before its port closes: at least the router's "
+        "health-check interval x failure threshold (default: %(default)s)",
     )
     serve.add_argument(
         "--log-level",
