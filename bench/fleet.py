@@ -20,15 +20,18 @@ the same hop):
   kill (the router retries one it could not deliver, --router-retries, and its health check drops
   the dead replica), and the TTFT p99 of requests sent in the --after-kill-s seconds after it.
 
-Every run starts each configuration cold: new replicas (warmed by one short request each, which
-caches nothing), a new router and a new, empty redis-server. Configurations alternate and their
-order flips every run; the table shows medians over --runs runs. Per configuration: prefix hit
-rate as the share of prompt tokens the replicas reported as cached
-(`usage.prompt_tokens_details.cached_tokens`) and from /metrics (prefix-cache hits over queries,
-summed over the replicas; the tier share is `kv_offload_load_tokens_total` over the same queries,
-the tokens Redis gave instead of a computation), TTFT p50/p99, output tok/s over the run's wall
-time, failed requests. Targets: `cache_aware+redis` keeps >= 90% of the single server's hit
-rate, and its TTFT p99 is <= 1/3 of `round_robin`'s (no Redis); the kill costs no request.
+First (unless --skip-calibration) one replica alone measures its prefill tok/s (a cold
+document) and decode tok/s (a batch of --users / 2 replies of --max-tokens tokens), which
+bench/fleet_sim.py reads. Every run starts each configuration cold: new replicas (warmed by one
+short request each, which caches nothing), a new router and a new, empty redis-server.
+Configurations alternate and their order flips every run; the table shows medians over --runs
+runs. Per configuration: prefix hit rate as the share of prompt tokens the replicas reported as
+cached (`usage.prompt_tokens_details.cached_tokens`) and from /metrics (prefix-cache hits over
+queries, summed over the replicas; the Redis share is `kv_offload_load_tokens_total` over the
+same queries: tokens loaded from the tier instead of computed), TTFT p50/p99, output tok/s over
+the run's wall time, failed requests. Targets: `cache_aware+redis` keeps >= 90% of the single
+server's hit rate, and its TTFT p99 is <= 1/3 of `round_robin`'s (no Redis); the kill costs no
+request.
 
     python bench/fleet.py --quick                     # ~3 minutes on 2 cores, a smoke run
     python bench/fleet.py --kill-at-half              # the default sizes, 3 runs
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import functools
 import json
 import os
@@ -100,6 +104,7 @@ BOUNDS = (
     ("runs", 1, 100),
 )
 STARTUP_TIMEOUT_S = 120
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 # --- workload ------------------------------------------------------------------------------------
@@ -249,6 +254,52 @@ def warm_up(url: str) -> None:
 def model_name(url: str) -> str:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as reply:
         return json.loads(reply.read())["data"][0]["id"]
+
+
+# --- calibration: one replica's rates, for bench/fleet_sim.py ------------------------------------
+
+
+def calibrate(args, docs: list[str], logs: Path) -> dict:
+    """Prefill tok/s (a cold document, max_tokens 1) and decode tok/s (a batch of short prompts,
+    every reply --max-tokens long) of one replica with --replica-threads threads."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.replica_threads))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    log = logs / "calibration_replica.log"
+    process, url = start_server(["--log-level", "warning", *args.serve_args], env, log)
+    try:
+        wait_healthy(process, url, log)
+        warm_up(url)
+        prefill = []
+        for doc in docs[:2]:
+            start = time.perf_counter()
+            reply = complete(url, {"prompt": doc, "max_tokens": 1, "temperature": 0})
+            prefill.append(reply["usage"]["prompt_tokens"] / (time.perf_counter() - start))
+        batch = max(1, args.users // 2)
+        bodies = [
+            {"prompt": f"{i}. {question(i, 0)}", "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
+            for i in range(batch)
+        ]
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+            replies = list(pool.map(lambda body: complete(url, body), bodies))
+        seconds = time.perf_counter() - start
+        decoded = sum(r["usage"]["completion_tokens"] for r in replies)
+    finally:
+        stop_server(process)
+    return {
+        "threads": args.replica_threads,
+        "prefill_tok_s": statistics.median(prefill),
+        "prefill_prompt_tokens": args.doc_tokens,
+        "decode_tok_s": decoded / seconds,
+        "decode_batch": batch,
+        "note": "decode_tok_s includes the batch's short prefills; a larger batch decodes faster",
+    }
+
+
+def complete(url: str, body: dict) -> dict:
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), JSON_HEADERS)
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        return json.loads(reply.read())
 
 
 # --- one run of one configuration ----------------------------------------------------------------
@@ -548,6 +599,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--router-retries", type=int, default=5, help="the router's --retry-max-retries")
     parser.add_argument("--health-interval", type=int, default=2, help="the router's health-check interval (s)")
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--skip-calibration", action="store_true", help="skip measuring one replica's prefill and decode tok/s"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--serve-args", nargs=argparse.REMAINDER, default=[], help="more `kvbank serve` options, last on the line"
@@ -605,6 +659,13 @@ def main(argv: list[str] | None = None) -> None:
         "samples": {name: [] for name in names},
     }
     began = time.perf_counter()
+    if not args.skip_calibration:
+        report["calibration"] = calibrate(args, docs, logs)
+        c = report["calibration"]
+        print(
+            f"  one replica, {c['threads']} thread(s): prefill {c['prefill_tok_s']:.0f} tok/s, "
+            f"decode {c['decode_tok_s']:.1f} tok/s at batch {c['decode_batch']}"
+        )
     for run in range(args.runs):
         order = names if run % 2 == 0 else names[::-1]
         for name in order:
