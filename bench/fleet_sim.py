@@ -24,9 +24,10 @@ The workload and the cache (every assumption is an option, and all are printed):
   probability min(1, room / working set), documents and conversations apart (a random-reuse LRU);
   everything else that is reused comes from Redis, which holds every chunk ever computed
   (write-through; its memory is not the limit here);
-- Redis moves each computed token once (the write) and each token reused from it once (the
-  read); a shard is full at --redis-utilization of its bandwidth, and a cluster spreads keys
-  evenly over its shards;
+- Redis moves each computed token once (the write: write-through stores every chunk, so with a
+  pool that holds the working set Redis traffic is mostly writes) and each token reused from it
+  once (the read); a shard is full at --redis-utilization of its bandwidth, and a cluster spreads
+  keys evenly over its shards; losing a replica adds a burst of reads (its users' contexts);
 - a replica is busy prefill_tokens / prefill_tok_s + decode_tokens / decode_tok_s seconds per
   second (loads from Redis overlap compute); it saturates at 1.
 
@@ -194,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             sources[name] = "argument"
         elif rates and rates.get(name):
             setattr(args, name, float(rates[name]))
-            sources[name] = f"{args.fleet_json} ({rates.get('threads')} thread(s))"
+            sources[name] = f"measured, {rates.get('threads')} thread(s): {args.fleet_json}"
         else:
             parser.error(f"--{name.replace('_', '-')} is needed: {args.fleet_json} has no calibration")
         if getattr(args, name) <= 0:
@@ -202,9 +203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.redis_gbps is not None:
         sources["redis_gbps"] = "argument"
     elif (measured := measured_redis(args.tiers_json)) is not None:
-        args.redis_gbps, sources["redis_gbps"] = measured, f"{args.tiers_json} (Redis get GB/s)"
+        args.redis_gbps, sources["redis_gbps"] = measured, f"Redis get GB/s measured: {args.tiers_json}"
     else:
-        args.redis_gbps, sources["redis_gbps"] = DEFAULT_REDIS_GBPS, "assumed (no bench/results/tiers.json)"
+        args.redis_gbps, sources["redis_gbps"] = DEFAULT_REDIS_GBPS, f"assumed: no {args.tiers_json}"
     if args.redis_gbps <= 0:
         parser.error(f"--redis-gbps {args.redis_gbps} must be positive")
     args.sources = sources
@@ -268,6 +269,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"{target.shards} Redis Cluster shard(s); the replicas are {target.replica_busy:.0%} busy "
         f"(saturated from {replicas_full:,} users)"
     )
+    # A replica lost: its users' next turns (within one think time) read their whole context from Redis.
+    lost_users = args.users / args.replicas
+    burst = lost_users * (turn["reused_doc"] + turn["reused_private"]) * bpt / 1e9 / args.think_s
+    print(
+        f"losing one replica moves its {lost_users:,.0f} users elsewhere: their next turns read "
+        f"{burst * args.think_s:.1f} GB from Redis within ~{args.think_s:g} s, {burst:.2f} GB/s on top"
+    )
     needed = math.ceil(args.replicas * target.replica_busy)
     if needed > args.replicas:
         print(f"  at these rates {args.users:,} users need {needed:,} replicas; the Redis figures above hold for them")
@@ -281,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
         "replicas_saturate_at_users": replicas_full,
         "target": asdict(target),
         "replicas_needed": needed,
+        "replica_loss_burst_GBps": burst,
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
