@@ -30,6 +30,7 @@ from kvbank.server.api import build_app
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.completions import system_prompt_prefix
 from kvbank.server.limits import ServerLimits
+from kvbank.server.worker import spill_to_tiers
 from kvbank.tokenizer import Tokenizer
 
 CLI_DEFAULT_MAX_TOKENS = 256
@@ -326,7 +327,11 @@ class _GracefulServer(uvicorn.Server):
             return False
         waited = time.monotonic() - started
         if waited >= self.deadline or (waited >= self.drain_grace and self.drain.idle(self.async_engine)):
-            self.config.timeout_graceful_shutdown = max(0.0, self.deadline - waited)
+            # A write-back pool would take its cache along: send it to the tiers first.
+            spilled = await spill_to_tiers(self.async_engine, max(0.0, self.deadline - waited))
+            if spilled:
+                print(f"kvbank: drained: {spilled} cached chunks written to the tiers", flush=True)
+            self.config.timeout_graceful_shutdown = max(0.0, self.deadline - (time.monotonic() - started))
             self.should_exit = True
             return True
         return False

@@ -21,6 +21,7 @@ running go on; `Drain.idle` says when none is left.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import time
@@ -190,6 +191,53 @@ def load(async_engine: AsyncEngine, drain: Drain | None = None) -> dict[str, Any
         "finished_requests": int(stats.get("finished_requests", 0)),
         "draining": drain is not None and drain.draining,
     }
+
+
+#: chunks handed to the tiers' writer between two waits for it (below its queue's bound, so none is dropped)
+SPILL_BATCH = 8
+
+
+async def spill_to_tiers(async_engine: AsyncEngine, timeout: float) -> int:
+    """Write-back: send every chunk the pool holds that never reached the tiers, as evicting it would,
+    and wait until the writer has stored them; returns how many chunks were sent.
+
+    A write-back pool stores a chunk only when it evicts it, so a replica that stops would take
+    its cache with it; spilled, the fleet's other replicas load it instead of recomputing it.
+    Nothing to do under write-through (everything left when computed) or without tiers.
+    """
+    offload = async_engine.engine.offload
+    if offload is None or async_engine.engine.manager.pool.on_evict is None:
+        return 0
+    deadline = time.monotonic() + timeout
+    tried: set[int] = set()
+    sent = 0
+
+    def batch(engine) -> int:
+        """Send up to SPILL_BATCH chunks (on the engine thread); -1 once no block is left to try."""
+        pool, counters = engine.manager.pool, engine.offload.counters
+        # Deepest first: a chunk's last block sends the chunk and marks its blocks as sent.
+        blocks = sorted(
+            (b for b in pool.blocks if b.hash is not None and not b.offloaded and b.block_id not in tried),
+            key=lambda b: -b.position,
+        )
+        if not blocks:
+            return -1
+        stores = counters.stores
+        for block in blocks:
+            if counters.stores - stores >= SPILL_BATCH:
+                break
+            tried.add(block.block_id)
+            if not block.offloaded:  # else it left with a deeper block of its chunk
+                pool.on_evict(block)  # the write-back hook, without the eviction
+        return counters.stores - stores
+
+    while time.monotonic() < deadline:
+        queued = await async_engine.call(batch)
+        if queued < 0:
+            break
+        sent += queued
+        await asyncio.to_thread(offload.flush, max(0.0, deadline - time.monotonic()))
+    return sent
 
 
 def _waiting_prompt_tokens(async_engine: AsyncEngine) -> int:
