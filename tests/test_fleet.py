@@ -8,6 +8,7 @@ serve the routing tests; the third is drained), and a test that kills one leaves
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ CHUNK_TOKENS = 64
 BLOCK = 16
 REPLICA_ARGS = ["--dtype", "float32", "--log-level", "warning", "--num-gpu-blocks", "512"]
 REPLICA_ARGS += ["--kv-tier-chunk-tokens", str(CHUNK_TOKENS), "--max-tokens-cap", "64"]
-DRAIN_GRACE_S = 3
+DRAIN_GRACE_S = 2
 
 
 @dataclass
@@ -74,6 +75,8 @@ def fleet(tmp_path_factory, kvbank_env):
             port = free_port()
             args = [sys.executable, "-m", "kvbank", "serve", "--port", str(port), *REPLICA_ARGS]
             args += ["--kv-redis-url", redis.url, "--drain-grace", str(DRAIN_GRACE_S), "--shutdown-timeout", "20"]
+            if i == 2:  # the one drained: a write-back pool, which stores only what it evicts, or spills
+                args += ["--kv-tier-write-policy", "write_back"]
             with open(log_path, "w") as log:
                 process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=kvbank_env)
             replicas.append(Replica(f"replica{i}", f"http://127.0.0.1:{port}", process, log_path))
@@ -115,7 +118,7 @@ def _converse(url: str, model: str, turns: list[str], messages: list[dict] | Non
     return messages, answers
 
 
-def _turns(start: int, count: int, chars: int = 700) -> list[str]:
+def _turns(start: int, count: int, chars: int = 500) -> list[str]:
     text = DATA.read_text()
     return [f"Read this and answer briefly:\n{text[start + i * chars : start + (i + 1) * chars]}" for i in range(count)]
 
@@ -207,18 +210,21 @@ def test_sigterm_drains_a_replica_without_failing_a_request(fleet):
     def client(k: int) -> None:
         i = 0
         while not stop.is_set():
-            body = {"model": fleet.model, "prompt": f"Note {k}.{i}: the weather", "max_tokens": 12, "temperature": 0}
+            body = {"model": fleet.model, "prompt": f"Note {k}.{i}: the weather", "max_tokens": 6, "temperature": 0}
             try:
                 statuses.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code)
             except httpx.HTTPError as error:
                 statuses.append(repr(error))
             i += 1
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    # A prompt only the leaving replica computed: its write-back pool holds it, Redis does not.
+    prompt = DATA.read_text()[60000:61500]
+    alone = _complete(leaving.url, fleet.model, prompt)
     try:
         for thread in threads:
             thread.start()
-        _wait_for(lambda: len(statuses) >= 3, "the first requests")
+        _wait_for(lambda: len(statuses) >= 2, "the first requests")
         served = leaving.served()
         leaving.process.send_signal(signal.SIGTERM)
         # while it drains the replica still answers: /health and new work get 503 in OpenAI's shape
@@ -235,7 +241,14 @@ def test_sigterm_drains_a_replica_without_failing_a_request(fleet):
         stop_router(router)
     assert served > 0
     assert statuses and set(statuses) == {200}, [s for s in statuses if s != 200]
-    assert "kvbank: stopped" in leaving.log_path.read_text()
+    log = leaving.log_path.read_text()
+    assert "kvbank: stopped" in log and re.search(r"drained: \d+ cached chunks written to the tiers", log)
+    # draining spilled the pool to Redis: the survivor loads the prompt instead of computing it
+    hits = survivor.redis_hits()
+    again = _complete(survivor.url, fleet.model, prompt)
+    assert survivor.redis_hits() > hits
+    assert _cached(again) >= again["usage"]["prompt_tokens"] - CHUNK_TOKENS
+    assert again["choices"][0]["text"] == alone["choices"][0]["text"]
 
 
 def test_sigkill_mid_conversation_loses_nothing_and_the_survivor_serves_from_redis(fleet):
