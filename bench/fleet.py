@@ -209,7 +209,11 @@ def start_router(urls: list[str], policy: str, args, log: Path) -> tuple[subproc
     # so a request sent to a replica that just died is still being retried when the check drops it.
     command += ["--retry-max-retries", str(args.router_retries), "--retry-initial-backoff-ms", "100"]
     command += ["--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "1000"]
+    # A replica answers /health late while a long prefill step holds the GIL (seconds on one thread):
+    # with the router's 5 s default one slow answer would take a busy, healthy replica out of
+    # rotation. A dead one refuses the connection at once, so a long timeout does not hide it.
     command += ["--health-check-interval-secs", str(args.health_interval)]
+    command += ["--health-check-timeout-secs", str(args.health_timeout)]
     command += ["--health-failure-threshold", "1", "--health-success-threshold", "1"]
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)
@@ -462,6 +466,13 @@ def summarize(load: Load, fleet: Fleet, start: float, seconds: float, before: li
         "tier_hit_share": tier_tokens / queries if queries and tier_tokens is not None else None,
         "redis_entry_hits": metric_delta(before, after, "kvbank:kv_tier_hits_total") if fleet.redis else None,
         "redis_entry_misses": metric_delta(before, after, "kvbank:kv_tier_misses_total") if fleet.redis else None,
+        # finished requests per replica (None: dead at the end): how the router spread the load
+        "requests_per_replica": [
+            None
+            if b is None or a is None
+            else a.get("kvbank:request_success_total", 0) - b.get("kvbank:request_success_total", 0)
+            for b, a in zip(before, after, strict=True)
+        ],
         "metrics_replicas": sum(1 for b, a in zip(before, after, strict=True) if b is not None and a is not None),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
@@ -614,6 +625,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replica-threads", type=int, default=1, help="threads of each fleet replica")
     parser.add_argument("--router-retries", type=int, default=8, help="the router's --retry-max-retries")
     parser.add_argument("--health-interval", type=int, default=1, help="the router's health-check interval (s)")
+    parser.add_argument("--health-timeout", type=int, default=30, help="the router's health-check timeout (s)")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument(
         "--skip-calibration", action="store_true", help="skip measuring one replica's prefill and decode tok/s"
@@ -630,8 +642,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if f"--{key.replace('_', '-')}" not in given:  # an explicit size beats the preset
                 setattr(args, key, value)
         args.kill_at_half = True
-    if args.router_retries < 1 or args.health_interval < 1:
-        parser.error(f"--router-retries {args.router_retries}, --health-interval {args.health_interval}: each >= 1")
+    if min(args.router_retries, args.health_interval, args.health_timeout) < 1:
+        parser.error(
+            f"--router-retries {args.router_retries}, --health-interval {args.health_interval}, "
+            f"--health-timeout {args.health_timeout}: each must be >= 1"
+        )
     for name, low, high in BOUNDS:
         value = getattr(args, name)
         if not low <= value <= high:
@@ -703,7 +718,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"Redis {pct(sample['tier_hit_share'])}), TTFT p50 {ms(sample['ttft_p50_s'])} p99 "
                 f"{ms(sample['ttft_p99_s'])} (later turns {ms(sample['ttft_p99_later_turns_s'])}), "
                 f"{sample['output_tokens_per_s']:.1f} out tok/s, "
-                f"{sample['failed']}/{sample['requests']} failed, {sample['seconds']:.1f} s{extra}"
+                f"{sample['failed']}/{sample['requests']} failed, {sample['seconds']:.1f} s, per replica "
+                f"{'/'.join('-' if n is None else f'{n:.0f}' for n in sample['requests_per_replica'])}{extra}"
             )
             for line in sample["error_samples"][:2]:
                 print(f"      {line[:200]}")
