@@ -23,11 +23,13 @@ from fleet import FAST_HEALTH, router_workers, start_router, stop_router
 from redis_servers import start_redis_server
 from serving import free_port, wait_healthy
 
+from kvbank import cli
+
 DATA = Path(__file__).parent / "data" / "austen_excerpt.txt"
 CHUNK_TOKENS = 64
 BLOCK = 16
 REPLICA_ARGS = ["--dtype", "float32", "--log-level", "warning", "--num-gpu-blocks", "512"]
-REPLICA_ARGS += ["--kv-tier-chunk-tokens", str(CHUNK_TOKENS), "--max-tokens-cap", "64"]
+REPLICA_ARGS += ["--kv-tier-chunk-tokens", str(CHUNK_TOKENS)]
 DRAIN_GRACE_S = 2
 
 
@@ -149,13 +151,26 @@ def test_worker_routes_answer_as_sglang_does(fleet):
     assert model_info["is_generation"] is True and model_info["model_type"] == "llama"
     (load,) = httpx.get(f"{replica.url}/get_load", timeout=10).json()
     assert load["dp_rank"] == 0 and load["num_reqs"] == 0 and load["num_tokens"] == 0
-    # what the router registered is what the routes said
-    router, url = fleet.router("round_robin", fleet.replicas[:1], "probe")
+    # what the router registered is what the routes said, and power_of_two's load is /get_load's
+    router, url = fleet.router("power_of_two", fleet.replicas[:2], "probe")
+    body = {"model": fleet.model, "prompt": "Count: one, two,", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     try:
-        (worker,) = router_workers(url)
+        (worker,) = [w for w in router_workers(url) if w["url"] == replica.url]
         assert worker["model_id"] == fleet.model and worker["metadata"]["model_type"] == "llama"
+        with httpx.stream("POST", f"{replica.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()  # kept: dropping the iterator would close the stream
+            assert next(lines).startswith("data:")
+            (running,) = httpx.get(f"{replica.url}/get_load", timeout=10).json()
+            loads = httpx.get(f"{url}/get_loads", timeout=10).json()["workers"]
     finally:
         stop_router(router)
+    assert running["num_running_reqs"] == 1 and running["num_tokens"] >= BLOCK
+    assert {w["worker"]: w["load"] for w in loads}[replica.url] >= BLOCK  # the sum of num_tokens
+
+
+def test_drain_grace_over_the_shutdown_timeout_is_refused(capsys):
+    assert cli.main(["serve", "--drain-grace", "40", "--shutdown-timeout", "30"]) == 2
+    assert "--drain-grace 40 must be between 0 and --shutdown-timeout 30" in capsys.readouterr().err
 
 
 def test_cache_aware_keeps_a_conversation_on_one_replica_with_cached_tokens(fleet):
