@@ -435,7 +435,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds to let running requests finish before aborting them (default: %(default)s)",
+        help="on SIGTERM, seconds to drain (finish running requests while /health and new requests get 503) "
+        "before aborting what still runs (default: %(default)s)",
     )
     serve.add_argument(
         "--drain-grace",
