@@ -120,7 +120,7 @@ def _converse(url: str, model: str, turns: list[str], messages: list[dict] | Non
     return messages, answers
 
 
-def _turns(start: int, count: int, chars: int = 500) -> list[str]:
+def _turns(start: int, count: int, chars: int = 400) -> list[str]:
     text = DATA.read_text()
     return [f"Read this and answer briefly:\n{text[start + i * chars : start + (i + 1) * chars]}" for i in range(count)]
 
@@ -234,7 +234,7 @@ def test_sigterm_drains_a_replica_without_failing_a_request(fleet):
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
     # A prompt only the leaving replica computed: its write-back pool holds it, Redis does not.
-    prompt = DATA.read_text()[60000:61500]
+    prompt = DATA.read_text()[60000:61000]
     alone = _complete(leaving.url, fleet.model, prompt)
     try:
         for thread in threads:
