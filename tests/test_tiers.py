@@ -45,11 +45,17 @@ def _run(llm: LLM, ids: list[int], salt: str | None = None) -> tuple[list[int], 
     return out.outputs[0].token_ids, out.num_cached_tokens
 
 
-def _evict_pool(llm: LLM) -> None:
-    """Fill the pool with unrelated prompts so nothing of earlier prompts stays in it."""
+def _fill_pool(llm: LLM) -> None:
+    """Fill the pool with unrelated prompts so that pool pressure evicts every block of earlier prompts."""
     for k in range(2):
         llm.generate({"prompt_token_ids": [100 + k] * 1200}, SamplingParams(max_tokens=1))
     assert llm.stats()["num_blocks"] == SMALL["num_gpu_blocks"]
+
+
+def _evict_pool(llm: LLM) -> None:
+    """Evict every cached block of earlier prompts, as pool pressure does (the tiers see the same
+    evictions: write-back stores them), without the cost of computing prompts to fill the pool."""
+    assert llm.reset_prefix_cache() > 0
 
 
 def _flush(llm: LLM) -> None:
@@ -335,7 +341,7 @@ def test_write_back_offloads_only_what_the_pool_evicts(cold):
     with LLM(**SMALL, kv_host_gb=0.25, kv_tier_write_policy="write_back") as llm:
         assert _run(llm, ids) == (expected, 0)
         assert llm.tier_stats()["offload"]["stores"] == 0
-        _evict_pool(llm)
+        _fill_pool(llm)  # real pool pressure
         assert llm.tier_stats()["offload"]["stores"] >= 9
         _flush(llm)
         assert _run(llm, ids) == (expected, 592)
