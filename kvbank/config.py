@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvbank.cache.events import check_endpoint
 from kvbank.cache.format import KVFormat
 from kvbank.cache.offload import WRITE_POLICIES, chunk_blocks_for
 from kvbank.cache.policies import parse_policy
@@ -161,6 +162,23 @@ class EngineConfig:
         metavar="POLICY",
         plan=False,
     )
+    kv_events_endpoint: str | None = option(
+        None,
+        "ZMQ endpoint to bind a PUB socket on that publishes KV cache events in vLLM's format "
+        "(BlockStored, BlockRemoved, AllBlocksCleared; msgpack), e.g. tcp://127.0.0.1:5557, "
+        "for routers that score replicas by their cache (needs pyzmq and msgpack)",
+        metavar="ENDPOINT",
+        default_text="no events",
+        plan=False,
+    )
+    kv_events_replay_endpoint: str | None = option(
+        None,
+        "ZMQ endpoint to bind a ROUTER socket on that resends recent event batches from a sequence number",
+        metavar="ENDPOINT",
+        default_text="no replay",
+        plan=False,
+    )
+    kv_events_topic: str = option("", "topic (first frame) of every KV event message", plan=False)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -204,6 +222,12 @@ class EngineConfig:
         parse_policy(self.kv_policy)  # raises if bad
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
+        check_endpoint("kv_events_endpoint", self.kv_events_endpoint)
+        check_endpoint("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the PUB socket it replays)")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_replay_endpoint == self.kv_events_endpoint:
+            raise ValueError(f"kv_events_replay_endpoint={self.kv_events_replay_endpoint!r} is kv_events_endpoint too")
 
     def prefill_chunk(self, max_model_len: int, policy_room: int | None = None) -> int:
         """Most tokens one step computes: `max_num_batched_tokens` if set, otherwise the default

@@ -53,7 +53,13 @@ class Block:
 class BlockPool:
     """Owns every block; tracks refcounts, the free lists and the hash -> block index."""
 
-    def __init__(self, num_blocks: int, on_empty: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_empty: Callable[[int], None] | None = None,
+        on_index: Callable[[Block], None] | None = None,
+        on_forget: Callable[[Block], None] | None = None,
+    ) -> None:
         assert num_blocks > 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.empty: deque[int] = deque(range(num_blocks))
@@ -65,6 +71,8 @@ class BlockPool:
         self.on_empty = on_empty
         #: called with an indexed block just before eviction reuses it (its content is still there)
         self.on_evict: Callable[[Block], None] | None = None
+        #: called with a block just indexed, and with an indexed block as it leaves the index
+        self.on_index, self.on_forget = on_index, on_forget
 
     @property
     def num_blocks(self) -> int:
@@ -155,10 +163,14 @@ class BlockPool:
         block.serial = next(self._serials)
         self.index[block_hash] = block.block_id
         self.by_serial[block.serial] = block.block_id
+        if self.on_index is not None:
+            self.on_index(block)
         return block.serial
 
     def _forget(self, block: Block) -> None:
         if block.hash is not None:
+            if self.on_forget is not None:
+                self.on_forget(block)
             del self.index[block.hash]
             del self.by_serial[block.serial]
         block.reset()

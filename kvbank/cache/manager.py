@@ -13,6 +13,7 @@ from collections.abc import Sequence as Tokens
 from typing import Protocol
 
 from kvbank.cache.blocks import Block, BlockPool
+from kvbank.cache.events import CacheEvents
 from kvbank.cache.prefix import block_hash
 
 log = logging.getLogger("kvbank")
@@ -80,9 +81,15 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         max_pinned_fraction: float = 0.5,
         on_empty: Callable[[int], None] | None = None,
+        events: CacheEvents | None = None,
     ) -> None:
-        """`on_empty(block_id)`: a block's content is dropped (storage frees what it keeps beside it)."""
-        self.pool = BlockPool(num_blocks, on_empty)
+        """`on_empty(block_id)`: a block's content is dropped (storage frees what it keeps beside it);
+        `events` hears of every block entering and leaving the prefix index."""
+        self.events = events
+        if events is None:
+            self.pool = BlockPool(num_blocks, on_empty)
+        else:
+            self.pool = BlockPool(num_blocks, on_empty, self._indexed, self._forgotten)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
@@ -160,7 +167,19 @@ class KVCacheManager:
 
     def evict_cached(self) -> int:
         """Drop every cached prefix block not in use or pinned; returns blocks dropped."""
-        return self.pool.evict_cached()
+        dropped = self.pool.evict_cached()
+        self.end_step()  # called between steps: its events are a batch of their own
+        return dropped
+
+    def end_step(self) -> None:
+        """The cache events since the last call are one step's: publish them as one batch."""
+        if self.events is not None:
+            self.events.flush()
+
+    def close_events(self) -> None:
+        """Publish what is pending and stop publishing."""
+        if self.events is not None:
+            self.events.close()
 
     def take_blocks(self, count: int) -> list[int]:
         """`count` fresh private blocks for a table the caller fills itself (a recalled cache)."""
@@ -290,6 +309,13 @@ class KVCacheManager:
             hits.append(found)
             parent = found.serial
         return hits
+
+    def _indexed(self, block: Block) -> None:
+        parent = self.pool.parent_block(block)  # indexed: the sequence that registers `block` holds it
+        self.events.stored(block.hash, None if parent is None else parent.hash, block.token_ids)
+
+    def _forgotten(self, block: Block) -> None:
+        self.events.removed(block.hash)
 
     def _release_held(self, seq: Sequence) -> None:
         for block_id in reversed(seq.held_blocks):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbank.cache.editor import KVEditor
+from kvbank.cache.events import build_events
 from kvbank.cache.limits import Limits
 from kvbank.cache.manager import KVCacheManager
 from kvbank.cache.offload import KVOffload, chunk_blocks_for
@@ -61,9 +62,15 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         config.max_num_seqs,
         config.batch_invariant,
     )
-    manager = KVCacheManager(
-        num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release
+    # fmt: off
+    events = build_events(
+        config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic, config.block_size,
+        device.type,
     )
+    manager = KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release, events
+    )
+    # fmt: on
     namespace = model_config.fingerprint + f"|{dtype_name(dtype)}".encode() + config.kv_format.namespace
     entry_format = entry_format_for(storage, model_config.fingerprint, namespace, config.kv_tier_key)
     max_model_len = model_config.max_position_embeddings

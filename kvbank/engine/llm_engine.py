@@ -193,6 +193,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the (cumulative) outputs of requests that made progress."""
+        try:
+            return self._step()
+        finally:
+            self.manager.end_step()  # the step's cache events (and those since the last step) as one batch
+
+    def _step(self) -> list[RequestOutput]:
         if self.offload is not None:
             self.offload.poll(len(self.scheduler.running))
         ready, self._ready = self._ready, []
@@ -262,6 +268,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Write what the tiers have queued and close them; the engine is unusable afterwards."""
+        self.manager.close_events()
         if self.offload is not None:
             self.offload.close()
             self.offload = None

@@ -1,0 +1,167 @@
+"""KV cache events in vLLM's format: a plain pyzmq + msgpack subscriber rebuilds the engine's prefix cache."""
+
+import os
+import time
+
+import msgpack
+import pytest
+import zmq
+from serving import free_port, request, start_server, stop_server, wait_healthy
+
+from kvbank import LLM, SamplingParams
+from kvbank.config import EngineConfig
+
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+SHARED = (
+    "You are a careful assistant for a public library. You answer questions about opening hours, "
+    "borrowing rules, late fees and events, briefly and politely, and you never invent facts. "
+)
+QUESTIONS = ["When do you open on Saturdays?", "How many books can I borrow?", "Is there a fee for late DVDs?"]
+#: unrelated prompts, enough of them to make the small pool evict
+OTHERS = [f"Item {i}: " + " ".join(f"word{i * 31 + j}" for j in range(40)) for i in range(6)]
+
+
+def _engine_hashes(llm: LLM) -> set[int]:
+    return {int.from_bytes(h, "big") & ((1 << 64) - 1) for h in llm.engine.manager.pool.index}
+
+
+def _replay(context: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """Every batch the engine still buffers from sequence `start` on."""
+    with context.socket(zmq.DEALER) as dealer:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        batches = []
+        while True:
+            assert dealer.poll(10_000), "no answer from the replay socket"
+            _, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return batches
+            batches.append((int.from_bytes(seq, "big"), payload))
+
+
+def _apply(batches: list[tuple[int, bytes]]) -> tuple[set[int], int]:
+    """The block set the events describe (checking each block is stored and removed once), and blocks removed."""
+    blocks: set[int] = set()
+    removed = 0
+    for _, payload in batches:
+        ts, events = msgpack.unpackb(payload)
+        assert isinstance(ts, float) and events
+        for event in events:
+            tag = event[0]
+            if tag == "BlockStored":
+                hashes, parent, tokens, block_size, lora_id, medium, lora_name = event[1:]
+                assert (block_size, lora_id, medium, lora_name) == (BLOCK_SIZE, None, "CPU", None)
+                assert len(tokens) == len(hashes) * BLOCK_SIZE
+                assert parent is None or parent in blocks, "a stored block's parent is cached"
+                for h in hashes:
+                    assert isinstance(h, int) and 0 <= h < 2**64
+                    assert h not in blocks, "stored twice"
+                    blocks.add(h)
+            elif tag == "BlockRemoved":
+                hashes, medium = event[1:]
+                assert medium == "CPU"
+                for h in hashes:
+                    assert h in blocks, "removed but never stored"
+                    blocks.remove(h)
+                removed += len(hashes)
+            else:
+                assert event == ["AllBlocksCleared"]
+                blocks.clear()
+    return blocks, removed
+
+
+def test_subscriber_rebuilds_the_prefix_cache():
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    llm = LLM(dtype="float32", num_gpu_blocks=24, kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    try:
+        # The first batch (AllBlocksCleared) went out before anyone listened: the replay socket has it.
+        deadline = time.monotonic() + 10
+        while not (start := _replay(context, replay, 0)):
+            assert time.monotonic() < deadline, "the startup batch never reached the replay buffer"
+        assert start == [(0, start[0][1])] and msgpack.unpackb(start[0][1])[1] == [["AllBlocksCleared"]]
+
+        for question in QUESTIONS:  # one at a time: the pool holds one long prompt's blocks and more
+            llm.generate([SHARED + question], GREEDY)
+        llm.generate(OTHERS, GREEDY)
+        before_reset = _engine_hashes(llm)
+        assert before_reset
+        dropped = llm.reset_prefix_cache()
+        assert dropped > 0 and not _engine_hashes(llm)
+        llm.generate([SHARED + QUESTIONS[0]], GREEDY)
+        expected = _engine_hashes(llm)
+        assert expected
+    finally:
+        llm.close()  # sends what is pending, then closes the sockets
+
+    live = []
+    while sub.poll(2000):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b""
+        live.append((int.from_bytes(seq, "big"), payload))
+    sub.close()
+    context.term()
+    assert live, "the subscriber heard nothing"
+    seqs = [seq for seq, _ in live]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers count up by one"
+    assert seqs[0] <= 1, "a subscriber connected before the first step hears every step"
+    batches = start + [batch for batch in live if batch[0] > 0]
+    blocks, removed = _apply(batches)
+    assert removed > dropped, "the small pool evicted blocks before the reset"
+    assert blocks == expected
+
+
+def test_engine_without_the_option_publishes_nothing():
+    llm = LLM(dtype="float32", num_gpu_blocks=24)
+    assert llm.engine.manager.events is None and llm.engine.manager.pool.on_index is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_events_endpoint": "127.0.0.1:5557"}, "kv_events_endpoint='127.0.0.1:5557' is not a ZMQ endpoint"),
+        ({"kv_events_endpoint": "tcp://127.0.0.1:99999"}, "port from 1 to 65535"),
+        ({"kv_events_endpoint": "tcp://127.0.0.1"}, "needs a host and a port"),
+        ({"kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}, "kv_events_replay_endpoint needs kv_events_endpoint"),
+        (
+            {"kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5557"},
+            "is kv_events_endpoint too",
+        ),
+    ],
+)
+def test_bad_endpoints_are_refused(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**options)
+
+
+def test_serve_publishes_events(tmp_path):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    log = tmp_path / "serve.log"
+    process, url = start_server(["--dtype", "float32", "--kv-events-endpoint", endpoint], dict(os.environ), log)
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        wait_healthy(process, url, log)
+        prompt = "A note on events: " + SHARED + QUESTIONS[1]
+        status, body, _ = request(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})
+        assert status == 200, body
+        full_blocks = body["usage"]["prompt_tokens"] // BLOCK_SIZE
+        stored: list[int] = []
+        while len(stored) < full_blocks:
+            assert sub.poll(10_000), f"{len(stored)} blocks stored, {full_blocks} expected:\n{log.read_text()[-2000:]}"
+            topic, _, payload = sub.recv_multipart()
+            _, events = msgpack.unpackb(payload)
+            stored += [h for event in events if event[0] == "BlockStored" for h in event[1]]
+    finally:
+        sub.close()
+        context.term()
+        stop_server(process)
