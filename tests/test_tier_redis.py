@@ -62,7 +62,7 @@ def test_batch_round_trip(server, request, make_tier):
     assert got[:7] == [blob(i) for i in range(7)]
     assert got[7] == tensor.numpy().tobytes()
     assert got[8:] == [None, None]
-    assert all(isinstance(b, bytes) for b in got[:8])
+    assert all(isinstance(b, bytearray) for b in got[:8])  # the direct read path
     stored = sum(len(memoryview(b).cast("B")) for _, b in entries)
     assert (tier.stats.hits, tier.stats.misses, tier.stats.load_bytes, tier.stats.store_bytes) == (8, 2, stored, stored)
     assert (tier.stats.errors, tier.stats.stores_dropped) == (0, 0)

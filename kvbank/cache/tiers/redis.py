@@ -9,11 +9,20 @@ Redis is a remote service that comes and goes: every fault (refused, reset, time
 is answered as a miss or a dropped store, counted, and logged once per outage; for a backoff interval
 after a fault (0.5 s, doubling up to 8 s while it lasts) the tier answers without touching the network,
 so a dead or stalled server costs one call a timeout or two per interval, not every call.
+
+Loads take a direct read path (`direct_reads`, on by default): the GETs of a batch go out on one of
+redis-py's pooled connections, and the replies are parsed here: each bulk string's `$<length>` header is
+read from a small scratch buffer and its value is received straight into a buffer of exactly that length
+(`socket.recv_into`), so a value is copied once, by the kernel, instead of once by the socket read and
+again by the RESP parser. A Redis Cluster gets the same per master (keys routed by slot). Anything the
+direct path cannot answer (a redirect of a migrating slot, an error reply, a dropped pooled socket) goes
+the redis-py way for that batch; a timeout is an outage as before.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,8 +60,16 @@ class RedisTier(Tier):
 
     name = "redis"
 
-    def __init__(self, url: str, namespace: str, ttl_seconds: float | None = None, timeout_seconds: float = 1.0):
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        ttl_seconds: float | None = None,
+        timeout_seconds: float = 1.0,
+        direct_reads: bool = True,
+    ):
         super().__init__()
+        self.direct_reads = direct_reads
         self.url = _redacted(url)
         scheme = urlsplit(url).scheme
         if scheme not in SCHEMES:
@@ -89,8 +106,11 @@ class RedisTier(Tier):
 
     def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         start = time.perf_counter()
-        replies = self._pipelined([("GET", self._name(key)) for key in keys])
-        blobs = [reply if isinstance(reply, bytes) else None for reply in replies]
+        names = [self._name(key) for key in keys]
+        replies = self._direct_gets(names) if self.direct_reads and names else None
+        if replies is None:
+            replies = self._pipelined([("GET", name) for name in names])
+        blobs = [reply if isinstance(reply, (bytes, bytearray)) else None for reply in replies]
         elapsed = time.perf_counter() - start
         with self.lock:
             hits = sum(blob is not None for blob in blobs)
@@ -145,6 +165,26 @@ class RedisTier(Tier):
             with self.lock:
                 self.stats.errors += failed
         return [None if isinstance(reply, Exception) else reply for reply in replies]
+
+    def _direct_gets(self, names: list[str]) -> list[bytearray | None] | None:
+        """Each name's value (a bytearray) or None, read by the direct path; None when the batch must go the
+        redis-py way instead (an error reply, a redirect, a dropped pooled socket, a refused connection: that
+        way retries and decides whether it is an outage) or the tier is backing off (it then skips the network).
+        """
+        with self.lock:
+            if time.monotonic() < self._retry_at:
+                return None
+        try:
+            replies = _direct_get(self._connected(), names)
+        except (TimeoutError, redis.TimeoutError) as e:  # a stalled server: waiting again the redis-py way would double the cost
+            self._fault(e)
+            return None
+        except FAULTS:
+            return None
+        if replies is None:
+            return None
+        self._recovered()
+        return replies
 
     def _guarded(self, operation: Callable[[redis.Redis | RedisCluster], Any]) -> Any:
         """operation(client), or None while backing off after a fault or when it faults now."""
@@ -231,6 +271,129 @@ def _send(cluster: RedisCluster, commands: list[tuple], follow_redirects: bool) 
     stack = [PipelineCommand(command, {}, position) for position, command in enumerate(commands)]
     pipe = cluster.pipeline(transaction=False)
     return pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=follow_redirects)
+
+
+def _direct_get(client: redis.Redis | RedisCluster, names: list[str]) -> list[bytearray | None] | None:
+    """GET every name over pooled connections (one per cluster master), values received in place; None if
+    any reply was not a value or nil (a redirect, an error): the caller then asks the redis-py way."""
+    if not isinstance(client, RedisCluster):
+        return _direct_get_from(client.connection_pool, names)
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, name in enumerate(names):
+        node = client.get_node_from_key(name)
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    replies: list[bytearray | None] = [None] * len(names)
+    for node, positions in by_node.values():
+        pool = client.get_redis_connection(node).connection_pool
+        got = _direct_get_from(pool, [names[i] for i in positions])
+        if got is None:
+            return None
+        for i, reply in zip(positions, got):
+            replies[i] = reply
+    return replies
+
+
+def _direct_get_from(pool: redis.ConnectionPool, names: list[str]) -> list[bytearray | None] | None:
+    connection = pool.get_connection()
+    try:
+        sock = connection._sock
+        if sock is None:
+            connection.connect()
+            sock = connection._sock
+        sock.sendall(b"".join(_get_command(name) for name in names))
+        replies = _ReplyReader(sock).values(len(names))
+    except BaseException:
+        connection.disconnect()  # the stream is somewhere inside a reply: no later command may use it
+        raise
+    finally:
+        pool.release(connection)
+    return replies
+
+
+def _get_command(name: str) -> bytes:
+    key = name.encode()
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(key), key)
+
+
+class _ReplyReader:
+    """RESP replies to GETs from a socket: headers through a small scratch buffer, each value received into its
+    own buffer of exactly its length, so the scratch never holds more than a header and a value's first bytes."""
+
+    SCRATCH_BYTES = 64 * 1024
+    MAX_LINE = 1024
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.scratch = bytearray(self.SCRATCH_BYTES)
+        self.view = memoryview(self.scratch)
+        self.start = self.end = 0
+
+    def values(self, count: int) -> list[bytearray | None] | None:
+        """`count` replies: a value, None for nil, and None for the whole batch if any reply is something else
+        (every reply is still read, so the connection stays usable)."""
+        out: list[bytearray | None] = []
+        other = False
+        for _ in range(count):
+            line = self._line()
+            kind = line[:1]
+            if kind == b"$" and line != b"$-1":
+                value = bytearray(_length(line))
+                self._read_into(memoryview(value))
+                if self._line() != b"":
+                    raise redis.InvalidResponse("a bulk string longer than its length")
+                out.append(value)
+            elif kind in (b"$", b"_"):  # nil: RESP2 $-1, RESP3 _
+                out.append(None)
+            elif kind in (b"-", b"!"):
+                other = True
+                out.append(None)
+            else:
+                raise redis.InvalidResponse(f"unexpected reply {bytes(line[:32])!r} to GET")
+        return None if other else out
+
+    def _line(self) -> bytes:
+        while True:
+            i = self.scratch.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.view[self.start : i])
+                self.start = i + 2
+                return line
+            if self.end - self.start > self.MAX_LINE:
+                raise redis.InvalidResponse(f"a reply line longer than {self.MAX_LINE} bytes")
+            self._fill()
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.scratch):
+            kept = self.end - self.start
+            self.view[:kept] = self.view[self.start : self.end]
+            self.start, self.end = 0, kept
+        n = self.sock.recv_into(self.view[self.end :])
+        if n == 0:
+            raise redis.ConnectionError("the server closed the connection")
+        self.end += n
+
+    def _read_into(self, target: memoryview) -> None:
+        have = min(len(target), self.end - self.start)
+        target[:have] = self.view[self.start : self.start + have]
+        self.start += have
+        recv_into = self.sock.recv_into
+        while have < len(target):
+            n = recv_into(target[have:])
+            if n == 0:
+                raise redis.ConnectionError("the server closed the connection")
+            have += n
+
+
+def _length(line: bytes) -> int:
+    try:
+        length = int(line[1:])
+    except ValueError:
+        length = -2
+    if length < 0:
+        raise redis.InvalidResponse(f"bad bulk string length {bytes(line[:32])!r}")
+    return length
 
 
 def _store_usage(client: redis.Redis | RedisCluster) -> tuple[int, int]:
