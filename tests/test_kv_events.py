@@ -1,6 +1,7 @@
 """KV cache events in vLLM's format: a plain pyzmq + msgpack subscriber rebuilds the engine's prefix cache."""
 
 import os
+import sys
 import time
 
 import msgpack
@@ -9,6 +10,8 @@ import zmq
 from serving import free_port, request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams
+from kvbank.cache.events import build_events
+from kvbank.cache.manager import KVCacheManager
 from kvbank.config import EngineConfig
 
 BLOCK_SIZE = 16
@@ -19,7 +22,7 @@ SHARED = (
 )
 QUESTIONS = ["When do you open on Saturdays?", "How many books can I borrow?", "Is there a fee for late DVDs?"]
 #: unrelated prompts, enough of them to make the small pool evict
-OTHERS = [f"Item {i}: " + " ".join(f"word{i * 31 + j}" for j in range(40)) for i in range(6)]
+OTHERS = [f"Item {i}: " + " ".join(f"w{i * 31 + j}" for j in range(12)) for i in range(3)]
 
 
 def _engine_hashes(llm: LLM) -> set[int]:
@@ -74,7 +77,7 @@ def _apply(batches: list[tuple[int, bytes]]) -> tuple[set[int], int]:
 
 def test_subscriber_rebuilds_the_prefix_cache():
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    llm = LLM(dtype="float32", num_gpu_blocks=24, kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
+    llm = LLM(num_gpu_blocks=8, kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -87,9 +90,8 @@ def test_subscriber_rebuilds_the_prefix_cache():
             assert time.monotonic() < deadline, "the startup batch never reached the replay buffer"
         assert start == [(0, start[0][1])] and msgpack.unpackb(start[0][1])[1] == [["AllBlocksCleared"]]
 
-        for question in QUESTIONS:  # one at a time: the pool holds one long prompt's blocks and more
-            llm.generate([SHARED + question], GREEDY)
-        llm.generate(OTHERS, GREEDY)
+        for prompt in [SHARED + question for question in QUESTIONS] + OTHERS:  # 8 blocks hold about 3 prompts
+            llm.generate([prompt], GREEDY)
         before_reset = _engine_hashes(llm)
         assert before_reset
         dropped = llm.reset_prefix_cache()
@@ -101,7 +103,7 @@ def test_subscriber_rebuilds_the_prefix_cache():
         llm.close()  # sends what is pending, then closes the sockets
 
     live = []
-    while sub.poll(2000):
+    while sub.poll(500):  # everything was sent before close() returned
         topic, seq, payload = sub.recv_multipart()
         assert topic == b""
         live.append((int.from_bytes(seq, "big"), payload))
@@ -117,9 +119,16 @@ def test_subscriber_rebuilds_the_prefix_cache():
     assert blocks == expected
 
 
-def test_engine_without_the_option_publishes_nothing():
-    llm = LLM(dtype="float32", num_gpu_blocks=24)
-    assert llm.engine.manager.events is None and llm.engine.manager.pool.on_index is None
+def test_a_manager_without_events_installs_no_hooks():
+    manager = KVCacheManager(8, BLOCK_SIZE)
+    assert manager.events is None and manager.pool.on_index is None and manager.pool.on_forget is None
+
+
+@pytest.mark.parametrize("missing", ["zmq", "msgpack"])
+def test_a_missing_package_names_the_option(monkeypatch, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # import fails as if it were not installed
+    with pytest.raises(RuntimeError, match=f"kv_events_endpoint needs the '{missing}' package"):
+        build_events(f"tcp://127.0.0.1:{free_port()}", None, "", BLOCK_SIZE, "cpu")
 
 
 @pytest.mark.parametrize(
