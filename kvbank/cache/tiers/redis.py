@@ -176,7 +176,7 @@ class RedisTier(Tier):
                 return None
         try:
             replies = _direct_get(self._connected(), names)
-        except (TimeoutError, redis.TimeoutError) as e:  # a stalled server: waiting again the redis-py way would double the cost
+        except (TimeoutError, redis.TimeoutError) as e:  # a stalled server: the redis-py way would wait again
             self._fault(e)
             return None
         except FAULTS:
@@ -275,39 +275,44 @@ def _send(cluster: RedisCluster, commands: list[tuple], follow_redirects: bool) 
 
 def _direct_get(client: redis.Redis | RedisCluster, names: list[str]) -> list[bytearray | None] | None:
     """GET every name over pooled connections (one per cluster master), values received in place; None if
-    any reply was not a value or nil (a redirect, an error): the caller then asks the redis-py way."""
+    any reply was not a value or nil (a redirect, an error): the caller then asks the redis-py way.
+
+    A cluster's masters get all their GETs before any reply is read, so they send in parallel."""
     if not isinstance(client, RedisCluster):
-        return _direct_get_from(client.connection_pool, names)
-    by_node: dict[str, tuple[Any, list[int]]] = {}
-    for i, name in enumerate(names):
-        node = client.get_node_from_key(name)
-        by_node.setdefault(node.name, (node, []))[1].append(i)
+        groups = [(client.connection_pool, list(range(len(names))))]
+    else:
+        by_node: dict[str, tuple[redis.ConnectionPool, list[int]]] = {}
+        for i, name in enumerate(names):
+            node = client.get_node_from_key(name)
+            if node.name not in by_node:
+                by_node[node.name] = (client.get_redis_connection(node).connection_pool, [])
+            by_node[node.name][1].append(i)
+        groups = list(by_node.values())
     replies: list[bytearray | None] = [None] * len(names)
-    for node, positions in by_node.values():
-        pool = client.get_redis_connection(node).connection_pool
-        got = _direct_get_from(pool, [names[i] for i in positions])
-        if got is None:
-            return None
-        for i, reply in zip(positions, got):
-            replies[i] = reply
-    return replies
-
-
-def _direct_get_from(pool: redis.ConnectionPool, names: list[str]) -> list[bytearray | None] | None:
-    connection = pool.get_connection()
+    taken: list[tuple[redis.ConnectionPool, Any]] = []
+    complete = True
     try:
-        sock = connection._sock
-        if sock is None:
-            connection.connect()
-            sock = connection._sock
-        sock.sendall(b"".join(_get_command(name) for name in names))
-        replies = _ReplyReader(sock).values(len(names))
+        for pool, positions in groups:
+            connection = pool.get_connection()
+            taken.append((pool, connection))
+            if connection._sock is None:
+                connection.connect()
+            connection._sock.sendall(b"".join(_get_command(names[i]) for i in positions))
+        for (_, connection), (_, positions) in zip(taken, groups):
+            got = _ReplyReader(connection._sock).values(len(positions))
+            if got is None:
+                complete = False
+                continue
+            for i, reply in zip(positions, got):
+                replies[i] = reply
     except BaseException:
-        connection.disconnect()  # the stream is somewhere inside a reply: no later command may use it
+        for _, connection in taken:  # a stream may be inside a reply: no later command may use it
+            connection.disconnect()
         raise
     finally:
-        pool.release(connection)
-    return replies
+        for pool, connection in taken:
+            pool.release(connection)
+    return replies if complete else None
 
 
 def _get_command(name: str) -> bytes:
