@@ -4,14 +4,16 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 import torch
 
 from kvbank.cache.tiers.entry import BadEntry, EntryFormat, EntryInfo, pack, tier_key, unpack
-from kvbank.cache.tiers.redis import BACKOFF_START_S, RedisTier
+from kvbank.cache.tiers.redis import BACKOFF_START_S, RedisTier, _ReplyReader
 
 pytest_plugins = ["redis_servers"]  # redis_server, unix_redis_server, redis_cluster
 
@@ -308,3 +310,90 @@ def test_a_signed_entry_changed_in_redis_without_the_key_is_refused(redis_server
         unpack(keyed, tier.get([key(1)])[0])
     assert refused.value.reason == "mac"
     assert unpack(fmt, tier.get([key(1)])[0])[0] == info  # without a key it would be served
+
+
+# --- the direct read path: GET replies received into buffers of each value's length --------------------------------
+
+SCRATCH = _ReplyReader.SCRATCH_BYTES
+
+
+def pattern(size: int, seed: int) -> bytes:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).numpy().tobytes()
+
+
+@pytest.mark.parametrize("server", ["redis_server", "unix_redis_server", "redis_cluster"])
+def test_direct_reads_are_exact_around_the_scratch_buffer(server, request, make_tier):
+    """Values of every size around the reader's scratch buffer, big ones before small ones, nils between: the
+    headers and values straddle buffer edges in every way, and each value comes back byte for byte."""
+    tier = make_tier(request.getfixturevalue(server).url, namespace=f"direct-{server}")
+    sizes = [3_000_001, 0, 1, SCRATCH - 1, SCRATCH, SCRATCH + 1, 2 * SCRATCH + 3, 17, 5_898_240, SCRATCH - 6, 2]
+    values = [pattern(size, seed) for seed, size in enumerate(sizes)]
+    assert tier.put([(key(i), v) for i, v in enumerate(values)]) == len(values)
+    wanted = [key(i) for i in range(len(values))]
+    wanted.insert(3, key(999))  # a miss in the middle of the pipeline
+    wanted.append(key(998))
+
+    got = tier.get(wanted)
+
+    assert got[3] is None and got[-1] is None
+    del got[3], got[-1]
+    assert [len(g) for g in got] == sizes
+    assert all(isinstance(g, bytearray) for g in got)  # read by the direct path, not redis-py
+    assert got == values
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.errors) == (len(sizes), 2, 0)
+    by_redis_py = make_tier(tier._raw_url, namespace=f"direct-{server}", direct_reads=False).get(wanted)
+    assert by_redis_py == [*values[:3], None, *values[3:], None]
+    assert all(isinstance(b, bytes) for b in by_redis_py if b is not None)
+
+
+def test_a_corrupted_or_truncated_value_is_never_served(redis_server, make_tier):
+    """The direct path hands over what Redis holds; the entry's checksum and lengths refuse anything changed."""
+    fmt = EntryFormat("m", "bfloat16", "auto", 16, (("bfloat16", (16, 3, 64)),))
+    info = EntryInfo(key(1), bytes(16), 0, 8, tuple(range(128)))
+    entry = bytes(pack(fmt, info, lambda views: [v.normal_() for v in views]).numpy())
+    tier = make_tier(redis_server.url)
+    tier.put([(key(1), entry)])
+    assert unpack(fmt, tier.get([key(1)])[0])[0] == info
+    name = f"{tier.prefix}{key(1).hex()}"
+    flipped = bytearray(entry)
+    flipped[len(entry) // 2] ^= 0x40
+    with redis_server.client() as client:
+        for changed, reason in ((entry[:-1], "truncated"), (entry + b"\0", "truncated"), (flipped, "checksum")):
+            client.set(name, bytes(changed))
+            with pytest.raises(BadEntry) as refused:
+                unpack(fmt, tier.get([key(1)])[0])
+            assert refused.value.reason == reason
+
+
+def test_an_error_reply_is_a_miss_and_the_rest_of_the_batch_is_served(redis_server, make_tier):
+    tier = make_tier(redis_server.url)
+    tier.put([(key(1), blob(1)), (key(3), blob(3))])
+    with redis_server.client() as client:
+        client.rpush(f"{tier.prefix}{key(2).hex()}", "not a string")  # GET answers WRONGTYPE
+
+    assert tier.get([key(1), key(2), key(3)]) == [blob(1), None, blob(3)]
+    assert tier.get([key(1), key(3)]) == [blob(1), blob(3)]  # the connection is still in step
+    assert tier.stats.errors == 1
+
+
+@pytest.mark.parametrize(
+    ("stream", "error"),
+    [
+        (b"$10\r\nhello", redis.ConnectionError),  # the server went away inside the value
+        (b"$3\r\nhelXX\r\n", redis.InvalidResponse),  # longer than its length
+        (b"$-7\r\n", redis.InvalidResponse),
+        (b"+OK\r\n", redis.InvalidResponse),
+        (b"$" + b"9" * 2000, redis.InvalidResponse),  # a header that never ends
+    ],
+)
+def test_the_reply_reader_refuses_a_broken_stream(stream, error):
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.settimeout(5)
+        theirs.sendall(b"$5\r\nhello\r\n$-1\r\n_\r\n" + stream)
+        theirs.shutdown(socket.SHUT_WR)
+        reader = _ReplyReader(ours)
+        assert reader.values(3) == [bytearray(b"hello"), None, None]
+        with pytest.raises(error):
+            reader.values(1)
