@@ -131,6 +131,15 @@ def test_a_missing_package_names_the_option(monkeypatch, missing):
         build_events(f"tcp://127.0.0.1:{free_port()}", None, "", BLOCK_SIZE, "cpu")
 
 
+def test_a_taken_port_names_the_option():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with zmq.Context() as context, context.socket(zmq.PUB) as taken:
+        taken.setsockopt(zmq.LINGER, 0)
+        taken.bind(endpoint)
+        with pytest.raises(ValueError, match=f"kv_events_endpoint='{endpoint}' cannot be bound"):
+            build_events(endpoint, None, "", BLOCK_SIZE, "cpu")
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -152,7 +161,7 @@ def test_bad_endpoints_are_refused(options, message):
 def test_serve_publishes_events(tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / "serve.log"
-    process, url = start_server(["--dtype", "float32", "--kv-events-endpoint", endpoint], dict(os.environ), log)
+    process, url = start_server(["--kv-events-endpoint", endpoint], dict(os.environ), log)
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)

@@ -71,27 +71,31 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release, events
     )
     # fmt: on
-    namespace = model_config.fingerprint + f"|{dtype_name(dtype)}".encode() + config.kv_format.namespace
-    entry_format = entry_format_for(storage, model_config.fingerprint, namespace, config.kv_tier_key)
-    max_model_len = model_config.max_position_embeddings
-    kv_policy = parse_policy(config.kv_policy)
-    chunk = config.prefill_chunk(max_model_len, kv_policy.chunk_room(config.block_size, max_model_len))
-    limits = Limits(config.block_size, num_blocks, max_model_len, chunk, storage.all_dense)
-    kv_policy.check(limits)
-    model = built.model
-    return CacheParts(
-        plan,
-        num_blocks,
-        storage,
-        manager,
-        namespace,
-        entry_format,
-        _build_offload(config, manager, storage, entry_format, namespace),
-        Swapper(storage, manager, config.preemption_mode, int(config.swap_space_gb * 2**30)),
-        limits,
-        kv_policy,
-        KVEditor(manager, storage, limits, model.rope_inv_freq, model.rope_cos.shape[0]),
-    )
+    try:  # a bound events socket must not outlive an engine that fails to start
+        namespace = model_config.fingerprint + f"|{dtype_name(dtype)}".encode() + config.kv_format.namespace
+        entry_format = entry_format_for(storage, model_config.fingerprint, namespace, config.kv_tier_key)
+        max_model_len = model_config.max_position_embeddings
+        kv_policy = parse_policy(config.kv_policy)
+        chunk = config.prefill_chunk(max_model_len, kv_policy.chunk_room(config.block_size, max_model_len))
+        limits = Limits(config.block_size, num_blocks, max_model_len, chunk, storage.all_dense)
+        kv_policy.check(limits)
+        model = built.model
+        return CacheParts(
+            plan,
+            num_blocks,
+            storage,
+            manager,
+            namespace,
+            entry_format,
+            _build_offload(config, manager, storage, entry_format, namespace),
+            Swapper(storage, manager, config.preemption_mode, int(config.swap_space_gb * 2**30)),
+            limits,
+            kv_policy,
+            KVEditor(manager, storage, limits, model.rope_inv_freq, model.rope_cos.shape[0]),
+        )
+    except BaseException:
+        manager.close_events()
+        raise
 
 
 @dataclass(slots=True)
