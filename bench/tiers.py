@@ -19,6 +19,15 @@
 Starts its own redis-server on a free loopback port (needs `redis-server` on PATH).
 
     python bench/tiers.py [--repeats 3] [--skip-servers] [--out bench/results/tiers.json]
+
+`--redis-load` measures only the Redis tier's store and load GB/s, per entry size and read path, and
+prints a table: real entries of the engine's pool format (`pack`, bfloat16 KV of the bundled model), one
+block and chunks of 64 / 256 (the default `--kv-tier-chunk-tokens`) / 1024 tokens, a batch of about
+`--batch-mb` MB each, over TCP loopback and a unix socket, read the redis-py way (hiredis parser) and by
+the direct path (recv_into buffers of each value's length). "load+verify" also unpacks every entry
+(digest and header checks), which is what the engine pays before a chunk is used. Medians of --repeats.
+
+    python bench/tiers.py --redis-load [--repeats 7] [--batch-mb 64]
 """
 
 from __future__ import annotations
@@ -55,13 +64,14 @@ def free_port() -> int:
 
 
 class Redis:
-    """A throwaway redis-server on loopback (no persistence)."""
+    """A throwaway redis-server on loopback and a unix socket (no persistence)."""
 
     def __init__(self, workdir: Path) -> None:
         self.port = free_port()
+        self.socket = workdir / "redis.sock"
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            + ["--dir", str(workdir)],
+            + ["--dir", str(workdir), "--unixsocket", str(self.socket), "--unixsocketperm", "700"],
             stdout=subprocess.DEVNULL,
         )
         for _ in range(100):
@@ -205,6 +215,76 @@ def tier_bandwidth(tokens: int, repeats: int, redis: Redis, workdir: Path) -> di
     return out
 
 
+def redis_load(redis: Redis, repeats: int, batch_mb: float, chunk_tokens: list[int]) -> list[dict]:
+    """Store and load GB/s of the Redis tier per entry size, transport and read path (medians)."""
+    from kvbank.cache.tiers.entry import EntryInfo, pack, unpack  # noqa: PLC0415
+    from kvbank.cache.tiers.redis import RedisTier  # noqa: PLC0415
+
+    with LLM(kv_host_gb=0.1) as llm:  # the pool format the engine writes and accepts
+        fmt = llm.engine.offload.format
+    rows = []
+    transports = {"tcp": redis.url, "unix": f"unix://{redis.socket}"}
+    for tokens in chunk_tokens:
+        blocks = tokens // fmt.block_size
+        count = max(2, round(batch_mb * 1e6 / fmt.payload_bytes(blocks)))
+        entries = []
+        for i in range(count):
+            key = (10**6 * tokens + i).to_bytes(16, "big")
+            info = EntryInfo(key, bytes(16), 0, blocks, tuple(range(tokens)))
+            entries.append((key, pack(fmt, info, lambda views: [v.normal_() for v in views]).numpy()))
+        keys = [k for k, _ in entries]
+        total = sum(e.nbytes for _, e in entries)
+        for transport, url in transports.items():
+            tiers = {
+                path: RedisTier(url, "bench-load", direct_reads=path == "direct") for path in ("redis-py", "direct")
+            }
+            times: dict[str, dict[str, list[float]]] = {p: {"store": [], "load": [], "verify": []} for p in tiers}
+            for _ in range(repeats):
+                for path, tier in tiers.items():  # alternated, so both see the same machine load
+                    tier.delete(keys)
+                    start = time.perf_counter()
+                    assert tier.put(entries) == count
+                    times[path]["store"].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    got = tier.get(keys)
+                    times[path]["load"].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    for blob in got:
+                        assert blob is not None and unpack(fmt, blob)[0].num_blocks == blocks
+                    times[path]["verify"].append(time.perf_counter() - start)
+            for path, tier in tiers.items():
+                tier.delete(keys)
+                tier.close()
+                median = {k: statistics.median(v) for k, v in times[path].items()}
+                rows.append(
+                    {
+                        "entry_tokens": tokens,
+                        "entry_bytes": total // count,
+                        "entries": count,
+                        "transport": transport,
+                        "path": path,
+                        "store_GBps": total / median["store"] / 1e9,
+                        "load_GBps": total / median["load"] / 1e9,
+                        "load_verify_GBps": total / (median["load"] + median["verify"]) / 1e9,
+                    }
+                )
+                print_load_row(rows[-1])
+    return rows
+
+
+def print_load_row(r: dict) -> None:
+    if not hasattr(print_load_row, "header"):
+        print_load_row.header = True
+        print(
+            f"\n{'tokens':>6} {'entry MB':>9} {'entries':>7} {'via':>5} {'read path':>9} {'store GB/s':>10} "
+            f"{'load GB/s':>9} {'load+verify':>11}"
+        )
+    print(
+        f"{r['entry_tokens']:6d} {r['entry_bytes'] / 1e6:9.2f} {r['entries']:7d} {r['transport']:>5} {r['path']:>9} "
+        f"{r['store_GBps']:10.2f} {r['load_GBps']:9.2f} {r['load_verify_GBps']:11.2f}"
+    )
+
+
 # --- two servers ------------------------------------------------------------------------------
 
 
@@ -305,8 +385,22 @@ def main() -> None:
     parser.add_argument("--skip-servers", action="store_true")
     parser.add_argument("--skip-preemption", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tiers.json")
+    parser.add_argument("--redis-load", action="store_true", help="only the Redis tier's store/load GB/s table")
+    parser.add_argument("--batch-mb", type=float, default=64.0, help="--redis-load: MB of entries per batch")
     args = parser.parse_args()
     results: dict = {}
+    if args.redis_load:
+        with tempfile.TemporaryDirectory() as tmp:
+            redis = Redis(Path(tmp))
+            try:
+                results["redis_load"] = redis_load(redis, args.repeats, args.batch_mb, [16, 64, 256, 1024])
+            finally:
+                redis.stop()
+        out = args.out.with_name("redis_load.json") if args.out.name == "tiers.json" else args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(f"\nwrote {out}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         redis = Redis(workdir)
