@@ -178,7 +178,9 @@ class EngineConfig:
         default_text="no replay",
         plan=False,
     )
-    kv_events_topic: str = option("", "topic (first frame) of every KV event message", plan=False)
+    kv_events_topic: str = option(
+        "", "topic (first frame) of every KV event message", metavar="TOPIC", default_text="empty", plan=False
+    )
 
     def __post_init__(self) -> None:
         if self.device == "auto":
