@@ -122,6 +122,22 @@ def test_subscriber_rebuilds_the_prefix_cache():
     assert blocks == expected
 
 
+def test_one_step_encodes_chained_blocks_as_one_event():
+    publisher = build_events(f"tcp://127.0.0.1:{free_port()}", None, "", 2, "cuda")
+    try:
+        a, b, c, x = (bytes([i]) * 16 for i in range(1, 5))
+        big = lambda h: int.from_bytes(h[-8:], "big")  # noqa: E731
+        events = [("stored", a, None, (1, 2)), ("stored", b, a, (3, 4)), ("removed", x), ("stored", c, b, (5, 6))]
+        ts, encoded = publisher.encode(events)
+        assert encoded == [
+            ["BlockStored", [big(a), big(b)], None, [1, 2, 3, 4], 2, None, "GPU", None],
+            ["BlockRemoved", [big(x)], "GPU"],
+            ["BlockStored", [big(c)], big(b), [5, 6], 2, None, "GPU", None],
+        ]
+    finally:
+        publisher.close()
+
+
 def test_a_manager_without_events_installs_no_hooks():
     manager = KVCacheManager(8, BLOCK_SIZE)
     assert manager.events is None and manager.pool.on_index is None and manager.pool.on_forget is None
