@@ -48,36 +48,40 @@ void set_isa_cap(const std::string& name) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The kernels run without the GIL: they touch no Python object once their arguments are converted, and a
+  // server's event loop (health checks, streamed tokens, new requests) keeps running during a long step
+  // instead of waiting for a whole prefill of every layer.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa_report", &isa_report,
         "The instruction-set registry: the CPU's level, the cap, the active level, and the variant each kernel family "
         "runs (None: the family has no variant at that level)");
   m.def("set_isa_cap", &set_isa_cap, py::arg("level"),
         "Cap the level every kernel family runs at (process-wide; a cap above the CPU's level leaves the CPU's)");
   m.def("dense_attention_isa", &dense_attention_isa, "The variant of the bfloat16 dense attention that runs now");
-  m.def("paged_decode_attention", &paged_decode_attention,
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "Decode attention over a paged KV cache: q [n, kv_heads, group, dim], caches [blocks, block_size, kv_heads, "
         "dim], block tables [n, width] and context lengths [n] (int64), scale, partition (tokens per work item)");
-  m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+  m.def("add_rms_norm", &add_rms_norm, nogil, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         "RMSNorm of x, or of residual += x when a residual is given (updated in place); returns the normed rows");
-  m.def("rope_", &rope_, "Rotary embedding in place on the first `heads` heads of x [rows, heads * dim]; cos/sin [rows, dim]");
+  m.def("rope_", &rope_, nogil, "Rotary embedding in place on the first `heads` heads of x [rows, heads * dim]; cos/sin [rows, dim]");
   m.def("qmatmul_isa", &qmatmul_isa, "The variant the integer GGUF matmuls run now: avx512_vnni, avx2 or scalar");
-  m.def("qlinear", &qlinear, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
+  m.def("qlinear", &qlinear, nogil, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
         py::arg("isa") = "auto",
         "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 8: Q8 records), x quantized to 8 bits per 32; "
         "float32 out when float_out, else x's dtype");
-  m.def("qlayer_attn_in", &qlayer_attn_in, py::arg("x"), py::arg("residual"), py::arg("norm_w"), py::arg("eps"),
+  m.def("qlayer_attn_in", &qlayer_attn_in, nogil, py::arg("x"), py::arg("residual"), py::arg("norm_w"), py::arg("eps"),
         py::arg("qkv_w"), py::arg("kind"), py::arg("cos"), py::arg("sin"), py::arg("rope_heads"),
         py::arg("isa") = "auto",
         "A decoder layer up to attention: residual += x (in place; none: x is the residual), RMSNorm, the q/k/v "
         "projection and rotary embedding of the first rope_heads heads");
-  m.def("qlayer_mlp", &qlayer_mlp, py::arg("attn"), py::arg("residual"), py::arg("o_w"), py::arg("o_kind"),
+  m.def("qlayer_mlp", &qlayer_mlp, nogil, py::arg("attn"), py::arg("residual"), py::arg("o_w"), py::arg("o_kind"),
         py::arg("norm_w"), py::arg("eps"), py::arg("gate_up_w"), py::arg("gate_up_kind"), py::arg("down_w"),
         py::arg("down_kind"), py::arg("isa") = "auto",
         "A decoder layer after attention: the output projection added to the residual (in place), RMSNorm, gate/up, "
         "silu(gate) * up and the down projection, returned");
-  m.def("q8_rows", &q8_rows, py::arg("records"), py::arg("ids"), py::arg("dtype"),
+  m.def("q8_rows", &q8_rows, nogil, py::arg("records"), py::arg("ids"), py::arg("dtype"),
         "Rows of a table of Q8 records (an embedding lookup), dequantized and cast to dtype");
-  m.def("qhead", &qhead, py::arg("hidden"), py::arg("norm_w"), py::arg("eps"), py::arg("head_w"), py::arg("kind"),
+  m.def("qhead", &qhead, nogil, py::arg("hidden"), py::arg("norm_w"), py::arg("eps"), py::arg("head_w"), py::arg("kind"),
         py::arg("isa") = "auto", "Float32 logits: the final RMSNorm of hidden and the packed LM head");
   py::class_<QuantStack>(m, "QuantStack")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, double, int64_t, int64_t,
@@ -86,7 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads"), py::arg("head_dim"),
            "Per layer: packed q/k/v, o, gate/up and down weights with their kinds, and the two norm weights")
       .def_property_readonly("num_layers", &QuantStack::num_layers)
-      .def("forward", &QuantStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
+      .def("forward", &QuantStack::forward, nogil, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
            py::arg("scale"), py::arg("partition"), py::arg("format") = 0,
            py::arg("k_scales") = std::vector<torch::Tensor>(), py::arg("v_scales") = std::vector<torch::Tensor>(),
@@ -97,7 +101,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: codes as k/v caches with their float16 scales; "
            "4 int4, 5 int2 (KIVI): key range bytes as k_scales, key grids, value zero points, residual slots, the step's plan and scratch slots (kivi_write) and "
            "each row's own scratch row");
-  m.def("quant_decode_attention", &quant_decode_attention, py::arg("q"), py::arg("format"), py::arg("k_codes"),
+  m.def("quant_decode_attention", &quant_decode_attention, nogil, py::arg("q"), py::arg("format"), py::arg("k_codes"),
         py::arg("k_scale"), py::arg("k_grid"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_zero"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),
         py::arg("scratch_k") = py::none(), py::arg("scratch_v") = py::none(), py::arg("own_rows") = py::none(),
@@ -105,17 +109,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention read in place from a quantized paged cache (format 0 bfloat16 dense, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
         "4 int4, 5 int2: k_scale holds the key range bytes); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
         "row, or -1); isa: auto (the active variant), avx512_bf16 (int8/fp8 keys through bfloat16 tables), avx512 or avx2");
-  m.def("quant_write_tokens", &quant_write_tokens, py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"),
+  m.def("quant_write_tokens", &quant_write_tokens, nogil, py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"),
         py::arg("slots"),
         "Quantize tokens [n, heads, dim] per token and head (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2) into the cache's "
         "codes and float16 scales at their slots, bit for bit as the codecs do");
-  m.def("kivi_write", &kivi_write, py::arg("k"), py::arg("v"), py::arg("format"), py::arg("k_codes"),
+  m.def("kivi_write", &kivi_write, nogil, py::arg("k"), py::arg("v"), py::arg("format"), py::arg("k_codes"),
         py::arg("k_ranges"), py::arg("k_grid"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_zero"),
         py::arg("residual_k"), py::arg("residual_v"), py::arg("plan"), py::arg("scratch_slots"),
         "A step's K/V [tokens, heads, dim] into an int4 (4) / int2 (5) KIVI layer: plan rows [block, residual slot, "
         "held, after] get scratch rows (returned, K and V); full blocks are quantized as the codecs do, the others' "
         "new tokens kept in their residual slots");
-  m.def("argmax_rows", &argmax_rows, py::arg("logits"), py::arg("isa") = "auto",
+  m.def("argmax_rows", &argmax_rows, nogil, py::arg("logits"), py::arg("isa") = "auto",
         "Each row's index of its largest value, as torch.argmax picks it (first maximum; first NaN), float32 rows");
   m.def("poison_stacks", &poison_stacks, py::arg("bytes") = 262144,
         "Fill stack below the call on every kernel thread with 0xFF bytes (NaN): a test calls it before a kernel to "
