@@ -186,3 +186,17 @@ def shared_bundled_model():
         patch.setattr(llama, "pack_q8", shared.pack_q8)
         yield shared
     assert shared.unchanged(), "a test or the engine wrote into the shared weights of the bundled model"
+
+
+@pytest.fixture(scope="session")
+def bundled_transformers_model():
+    """The bundled model as transformers loads it from its GGUF (float32), the tests' reference;
+    loaded once (dequantizing the GGUF takes ~10 s) and shared read-only by every module."""
+    import importlib.util
+
+    transformers = pytest.importorskip("transformers")
+    from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
+
+    folder = os.path.dirname(importlib.util.find_spec(BUNDLED_PACKAGE).origin)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=BUNDLED_FILE, dtype=torch.float32)
+    return model.eval()

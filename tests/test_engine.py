@@ -1,13 +1,11 @@
 """The engine on the bundled SmolLM2 model: exactness against transformers, batching, paging."""
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
 from kvbank import LLM, SamplingParams
-from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
@@ -30,10 +28,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    folder = os.path.dirname(importlib.util.find_spec(BUNDLED_PACKAGE).origin)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=BUNDLED_FILE, dtype=torch.float32).eval()
+def hf_model(bundled_transformers_model):
+    return bundled_transformers_model
 
 
 def _prompts(llm) -> list[list[int]]:

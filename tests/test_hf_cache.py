@@ -1,8 +1,6 @@
 """kvbank's KV formats as transformers caches: against DynamicCache on tiny random checkpoints of
 every architecture kvbank supports (Llama, Mistral, Qwen2, Qwen3) and on the bundled model."""
 
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -41,7 +39,6 @@ from kvbank.integrations.hf import (
     SnapKVCache,
     bytes_per_token,
 )
-from kvbank.models.loader import BUNDLED_FILE, BUNDLED_PACKAGE
 
 DTYPES = ["int8", "fp8_e4m3", "int4", "int2"]
 TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
@@ -345,9 +342,8 @@ def test_snapkv_arguments_are_checked(model):
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    folder = os.path.dirname(importlib.util.find_spec(BUNDLED_PACKAGE).origin)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=BUNDLED_FILE, dtype=torch.float32).eval()
+def smollm(bundled_transformers_model):
+    return bundled_transformers_model
 
 
 def test_the_bundled_model_generates_the_same_with_covering_caches(smollm):
