@@ -20,12 +20,18 @@ each of its commands is
   with `--help` appended exits 0, so choices and types are checked), and every `--flag` must appear
   in that help exactly (argparse would also accept a prefix of a renamed option); the hosts and
   folders they name (redis://cache:6379, /var/cache/kvbank) are only parsed;
-- `make TARGET`: the Makefile must have the target.
+- `make TARGET`: the Makefile must have the target;
+- `python -m sglang_router.launch_router` and `python bench/NAME.py` (which run until stopped, or
+  for minutes): their arguments must parse and their flags exist, as for `kvbank serve`;
+- `redis-server ARGS`: started with those arguments (on a free port) it must answer PING;
+- `pip install -e '.[EXTRA]'`: pyproject.toml must define the extra.
+A trailing `&` (run in the background) is dropped.
 A command of any other kind fails the test, until this file learns how to check it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -33,10 +39,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import redis
 from serving import start_server, stop_server, wait_healthy
 
 pytest_plugins = ["redis_servers"]
@@ -109,6 +117,7 @@ README_HOST = re.compile(r"(?:http://)?(?:127\.0\.0\.1|localhost):8000")
 PLACEHOLDER_ID = re.compile(r"(?P<kind>[a-z]+)-[0-9a-f]*…")  # `stream-3f…`: an id an earlier call answered
 RUN_TO_END = {"plan", "generate"}  # kvbank commands that finish on their own
 RUN_UNTIL_STOPPED = {"serve", "chat"}
+ROUTER_MODULE = "sglang_router.launch_router"
 MAX_GENERATED_TOKENS = 64  # a `kvbank generate` the README shows stays quick
 MORE_KEYS = "..."  # `{"a": 1, ...}` in an answer comment: more keys may follow
 # What README.md has today; the extractor finding fewer means it broke, or the README lost examples.
@@ -136,6 +145,14 @@ class Command:
             return "flags"
         if program == "make":
             return "make"
+        if program == "python" and self.argv[1:3] == ["-m", ROUTER_MODULE]:
+            return "router"
+        if program == "python" and sub is not None and sub.startswith("bench/") and sub.endswith(".py"):
+            return "bench"
+        if program == "redis-server":
+            return "redis-server"
+        if self.argv[:3] == ["pip", "install", "-e"] and len(self.argv) == 4:
+            return "pip"
         return "unknown"
 
     @property
@@ -168,6 +185,8 @@ def _bash_commands(code: str, first_line: int) -> list[Command]:
             argv = shlex.split(pending.replace("\\\n", " "), comments=True)
         except ValueError:  # a quote still open: the command goes on on the next line
             continue
+        if argv and argv[-1] == "&":
+            argv = argv[:-1]
         if argv:
             commands.append(Command(start, argv))
         pending = ""
@@ -207,6 +226,7 @@ def test_the_readme_has_its_bash_blocks_and_knows_their_commands():
     assert kinds.count("curl") >= CURLS_AT_LEAST
     assert kinds.count("run") >= RUN_AT_LEAST
     assert kinds.count("flags") + kinds.count("make") >= CHECKED_AT_LEAST
+    assert {"router", "bench", "redis-server", "pip"} <= set(kinds)  # the fleet section's commands
     assert sum(command.answer is not None for command in COMMANDS) >= ANSWERS_AT_LEAST
     for command in COMMANDS:
         if command.kind == "curl":
@@ -375,3 +395,73 @@ def test_readme_make_target_exists(command):
     makefile = (REPO_ROOT / "Makefile").read_text()
     for target in command.argv[1:]:
         assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"README.md line {command.line}: no `{target}`"
+
+
+@pytest.mark.parametrize("command", _of_kind("router", "bench"))
+def test_readme_router_and_bench_commands_parse_and_their_flags_exist(command, kvbank_env, tmp_path):
+    if command.kind == "router":
+        if importlib.util.find_spec("sglang_router") is None:
+            message = "the README's router needs the fleet extra: pip install -e '.[fleet]'"
+            pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+        argv = [sys.executable, *command.argv[1:]]
+    else:
+        argv = [sys.executable, str(REPO_ROOT / command.argv[1]), *command.argv[2:]]
+    done = subprocess.run(
+        [*argv, "--help"],
+        cwd=tmp_path,
+        env={**kvbank_env, "COLUMNS": "200"},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+    )
+    where = f"README.md line {command.line}: {shlex.join(command.argv)}"
+    assert done.returncode == 0, f"{where}\nits arguments do not parse:\n{done.stderr[-4000:]}"
+    known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", done.stdout))
+    shown = {arg.split("=", 1)[0] for arg in argv[1:] if arg.startswith("--")}
+    assert shown <= known, f"{where}\nnot options of the command: {sorted(shown - known)}"
+
+
+@pytest.mark.parametrize("command", _of_kind("redis-server"))
+def test_readme_redis_server_command_starts_and_answers(command, tmp_path):
+    from redis_servers import require_redis_binaries
+    from serving import free_port
+
+    require_redis_binaries()
+    args = list(command.argv[1:])
+    port = str(free_port())
+    if "--port" in args:
+        args[args.index("--port") + 1] = port
+    else:
+        args += ["--port", port]
+    process = subprocess.Popen(
+        ["redis-server", *args, "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        client = redis.Redis(port=int(port), socket_connect_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert process.poll() is None, f"README.md line {command.line}: redis-server exited"
+                assert time.monotonic() < deadline, f"README.md line {command.line}: redis-server never answered"
+                time.sleep(0.05)
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize("command", _of_kind("pip"))
+def test_readme_pip_extra_exists(command):
+    import tomllib
+
+    match = re.fullmatch(r"\.\[(?P<extras>[\w,-]+)\]", command.argv[3])
+    assert match, f"README.md line {command.line}: install this checkout with an extra, `.[name]`"
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    missing = set(match["extras"].split(",")) - set(extras)
+    assert not missing, f"README.md line {command.line}: pyproject.toml has no extra {sorted(missing)}"
