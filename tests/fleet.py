@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from serving import free_port
+from serving import free_port, stop_server
 
 ROUTER_VERSION = "0.3.2"
 STARTUP_TIMEOUT_S = 60
@@ -94,10 +94,4 @@ def wait_workers_healthy(process: subprocess.Popen, url: str, log_path: Path, co
     raise AssertionError(f"sglang-router did not see {count} healthy workers:\n{log_path.read_text()[-3000:]}")
 
 
-def stop_router(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+stop_router = stop_server  # the same: SIGTERM, then SIGKILL if it does not end
