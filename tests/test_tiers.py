@@ -347,6 +347,23 @@ def test_write_back_offloads_only_what_the_pool_evicts(cold):
         assert _run(llm, ids) == (expected, 592)
 
 
+def test_write_back_spill_sends_what_the_pool_never_evicted_and_another_engine_loads_it(cold, tmp_path):
+    """What a draining write-back server does before it exits (kvbank serve on SIGTERM)."""
+    ids, expected = cold
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path), kv_tier_write_policy="write_back") as llm:
+        assert _run(llm, ids) == (expected, 0)
+        offload, tried = llm.engine.offload, set()
+        assert offload.counters.stores == 0
+        assert offload.spill(4, tried) == 4  # at most the limit per call
+        while offload.spill(4, tried) >= 0:
+            pass
+        assert offload.counters.stores == 10  # every chunk of the prompt, once
+        assert offload.spill(4, set()) == -1  # nothing left that never reached the tiers
+        _flush(llm)
+    with LLM(**SMALL, kv_disk_dir=str(tmp_path)) as llm:
+        assert _run(llm, ids) == (expected, 592)
+
+
 def test_min_hits_delays_offload_until_a_prefix_is_reused(cold):
     ids, expected = cold
     with LLM(**SMALL, kv_host_gb=0.25, kv_offload_min_hits=1) as llm:

@@ -158,6 +158,28 @@ class KVOffload:
     def _on_evict(self, block: Block) -> None:
         self._offload(block)
 
+    def spill(self, limit: int, tried: set[int]) -> int:
+        """Write-back: queue up to `limit` chunks the pool holds that never reached the tiers, as
+        evicting them would (without evicting), skipping blocks in `tried` and adding those it
+        tries; returns how many were queued, or -1 when none is left to try (or nothing to do:
+        write-through stores chunks when they are computed). On the engine thread."""
+        if self.write_through:
+            return -1
+        # Deepest first: a chunk's last block sends the chunk and marks its blocks as sent.
+        blocks = sorted(
+            (b for b in self.pool.blocks if b.hash is not None and not b.offloaded and b.block_id not in tried),
+            key=lambda b: -b.position,
+        )
+        if not blocks:
+            return -1
+        stores = self.counters.stores
+        for block in blocks:
+            if self.counters.stores - stores >= limit:
+                break
+            tried.add(block.block_id)
+            self._offload(block)  # nothing if it left already with a deeper block of its chunk
+        return self.counters.stores - stores
+
     def _offload(self, last: Block) -> None:
         """Send the chunk that ends at `last` (from its chunk boundary on) to the tiers, once."""
         if last.offloaded or last.hits < self.min_hits:

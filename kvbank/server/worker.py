@@ -206,31 +206,12 @@ async def spill_to_tiers(async_engine: AsyncEngine, timeout: float) -> int:
     Nothing to do under write-through (everything left when computed) or without tiers.
     """
     offload = async_engine.engine.offload
-    if offload is None or async_engine.engine.manager.pool.on_evict is None:
+    if offload is None:
         return 0
     deadline = time.monotonic() + timeout
     tried: set[int] = set()
     sent = 0
-
-    def batch(engine) -> int:
-        """Send up to SPILL_BATCH chunks (on the engine thread); -1 once no block is left to try."""
-        pool, counters = engine.manager.pool, engine.offload.counters
-        # Deepest first: a chunk's last block sends the chunk and marks its blocks as sent.
-        blocks = sorted(
-            (b for b in pool.blocks if b.hash is not None and not b.offloaded and b.block_id not in tried),
-            key=lambda b: -b.position,
-        )
-        if not blocks:
-            return -1
-        stores = counters.stores
-        for block in blocks:
-            if counters.stores - stores >= SPILL_BATCH:
-                break
-            tried.add(block.block_id)
-            if not block.offloaded:  # else it left with a deeper block of its chunk
-                pool.on_evict(block)  # the write-back hook, without the eviction
-        return counters.stores - stores
-
+    batch = lambda engine: engine.offload.spill(SPILL_BATCH, tried)  # on the engine thread
     while time.monotonic() < deadline:
         queued = await async_engine.call(batch)
         if queued < 0:
