@@ -20,6 +20,13 @@ def llm():
 
 
 @pytest.fixture(scope="module")
+def default_llm():
+    """The same small engine in the default configuration (bfloat16, packed weights, batch-invariant),
+    for what does not compare logits against a float32 reference: bookkeeping, forks, preemption."""
+    return LLM(max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
 def text_ids(llm):
     from pathlib import Path
 
@@ -245,8 +252,8 @@ def test_scored_policies_keep_the_tokens_that_attention_computed_independently_r
     _assert_all_free(llm)
 
 
-def test_sink_window_keeps_the_sinks_and_a_block_granular_window(llm, text_ids):
-    engine = llm.engine
+def test_sink_window_keeps_the_sinks_and_a_block_granular_window(default_llm, text_ids):
+    engine = default_llm.engine
     request = engine.add_request(
         text_ids[:100],
         SamplingParams(temperature=0, max_tokens=170, ignore_eos=True, kv_policy="sink_window(sinks=4,window=64)"),
@@ -264,7 +271,7 @@ def test_sink_window_keeps_the_sinks_and_a_block_granular_window(llm, text_ids):
             seen.add(len(seq.block_table) + len(seq.pristine_blocks))
     # 270 tokens through a cache of about 100, past the context of 256.
     assert request.seqs[0].num_tokens == 270 and seen and max(seen) <= 1 + 5 + 1 + 1
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
 # --- constant memory far past the context --------------------------------------------------------
@@ -326,21 +333,21 @@ def test_sink_window_scores_10k_tokens_and_generates_5k_in_constant_blocks(tiny_
 
 
 @pytest.mark.parametrize("policy", ["sink_window(sinks=4,window=64)", "snapkv(budget=96,window=16)"])
-def test_n_completions_fork_a_policys_cache_and_each_equals_one_alone(llm, text_ids, policy):
+def test_n_completions_fork_a_policys_cache_and_each_equals_one_alone(default_llm, text_ids, policy):
     params = dict(temperature=0, max_tokens=30, ignore_eos=True, kv_policy=policy)
     prompt = {"prompt_token_ids": text_ids[:200]}
-    alone = llm.generate([prompt], SamplingParams(**params))[0].outputs[0].token_ids
-    both = llm.generate([prompt], SamplingParams(n=2, **params))[0].outputs
+    alone = default_llm.generate([prompt], SamplingParams(**params))[0].outputs[0].token_ids
+    both = default_llm.generate([prompt], SamplingParams(n=2, **params))[0].outputs
     assert [o.token_ids for o in both] == [alone, alone]
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_preempted_sequence_that_evicted_is_recomputed_or_swapped_whole(llm, text_ids, mode):
+def test_a_preempted_sequence_that_evicted_is_recomputed_or_swapped_whole(default_llm, text_ids, mode):
     # With swap off it is recomputed from its tokens (its cache state reset); with swap it leaves
     # whole and comes back with its evictions, rotary offset and sink copies as they were
     # (tests/test_swap.py checks that it then gives the tokens it gives alone).
-    engine = llm.engine
+    engine = default_llm.engine
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, kv_policy="sink_window(sinks=4,window=64)")
     request = engine.add_request(text_ids[:200], params)
     seq = request.seqs[0]
@@ -360,13 +367,13 @@ def test_a_preempted_sequence_that_evicted_is_recomputed_or_swapped_whole(llm, t
     finally:
         engine.swapper.mode = saved_mode
     assert seq.num_output_tokens == 30 and engine.swapper.num_swaps_out == swaps + (mode == "swap")
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
 @pytest.mark.parametrize("policy", ["sink_window(sinks=4,window=64)", "context_shift(keep=16)"])
-def test_prefix_hits_longer_than_the_window_stay_within_the_positions(llm, text_ids, policy):
+def test_prefix_hits_longer_than_the_window_stay_within_the_positions(default_llm, text_ids, policy):
     # A cached prefix longer than what the policy keeps is used only as far as the positions allow.
-    llm.generate([text_ids[:240]], SamplingParams(max_tokens=4))
-    out = llm.generate([text_ids[:340]], SamplingParams(temperature=0, max_tokens=8, kv_policy=policy))[0]
+    default_llm.generate([text_ids[:240]], SamplingParams(max_tokens=4))
+    out = default_llm.generate([text_ids[:340]], SamplingParams(temperature=0, max_tokens=8, kv_policy=policy))[0]
     assert len(out.outputs[0].token_ids) == 8 and 0 < out.num_cached_tokens <= 256 - 64
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)

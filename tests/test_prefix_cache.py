@@ -19,7 +19,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", num_gpu_blocks=256)
+    """The default configuration: bfloat16, packed weights, batch-invariant."""
+    return LLM(num_gpu_blocks=256)
 
 
 def _caching(llm, on: bool) -> None:
@@ -55,11 +56,14 @@ def test_shared_system_prompt_hits_and_outputs_are_identical(llm):
     assert all(o.num_cached_tokens == 0 for o in cold)
 
 
-def test_decodes_sharing_a_long_prefix_read_it_once_and_match_alone(llm, monkeypatch):
+def test_decodes_sharing_a_long_prefix_read_it_once_and_match_alone(monkeypatch):
+    """The cascade decode of the non-invariant path (the default reads every row alone, so a
+    shared prefix is read once per row there); float32, where that path still matches alone."""
     from pathlib import Path
 
     from kvbank.attention import fast
 
+    llm = LLM(dtype="float32", batch_invariant=False, num_gpu_blocks=256)
     text = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
     manual = llm.render_chat([{"role": "system", "content": text[:1200]}], add_generation_prompt=False)
     prompts = [
@@ -122,7 +126,7 @@ def test_colliding_hashes_still_give_exact_outputs(llm, monkeypatch):
     prompts = [_chat_prompt(llm, q) for q in QUESTIONS[:2]] + [list(range(2000, 2040))]
     expected = [o.outputs[0].token_ids for o in _generate(llm, prompts, caching=False)]
     monkeypatch.setattr("kvbank.cache.manager.block_hash", lambda parent, tokens: b"collide")
-    collider = LLM(dtype="float32", num_gpu_blocks=64)
+    collider = LLM(num_gpu_blocks=64)
     for _ in range(2):
         got = [o.outputs[0].token_ids for o in collider.generate(prompts, GREEDY)]
         assert got == expected
@@ -130,7 +134,7 @@ def test_colliding_hashes_still_give_exact_outputs(llm, monkeypatch):
 
 @pytest.mark.slow
 def test_pool_pressure_evicts_correctly_and_pins_survive():
-    small = LLM(dtype="float32", num_gpu_blocks=40, max_pinned_fraction=0.25)
+    small = LLM(num_gpu_blocks=40, max_pinned_fraction=0.25)
     system = small.render_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
     pinned = small.pin_prefix(system)
     assert pinned == len(system) // 16 * 16 and small.stats()["num_pinned_blocks"] == pinned // 16

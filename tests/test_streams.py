@@ -17,6 +17,13 @@ def llm():
     return LLM(dtype="float32", max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
 
 
+@pytest.fixture(scope="module")
+def default_llm():
+    """The same small engine in the default configuration (bfloat16, packed weights, batch-invariant),
+    for what does not compare logits against a float32 reference."""
+    return LLM(max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
+
+
 def _frame(i: int) -> str:
     # Frames of varied length, so that frames straddle blocks and evictions move partial blocks.
     extra = "; id 7 entered left; id 9 left right" if i % 3 == 0 else ""
@@ -148,12 +155,12 @@ def test_memory_is_constant_over_2000_frames_and_asking_leaves_it_unchanged():
     _assert_all_free(llm)
 
 
-def test_two_questions_and_a_fork_share_the_stream_blocks(llm):
-    session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
+def test_two_questions_and_a_fork_share_the_stream_blocks(default_llm):
+    session = default_llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
     for i in range(8):
         session.append(_frame(i))
     kept = session.kept_token_ids()
-    engine = llm.engine
+    engine = default_llm.engine
     first = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy())
     second = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy())
     shared = set(engine.stream(session.stream_id).seq.block_table)
@@ -172,12 +179,12 @@ def test_two_questions_and_a_fork_share_the_stream_blocks(llm):
     assert again.outputs[0].token_ids == outputs[first.request_id].outputs[0].token_ids
     fork.close()
     session.close()
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
-def test_frames_queued_before_a_question_are_computed_before_it(llm):
-    session = llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
-    engine = llm.engine
+def test_frames_queued_before_a_question_are_computed_before_it(default_llm):
+    session = default_llm.open_stream(SYSTEM, policy="frame_window(frames=4,sinks=4)")
+    engine = default_llm.engine
     frames = [engine.append_frame(session.stream_id, _frame(i)) for i in range(6)]
     question = engine.ask_stream(session.stream_id, "Which ids are in view?", _greedy(max_tokens=4))
     finished = []
@@ -187,7 +194,7 @@ def test_frames_queued_before_a_question_are_computed_before_it(llm):
     assert session.stats()["kept_frames"] == 4
     assert question.prompt_token_ids[: len(session.kept_token_ids())] == session.kept_token_ids()
     session.close()
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
 def test_stream_errors_name_the_value_and_the_limit(llm):
@@ -210,11 +217,11 @@ def test_stream_errors_name_the_value_and_the_limit(llm):
     _assert_all_free(llm)
 
 
-def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(llm):
+def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(default_llm):
     sessions, refused = [], None
     for _ in range(12):
         try:
-            session = llm.open_stream(SYSTEM, policy="frame_window(frames=64,sinks=4)")
+            session = default_llm.open_stream(SYSTEM, policy="frame_window(frames=64,sinks=4)")
             sessions.append(session)
             for i in range(200):
                 session.append(list(range(100 + i * 40, 140 + i * 40)))
@@ -228,7 +235,7 @@ def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(llm):
     assert len(sessions[0].ask("Which ids?", _greedy(max_tokens=2)).outputs[0].token_ids) == 2  # room for this
     for session in sessions:
         session.close()
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
 # --- prompt_embeds -------------------------------------------------------------------------------
@@ -254,11 +261,11 @@ def test_prompt_embeds_of_the_token_embeddings_give_the_text_path_exactly(llm):
     _assert_all_free(llm)
 
 
-def test_embedding_frames_equal_token_frames_and_repeats_are_recognised(llm):
+def test_embedding_frames_equal_token_frames_and_repeats_are_recognised(default_llm):
     runs = []
     for as_embeds in (False, True):
-        llm.reset_prefix_cache()
-        runs.append(_frames_run(llm, as_embeds))
+        default_llm.reset_prefix_cache()
+        runs.append(_frames_run(default_llm, as_embeds))
     (tokens, token_infos, token_hits), (embeds, embed_infos, embed_hits) = runs
     # Equal by construction: with no cached prefix both runs compute the same tokens in the same
     # steps and shapes, and embed_tokens' rows are the very rows the model looks up for those ids.
@@ -268,11 +275,11 @@ def test_embedding_frames_equal_token_frames_and_repeats_are_recognised(llm):
     for infos in (token_infos, embed_infos):
         assert [i.repeat_of for i in infos] == [None, None, None, 2, None, None, None]
     # Embedding frames after a system prompt taken from the cache (computed in other chunks).
-    cached, cached_infos, cached_hits = _frames_run(llm, as_embeds=True)
+    cached, cached_infos, cached_hits = _frames_run(default_llm, as_embeds=True)
     assert cached_hits > 0
     assert cached.token_ids == tokens.token_ids
     assert [i.repeat_of for i in cached_infos] == [i.repeat_of for i in embed_infos]
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
 def _frames_run(llm, as_embeds: bool):

@@ -28,8 +28,9 @@ pytest_plugins = ["redis_servers"]
 
 DATA = Path(__file__).parent / "data" / "austen_excerpt.txt"  # a fresh clone has no ../shared
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
-# Small pool and chunks: a 600-token prompt is ten chunks, and two fillers evict everything.
-SMALL = dict(dtype="float32", num_gpu_blocks=96, kv_tier_chunk_tokens=64)
+# The default configuration (bfloat16, packed weights) with a small pool and chunks: a 600-token
+# prompt is ten chunks, and two fillers evict everything.
+SMALL = dict(num_gpu_blocks=96, kv_tier_chunk_tokens=64)
 
 
 def _doc_tokens(llm: LLM, start: int, count: int) -> list[int]:
@@ -314,7 +315,7 @@ def test_keyed_redis_entries_rewritten_without_the_key_are_deleted(cold, redis_s
 
 def test_disk_full_stops_writing_and_keeps_serving(cold, tmp_path):
     ids, expected = cold
-    entry_bytes = 4 * 30 * 2 * 16 * 3 * 64 * 4  # one 64-token chunk of float32 K/V
+    entry_bytes = 64 * 30 * 2 * 3 * 64 * 2  # one chunk: 64 tokens x 30 layers x K, V x 3 heads x 64 x 2 bytes
     with LLM(**SMALL, kv_disk_dir=str(tmp_path), kv_disk_gb=2.5 * entry_bytes / 2**30) as llm:
         assert _run(llm, ids) == (expected, 0)
         _flush(llm)
