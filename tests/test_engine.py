@@ -24,7 +24,15 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def llm():
+    """float32, to compare with transformers' float32 reference."""
     return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    """The default configuration (bfloat16, packed weights, batch-invariant): what batching,
+    preemption and sampling must leave exact is tested where users run it."""
+    return LLM()
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +57,17 @@ def test_greedy_matches_transformers(llm, hf_model):
     prompts = _prompts(llm)
     assert len(prompts) >= 10
     outputs = llm.generate(prompts, GREEDY)
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            # An explicit mask: the prompt holds <|im_end|>, which is also the pad id transformers would mask.
-            ids = torch.tensor([prompt])
-            ref = hf_model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
-            )
-        assert output.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), llm.get_tokenizer().decode(prompt)
+    # transformers' reference in one left-padded batch (it derives each row's positions from the
+    # mask); an explicit mask, since the chat prompt holds <|im_end|>, which is also the pad id.
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = hf_model.generate(
+            ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    for row, (prompt, output) in enumerate(zip(prompts, outputs)):
+        assert output.outputs[0].token_ids == ref[row, width:].tolist(), llm.get_tokenizer().decode(prompt)
     _assert_all_free(llm)
 
 
@@ -79,26 +90,26 @@ def _mixed_prompts(llm) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_batched_equals_alone_with_chunked_prefill(llm):
-    prompts = _mixed_prompts(llm)
+def test_batched_equals_alone_with_chunked_prefill(default_llm):
+    prompts = _mixed_prompts(default_llm)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-    scheduler = llm.engine.scheduler
+    alone = [default_llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    scheduler = default_llm.engine.scheduler
     scheduler.max_num_batched_tokens = 64  # forces chunked prefill mixed with decodes
     try:
-        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        together = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params)]
     finally:
         scheduler.max_num_batched_tokens = 2048
     assert together == alone
-    _assert_all_free(llm)
+    _assert_all_free(default_llm)
 
 
 @pytest.mark.slow
-def test_preemption_keeps_results_exact(llm):
-    prompts = _mixed_prompts(llm)
+def test_preemption_keeps_results_exact(default_llm):
+    prompts = _mixed_prompts(default_llm)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    small = LLM(dtype="float32", num_gpu_blocks=24, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params)]
+    small = LLM(num_gpu_blocks=24, enable_prefix_caching=False)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
     assert small.stats()["num_preemptions"] > 0
     assert got == expected
@@ -126,18 +137,20 @@ def test_parallel_sampling_shares_prompt_blocks(llm):
     _assert_all_free(llm)
 
 
-def test_seeded_sampling_is_independent_of_batch(llm):
-    prompts = _prompts(llm)[:4]
+def test_seeded_sampling_is_independent_of_batch(default_llm):
+    prompts = _prompts(default_llm)[:4]
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
-    alone = llm.generate([prompts[1]], params)[0].outputs[0].token_ids
-    batched = llm.generate(prompts, params)[1].outputs[0].token_ids
+    alone = default_llm.generate([prompts[1]], params)[0].outputs[0].token_ids
+    batched = default_llm.generate(prompts, params)[1].outputs[0].token_ids
     assert alone == batched
 
 
-def test_top_k_one_is_greedy(llm):
-    prompt = _prompts(llm)[0]
-    greedy = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
-    sampled = llm.generate([prompt], SamplingParams(temperature=1.5, top_k=1, max_tokens=32, ignore_eos=True))[0]
+def test_top_k_one_is_greedy(default_llm):
+    prompt = _prompts(default_llm)[0]
+    greedy = default_llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    sampled = default_llm.generate([prompt], SamplingParams(temperature=1.5, top_k=1, max_tokens=32, ignore_eos=True))[
+        0
+    ]
     assert sampled.outputs[0].token_ids == greedy
 
 
