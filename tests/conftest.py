@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -64,7 +65,7 @@ def isa_level(request, native):
 # kernels' records another ~6 s, for the same bytes every time. The first load is the real one; later
 # engines get the same read-only tensors (with their own config and tokenizer objects, which engines
 # may change). Nothing may write into them: the session ends with a check that they are unchanged.
-# Likewise gguf-py's GGUFReader parses the file's header once (~2.5 s) for transformers, which reads
+# Likewise gguf-py's GGUFReader parses the file's header once (~5 s) for transformers, which reads
 # the bundled model through it (kvbank's own GGUFFile takes tens of milliseconds); its tensor data
 # is memory-mapped read-only.
 
@@ -180,6 +181,8 @@ def shared_bundled_model():
     shared = _SharedBundledModel(bundled)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", shared.gguf_reader)
+        # transformers builds gguf's read-only tensor-name map once per tensor it loads (~6 s a model)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         patch.setattr(build, "load_model", shared.load_model)
         patch.setattr(Int4Blocks, "cat", staticmethod(shared.cat))
         patch.setattr(llama, "pack_q4", shared.pack_q4)

@@ -4,7 +4,8 @@ Each Python block runs in a fresh interpreter in an empty folder. A block marked
 `<!-- readme-test: MARK -->` needs something beyond the package: `server` talks to a real
 `kvbank serve` (the README's http://127.0.0.1:8000 becomes the test server's address), `redis` to a
 real redis-server (the README's redis://cache:6379 becomes it, ~/.cache/kvbank a temporary folder),
-`transformers` needs the `hf` extra.
+`transformers` needs the `hf` extra (and runs in the test process, in a namespace of its own, where
+transformers' slow reading of the GGUF header is already done).
 
 A bash block is read as the shell would (continued lines, quotes spanning lines, `#` comments), and
 each of its commands is
@@ -31,6 +32,7 @@ A command of any other kind fails the test, until this file learns how to check 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -98,6 +100,8 @@ def test_readme_python_block_runs_as_written(mark, code, kvbank_env, tmp_path, r
         code = code.replace("redis://cache:6379", redis_url).replace("~/.cache/kvbank", str(tmp_path / "kv"))
     elif mark == "transformers":
         pytest.importorskip("transformers")
+        _run_in_this_process(code, tmp_path, request)
+        return
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
@@ -108,6 +112,24 @@ def test_readme_python_block_runs_as_written(mark, code, kvbank_env, tmp_path, r
     )
     assert done.returncode == 0, f"the block failed:\n{code}\n--- stderr ---\n{done.stderr[-4000:]}"
     assert done.stdout.strip() or "print(" not in code, "the block prints nothing"
+
+
+def _run_in_this_process(code: str, folder: Path, request) -> None:
+    """Run a block in this process, in a namespace of its own, from an empty folder. For the
+    transformers block: transformers reads a GGUF slowly (the header parsed twice, gguf's tensor-name
+    map rebuilt per tensor: ~20 s a load in a fresh interpreter), and this process has the parsed
+    header and the map already (conftest). The block's own imports and names are still all it has."""
+    capture = request.getfixturevalue("capsys")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        namespace = {"__name__": "__main__"}
+        try:
+            exec(compile(code, f"README.md block in {folder.name}", "exec"), namespace)
+        finally:
+            namespace.clear()
+            gc.collect()
+    printed = capture.readouterr().out
+    assert printed.strip() or "print(" not in code, "the block prints nothing"
 
 
 # --- bash blocks ---------------------------------------------------------------------------------
