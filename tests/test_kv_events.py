@@ -1,7 +1,9 @@
 """KV cache events in vLLM's format: a plain pyzmq + msgpack subscriber rebuilds the engine's prefix cache."""
 
+import itertools
 import os
 import sys
+import time
 
 import msgpack
 import pytest
@@ -188,6 +190,17 @@ def test_serve_publishes_events(tmp_path):
     sub.connect(endpoint)
     try:
         wait_healthy(process, url, log)
+        # A subscriber joins a PUB socket asynchronously, and what is published before it has joined
+        # is not sent to it: send small requests until one's batch arrives, then the one to check.
+        deadline = time.monotonic() + 60
+        for probe in itertools.count():
+            body = {"prompt": f"Probe {probe}: " + SHARED, "max_tokens": 1}
+            assert request(f"{url}/v1/completions", body)[0] == 200
+            if sub.poll(1_000):
+                break
+            assert time.monotonic() < deadline, f"no event batch arrived in 60 s:\n{log.read_text()[-2000:]}"
+        while sub.poll(500):  # the probes' batches
+            sub.recv_multipart()
         prompt = "A note on events: " + SHARED + QUESTIONS[1]
         status, body, _ = request(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})
         assert status == 200, body
