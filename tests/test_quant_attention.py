@@ -41,7 +41,9 @@ def _stored_args(k, v):
     return (k["codes"], k.get("ranges", k.get("scale")), k.get("grid"), v["codes"], v["scale"], v.get("zero"))
 
 
-def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed, isa):
+def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed, isas):
+    """One random pool and query, attended by the kernel at each of `isas`: ({isa: out}, the float64
+    reference, and the same over the values' magnitudes)."""
     generator = torch.Generator().manual_seed(seed)
     kv_heads, n = 2, len(lens)
     width = -(-max(lens) // block)
@@ -69,20 +71,22 @@ def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed
             seen_k[i, j * block : (j + 1) * block] = scratch_k[own[i]].float()
             seen_v[i, j * block : (j + 1) * block] = scratch_v[own[i]].float()
         extra = {"scratch_k": scratch_k, "scratch_v": scratch_v, "own_rows": own}
-    kernel.poison_stacks()  # scratch the kernel reads without writing would be NaN, not old finite values
-    out = kernel.quant_decode_attention(
-        q,
-        NATIVE_FORMATS[kv],
-        *_stored_args(k_stored, v_stored),
-        tables,
-        torch.tensor(lens),
-        0.125,
-        DECODE_PARTITION,
-        **extra,
-        isa=isa,
-    )
+    outs = {}
+    for isa in isas:
+        kernel.poison_stacks()  # scratch the kernel reads without writing would be NaN, not old finite values
+        outs[isa] = kernel.quant_decode_attention(
+            q,
+            NATIVE_FORMATS[kv],
+            *_stored_args(k_stored, v_stored),
+            tables,
+            torch.tensor(lens),
+            0.125,
+            DECODE_PARTITION,
+            **extra,
+            isa=isa,
+        )
     # and the weighted sum of the values' magnitudes, the scale of the error of weights rounded
-    return out, _reference(q, seen_k, seen_v, lens, 0.125), _reference(q, seen_k, seen_v.abs(), lens, 0.125)
+    return outs, _reference(q, seen_k, seen_v, lens, 0.125), _reference(q, seen_k, seen_v.abs(), lens, 0.125)
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
@@ -101,20 +105,21 @@ def test_native_quantized_attention_matches_the_reference_over_shapes(kernel, kv
     # every version of the kernel this CPU runs (scalar; 8 lanes; 16; 16 with int8/fp8 keys by tables)
     isas = kernel.quant_decode_isas()
     assert isas[:2] == ["scalar", "avx2"]
-    for seed, (isa, (dim, block, group, dtype, (value_group, scratch))) in enumerate(itertools.product(isas, shapes)):
-        out, expected, magnitude = _case(
-            kernel, kv, dim, block, group, dtype, value_group or 32, lens, scratch, seed, isa
+    for seed, (dim, block, group, dtype, (value_group, scratch)) in enumerate(shapes):
+        outs, expected, magnitude = _case(
+            kernel, kv, dim, block, group, dtype, value_group or 32, lens, scratch, seed, isas
         )
-        err = (out.double() - expected).abs()
-        # float32 sums over hundreds of tokens (a few units in the last place of the row's largest
-        # value), and for bfloat16 out the output's own rounding
-        largest = expected.abs().amax(dim=-1, keepdim=True)
-        bound = expected.abs() * (0 if dtype == torch.float32 else 2**-8) + largest * 1e-5
-        if isa == "avx512_bf16" and dtype == torch.bfloat16 and not kivi:
-            # the weights (times the value scales) meet the values as bfloat16: each one rounded
-            # by at most 2^-8 of itself (bfloat16's unit roundoff)
-            bound += magnitude * 2**-8
-        assert (err <= bound).all(), (isa, dim, block, group, dtype, value_group, scratch, err.max().item())
+        for isa, out in outs.items():
+            err = (out.double() - expected).abs()
+            # float32 sums over hundreds of tokens (a few units in the last place of the row's largest
+            # value), and for bfloat16 out the output's own rounding
+            largest = expected.abs().amax(dim=-1, keepdim=True)
+            bound = expected.abs() * (0 if dtype == torch.float32 else 2**-8) + largest * 1e-5
+            if isa == "avx512_bf16" and dtype == torch.bfloat16 and not kivi:
+                # the weights (times the value scales) meet the values as bfloat16: each one rounded
+                # by at most 2^-8 of itself (bfloat16's unit roundoff)
+                bound += magnitude * 2**-8
+            assert (err <= bound).all(), (isa, dim, block, group, dtype, value_group, scratch, err.max().item())
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
@@ -125,10 +130,12 @@ def test_every_vector_variant_agrees_with_the_scalar_reference(kernel, kv):
     kivi = kv in ("int4", "int2")
     lens = [3, DECODE_PARTITION + 5, 2 * DECODE_PARTITION + 37]
     for seed, (dim, group, dtype) in enumerate(itertools.product((64, 128), (1, 3), (torch.float32, torch.bfloat16))):
-        scalar, expected, magnitude = _case(kernel, kv, dim, 16, group, dtype, 32, lens, kivi, seed, "scalar")
+        outs, expected, magnitude = _case(
+            kernel, kv, dim, 16, group, dtype, 32, lens, kivi, seed, kernel.quant_decode_isas()
+        )
+        scalar = outs.pop("scalar")
         largest = expected.abs().amax(dim=-1, keepdim=True)
-        for isa in kernel.quant_decode_isas()[1:]:
-            out, _, _ = _case(kernel, kv, dim, 16, group, dtype, 32, lens, kivi, seed, isa)
+        for isa, out in outs.items():
             assert not torch.equal(out, torch.zeros_like(out))
             bound = largest * 2e-5 + scalar.double().abs() * (0 if dtype == torch.float32 else 2**-7)
             if isa == "avx512_bf16" and dtype == torch.bfloat16 and not kivi:
