@@ -450,6 +450,8 @@ HOSTILE = {
     "block size as bool": with_field(block_size=True),
     "token ids as text": with_field(token_ids=[str(t) for t in range(32)]),
     "negative token id": with_field(token_ids=[-1] * 32),
+    "token id past int32": with_field(token_ids=[2**31] * 32),
+    "token ids as bools": with_field(token_ids=[True] * 32),
     "too few token ids": with_field(token_ids=[1] * 5),
     "layout of numbers": with_field(layout=[1, 2]),
     "key not hex": with_field(key="zz" * 16),
@@ -471,6 +473,14 @@ def test_the_forged_header_is_accepted_when_it_is_valid():
     """The hostile headers above fail for their flaw, not for how they are forged."""
     info, views = unpack(FMT, forge(valid_header(), FMT.payload_bytes(2)))
     assert info.num_blocks == 2 and views[0].shape == (2, 16, 3, 64)
+
+
+def test_another_layout_is_another_format():
+    header = valid_header()
+    for layout in (header["layout"][:-1], [[dtype, [*shape[:-1], shape[-1] + 1]] for dtype, shape in header["layout"]]):
+        with pytest.raises(BadEntry) as refused:
+            unpack(FMT, forge(with_field(layout=layout), FMT.payload_bytes(2)))
+        assert refused.value.reason == "format"
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,10 @@ every way it can be wrong is a BadEntry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import itertools
 import json
 import re
 import struct
@@ -84,13 +86,12 @@ class EntryFormat:
 
     def payload_bytes(self, num_blocks: int) -> int:
         """Payload bytes of `num_blocks` blocks: each tensor's rows start 16-byte aligned."""
-        return sum(_align(num_blocks * _numel(shape) * _itemsize(dtype)) for dtype, shape in self.layout)
+        return _offsets(self.layout, num_blocks)[-1]
 
     def max_header_bytes(self, payload_len: int) -> int:
         """The largest header an entry with `payload_len` payload bytes can need (a session also keeps the
         tokens of an unfinished last block)."""
-        block_bytes = max(1, sum(_numel(shape) * _itemsize(dtype) for dtype, shape in self.layout))
-        tokens = (payload_len // block_bytes + 1) * self.block_size
+        tokens = (payload_len // max(1, _block_bytes(self.layout)) + 1) * self.block_size
         return _HEADER_BASE_BYTES + _TOKEN_BYTES * tokens
 
     def max_entry_bytes(self) -> int | None:
@@ -179,10 +180,11 @@ def unpack(fmt: EntryFormat, blob: Buffer) -> tuple[EntryInfo, list[torch.Tensor
     info = _info(header)
     if header["model"] != fmt.model:
         raise BadEntry("model", f"written by model {header['model']}, this is {fmt.model}")
-    theirs = (header["dtype"], header["kv_format"], header["block_size"], _layout(header["layout"]))
-    ours = (fmt.dtype, fmt.kv_format, fmt.block_size, fmt.layout)
-    if theirs != ours:
-        raise BadEntry("format", f"dtype/KV format/block size/layout {theirs[:3]} differ from {ours[:3]}")
+    theirs = (header["dtype"], header["kv_format"], header["block_size"])
+    ours = (fmt.dtype, fmt.kv_format, fmt.block_size)
+    # the layout as JSON gives it: equal lists, or a layout checked for its shape and then compared
+    if theirs != ours or (header["layout"] != _layout_json(fmt.layout) and _layout(header["layout"]) != fmt.layout):
+        raise BadEntry("format", f"dtype/KV format/block size/layout {theirs} differ from {ours}")
     if payload_len != fmt.payload_bytes(info.num_blocks) or (PREFIX_BYTES + header_len) % _ALIGN:
         raise BadEntry("header", f"{payload_len} payload bytes do not hold {info.num_blocks} blocks")
     if not info.num_blocks * fmt.block_size <= len(info.token_ids) < (info.num_blocks + 1) * fmt.block_size:
@@ -220,12 +222,9 @@ def check_prefix(fmt: EntryFormat, prefix: Buffer, size: int) -> tuple[int, int]
 
 def _parse_header(text: bytes) -> dict:
     """The header's fields, type-checked; refused before parsing if it nests deeper than a valid one."""
-    depth = deepest = 0
-    for bracket in _BRACKETS.findall(_STRINGS.sub(b'""', text)):  # JSON nests only by brackets outside strings
-        depth += 1 if bracket in b"[{" else -1
-        deepest = max(deepest, depth)
-        if deepest > _HEADER_DEPTH:
-            raise BadEntry("header", f"the header nests deeper than {_HEADER_DEPTH} levels")
+    brackets = _STRINGS.sub(b'""', text).translate(None, _NOT_BRACKETS)  # JSON nests by brackets outside strings
+    if brackets and max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets))) > _HEADER_DEPTH:
+        raise BadEntry("header", f"the header nests deeper than {_HEADER_DEPTH} levels")
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -239,7 +238,8 @@ def _parse_header(text: bytes) -> dict:
 
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(rb"[\[\]{}]")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_BRACKET_STEP = [1 if chr(b) in "[{" else -1 for b in range(256)]  # by byte value
 _HEADER_FIELDS = {
     "model": str,
     "dtype": str,
@@ -258,7 +258,7 @@ _HEADER_FIELDS = {
 def _info(header: dict) -> EntryInfo:
     key, parent = _hex16(header["key"]), _hex16(header["parent"])
     token_ids = header["token_ids"]
-    if not all(type(t) is int and 0 <= t < 2**31 for t in token_ids):
+    if token_ids and not (set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < 2**31):
         raise BadEntry("header", "the token ids are not all integers in [0, 2**31)")
     if header["position"] < 0 or header["num_blocks"] < 1:
         raise BadEntry("header", f"position {header['position']} and {header['num_blocks']} blocks")
@@ -293,13 +293,57 @@ def _layout(layout: list) -> Layout:
 
 def payload_views(fmt: EntryFormat, payload: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     """The payload cut into one [num_blocks, *shape] tensor per layout entry (views, no copies)."""
+    offsets = _offsets(fmt.layout, num_blocks)
+    dtype = _single_dtype(fmt.layout)
+    if dtype is not None:
+        # One typed view of the payload and a strided window per tensor, one call each (the offsets
+        # are 16-byte aligned, so whole elements of any dtype).
+        typed = payload.view(_DTYPES[dtype])
+        base, itemsize = typed.storage_offset(), typed.element_size()
+        return [
+            typed.as_strided((num_blocks, *shape), _contiguous_strides((num_blocks, *shape)), base + offset // itemsize)
+            for (_, shape), offset in zip(fmt.layout, offsets)
+        ]
     views = []
-    offset = 0
-    for dtype, shape in fmt.layout:
+    for (dtype, shape), offset in zip(fmt.layout, offsets):
         size = num_blocks * _numel(shape) * _itemsize(dtype)
         views.append(payload[offset : offset + size].view(_DTYPES[dtype]).view(num_blocks, *shape))
-        offset += _align(size)
     return views
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(layout: Layout, num_blocks: int) -> tuple[int, ...]:
+    """Where each tensor's rows start in the payload of `num_blocks` blocks, and the payload's length."""
+    offsets = [0]
+    for dtype, shape in layout:
+        offsets.append(offsets[-1] + _align(num_blocks * _numel(shape) * _itemsize(dtype)))
+    return tuple(offsets)
+
+
+@functools.lru_cache(maxsize=64)
+def _single_dtype(layout: Layout) -> str | None:
+    """The dtype of every tensor of the layout, if they share one."""
+    dtypes = {dtype for dtype, _ in layout}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+@functools.lru_cache(maxsize=64)
+def _block_bytes(layout: Layout) -> int:
+    return sum(_numel(shape) * _itemsize(dtype) for dtype, shape in layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_json(layout: Layout) -> list:
+    """The layout as an entry's parsed header holds it (compared, never changed)."""
+    return [[dtype, list(shape)] for dtype, shape in layout]
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1]
+    for n in reversed(shape[1:]):
+        strides.append(strides[-1] * n)
+    return tuple(reversed(strides))
 
 
 _DTYPES = {
