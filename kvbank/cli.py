@@ -144,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(llm.engine)
     if args.session_dir is not None:
         Path(args.session_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # its files hold conversations
-    app = build_app(async_engine, name, limits, session_dir=args.session_dir)
+    app = build_app(async_engine, name, limits, session_dir=args.session_dir, bind_host=args.host)
     url = f"http://{args.host}:{args.port}"
     print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
     print(

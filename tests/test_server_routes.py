@@ -142,3 +142,32 @@ def test_serve_limit_flags_default_to_server_limits(monkeypatch):
         if field.metadata.get("cli", True):
             assert getattr(args, field.name) == getattr(defaults, field.name), field.name
     assert cli._build_parser().parse_args(["serve", "--stream-idle-timeout", "5"]).stream_idle_timeout_s == 5.0
+
+
+def test_without_a_key_a_loopback_server_answers_only_to_loopback_names(open_server, keyed_server):
+    """DNS rebinding: a page on rebind.example points its name at 127.0.0.1, and the browser then
+    sends it same-origin requests to the local server, with Host: rebind.example."""
+    url, _ = open_server
+    port = url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert request(f"{url}/v1/models", headers={"Host": host})[0] == 200, host
+    for path in ("/v1/models", "/health", "/dashboard", "/metrics"):
+        status, body, _ = request(f"{url}{path}", headers={"Host": f"rebind.example:{port}"})
+        assert status == 400 and body["error"]["code"] == "invalid_host", (path, body)
+        assert "rebind.example" in body["error"]["message"] and "--allowed-hosts" in body["error"]["message"]
+    completion = {"prompt": "Hi", "max_tokens": 1}
+    assert request(f"{url}/v1/completions", completion, {"Host": "127.0.0.1.rebind.example"})[0] == 400
+    # With a key the key guards every route, whatever name the request used.
+    assert request(f"{keyed_server}/v1/models", headers={**AUTH, "Host": "rebind.example"})[0] == 200
+    assert request(f"{keyed_server}/v1/models", headers={"Host": "rebind.example"})[0] == 401
+
+
+def test_allowed_hosts_are_names_or_any():
+    assert ServerLimits().host_allowlist("127.0.0.1") == {"localhost", "127.0.0.1", "::1"}
+    assert ServerLimits().host_allowlist("::1") == {"localhost", "127.0.0.1", "::1"}
+    assert ServerLimits().host_allowlist("0.0.0.0") is None  # exposed by choice: its names are not known
+    assert ServerLimits(api_key="sk-0123456789abcdef").host_allowlist("127.0.0.1") is None
+    assert ServerLimits(allowed_hosts="Box.lan., [fd00::1]").host_allowlist("0.0.0.0") == {"box.lan", "fd00::1"}
+    assert ServerLimits(allowed_hosts="*").host_allowlist("127.0.0.1") is None
+    with pytest.raises(ValueError, match="allowed_hosts='a,,b' has an empty name"):
+        ServerLimits(allowed_hosts="a,,b")

@@ -39,7 +39,7 @@ from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.bodies import RequestChecks
 from kvbank.server.completions import Completions, install_completions
 from kvbank.server.dashboard import install_dashboard
-from kvbank.server.errors import BodyLimit, install_api_key, install_error_handlers
+from kvbank.server.errors import BodyLimit, install_api_key, install_error_handlers, install_host_check
 from kvbank.server.limits import ServerLimits
 from kvbank.server.metrics import RequestTimer, render_metrics
 from kvbank.server.sessions import Sessions, install_sessions
@@ -54,9 +54,12 @@ def build_app(
     served_model_name: str,
     limits: ServerLimits | None = None,
     session_dir: str | os.PathLike | None = None,
+    bind_host: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `async_engine` under OpenAI's routes as model `served_model_name`;
-    with `session_dir`, sessions are saved to and restored from files in that folder."""
+    with `session_dir`, sessions are saved to and restored from files in that folder. `bind_host`
+    (the address it will listen on) decides which Host headers it answers by default
+    (`ServerLimits.host_allowlist`)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
     install_error_handlers(app, limits.retry_after_s)
@@ -67,6 +70,9 @@ def build_app(
         app.add_middleware(BodyLimit, limit=body_limit)
     if limits.api_key is not None:
         install_api_key(app, limits.api_key)
+    allowed_hosts = limits.host_allowlist(bind_host)
+    if allowed_hosts is not None:
+        install_host_check(app, allowed_hosts)
     app.state.drain = drain = Drain()
     app.add_middleware(DrainGate, drain=drain, retry_after_s=limits.retry_after_s)
     checks = RequestChecks(limits, served_model_name, async_engine.engine.model_config.vocab_size)

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from kvbank.server.async_engine import QueueFullError
 from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS, cookie_token
+from kvbank.server.limits import host_of
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,24 @@ def _field_path(loc: tuple | list) -> str | None:
     # Pydantic locations start with "body"; OpenAI names the field itself.
     parts = [str(part) for part in loc if part != "body"]
     return ".".join(parts) or None
+
+
+def install_host_check(app: FastAPI, allowed: frozenset[str]) -> None:
+    """Every route answers only requests whose Host header names one of `allowed` (see
+    `ServerLimits.host_allowlist`); others get 400 `invalid_host`."""
+    listed = ", ".join(sorted(allowed))
+
+    @app.middleware("http")
+    async def check_host(request: Request, call_next):
+        header = request.headers.get("host", "")
+        if host_of(header) not in allowed:
+            return error_response(
+                f"Host {header[:100]!r} is not a name this server answers to ({listed}); "
+                "start it with --allowed-hosts to add names, or with --api-key",
+                400,
+                code="invalid_host",
+            )
+        return await call_next(request)
 
 
 def install_api_key(app: FastAPI, api_key: str) -> None:

@@ -8,6 +8,7 @@ and `cli=False` for a field the command line does not set).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from kvbank.config import option
@@ -31,6 +32,13 @@ class ServerLimits:
         env="KVBANK_API_KEY",
         metavar="KEY",
         default_text="$KVBANK_API_KEY, else no key",
+    )
+    allowed_hosts: str | None = option(
+        None,
+        "host names a request's Host header may carry, comma-separated ('*': any); others get 400, so a "
+        "web page cannot reach a local server through a name it controls (DNS rebinding)",
+        metavar="HOST,...",
+        default_text="without --api-key on a loopback address: localhost, 127.0.0.1, ::1 and --host; else any",
     )
     max_queued_requests: int | None = option(512, "requests waiting for a batch slot beyond which new ones get 429")
     max_tokens_cap: int | None = option(
@@ -80,6 +88,8 @@ class ServerLimits:
             raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be positive")
         if self.max_body_mb is not None and self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
+        if self.allowed_hosts is not None and not all(_host_name(n) for n in self.allowed_hosts.split(",")):
+            raise ValueError(f"allowed_hosts={self.allowed_hosts!r} has an empty name")
         if self.max_session_gb_per_tenant is not None and self.max_session_gb_per_tenant <= 0:
             raise ValueError(f"max_session_gb_per_tenant={self.max_session_gb_per_tenant} must be positive")
         for name in (
@@ -95,6 +105,22 @@ class ServerLimits:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
+
+    def host_allowlist(self, bind_host: str | None) -> frozenset[str] | None:
+        """The host names a request may address (lower case, IPv6 without brackets); None: any.
+
+        `allowed_hosts` when given. Otherwise a server bound to a loopback address without an API
+        key answers only to loopback names: a page on a site the user visits can point its own DNS
+        name at 127.0.0.1 and then send requests the browser treats as same-origin, and the Host
+        header (its own name) is what tells them apart. With a key the key guards every route; on a
+        non-loopback address the names the server is reached by are not known here (`bind_host`
+        None: an app not started by `kvbank serve`, likewise)."""
+        if self.allowed_hosts is not None:
+            names = frozenset(_host_name(name) for name in self.allowed_hosts.split(","))
+            return None if "*" in names else names
+        if self.api_key is not None or bind_host is None or not _is_loopback(bind_host):
+            return None
+        return frozenset({"localhost", "127.0.0.1", "::1", _host_name(bind_host)})
 
     def tenant_stream_limit(self) -> int | None:
         """Streams one tenant may hold: `max_streams_per_tenant`, else a quarter of `max_streams`."""
@@ -118,3 +144,26 @@ class ServerLimits:
         """`max_session_gb_per_tenant` in bytes."""
         gb = self.max_session_gb_per_tenant
         return None if gb is None else int(gb * 2**30)
+
+
+def _host_name(host: str) -> str:
+    """A host as Host headers are compared: lower case, no brackets around an IPv6 address, no trailing dot."""
+    return host.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
+
+
+def _is_loopback(host: str) -> bool:
+    name = _host_name(host)
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(header: str) -> str:
+    """The host name of a Host header ("[::1]:8000" -> "::1", "Example.com:80" -> "example.com")."""
+    header = header.strip()
+    if header.startswith("["):
+        return _host_name(header[: header.find("]") + 1] if "]" in header else header)
+    return _host_name(header.rsplit(":", 1)[0] if header.count(":") == 1 else header)
