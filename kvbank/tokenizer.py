@@ -224,6 +224,15 @@ class Tokenizer:
             generation["eos_token_id"] = first + rest
             _write_json(generation_path, generation)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text one token stands for (its leading space included), so a
+        text of B bytes encodes to at least B / this many tokens; None where the normalizer may
+        shorten text before it is split (then the byte count bounds nothing). ~0.1 s, once."""
+        if not _never_shortens(json.loads(self._engine.to_str()).get("normalizer")):
+            return None
+        return max(len(self.token_text(i).encode("utf-8", "surrogatepass")) for i in range(self.vocab_size)) + 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Special tokens written in the text become their single ids; BOS is
         prepended when the model asks for it and `add_special_tokens` is set."""
@@ -336,6 +345,23 @@ class IncrementalDetokenizer:
         del self._ids[: self._read]
         self._read = len(self._ids)
         self._sent = 0
+
+
+def _never_shortens(normalizer: dict | None) -> bool:
+    """Whether a normalizer (tokenizer.json's form) only ever keeps or lengthens text: none, a
+    prefix added, a replacement by something no shorter (SentencePiece's " " -> "▁"), in sequence."""
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Prepend":
+        return True
+    if kind == "Replace":
+        pattern = normalizer.get("pattern", {}).get("String")
+        content = normalizer.get("content")
+        return isinstance(pattern, str) and isinstance(content, str) and len(content.encode()) >= len(pattern.encode())
+    if kind == "Sequence":
+        return all(_never_shortens(part) for part in normalizer.get("normalizers", []))
+    return False
 
 
 def _gguf_value(reader: GGUFMetadata, key: str, default: Any = None) -> Any:

@@ -639,3 +639,34 @@ def test_evicting_policy_requests_are_bounded_by_default(base_url, reference):
     assert status == 400, body
     message = _assert_openai_error(body)["message"]
     assert str(limit + 1) in message and str(limit) in message and "--max-prompt-tokens" in message
+
+
+def test_a_text_too_long_for_the_prompt_limit_is_refused_before_it_is_tokenized(base_url, reference):
+    """8 MB of text: its byte count proves it over the limit (no token stands for more than
+    `max_token_bytes` bytes), so it is refused at once rather than after the ~5 s its tokenizing takes."""
+    limit = 2 * reference.engine.max_model_len
+    per_token = reference.get_tokenizer().max_token_bytes
+    assert per_token is not None and 2 <= per_token <= 200
+    text = "word " * (8 * 2**20 // 5)
+    assert len(text) > limit * per_token
+    for path, body in (
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+    ):
+        status, answer = _post(f"{base_url}{path}", body)
+        assert status == 400, (path, answer)
+        message = _assert_openai_error(answer)["message"]
+        # the bound's own message (a count after tokenizing would be exact, 1,677,722 tokens)
+        assert f"prompt of {len(text)} bytes has at least {-(-len(text) // per_token)} tokens" in message
+        assert str(limit) in message and "--max-prompt-tokens" in message
+    # Just under the bound it proves nothing: the text is tokenized and its real count decides.
+    short = "word " * (limit * per_token // 5 - 1)
+    status, answer = _post(f"{base_url}/v1/completions", {"prompt": short, "max_tokens": 1})
+    assert status == 400 and "tokens, over this server's limit" in _assert_openai_error(answer)["message"]
+
+
+def test_the_longest_token_bound_holds_for_what_the_tokenizer_produces(reference):
+    tokenizer = reference.get_tokenizer()
+    per_token = tokenizer.max_token_bytes
+    for text in ("   " * 300, "a" * 5000, "😀" * 500, "<|im_start|>" * 100, "\n" * 1000, "ab12" * 900):
+        assert len(tokenizer.encode(text, add_special_tokens=False)) >= len(text.encode()) / per_token

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -198,8 +198,10 @@ class AsyncEngine:
         #: work waiting for the engine (requests without a first output, queued calls that
         #: compute) beyond which `admit` refuses more; None: no bound
         self.max_queued: int | None = None
-        #: longest prompt `add_request` accepts, checked once it is tokenized; None: no bound
+        #: longest prompt `add_request` accepts, checked once it is tokenized (and from a text's
+        #: byte count before, where that already proves it too long); None: no bound
         self.max_prompt_tokens: int | None = None
+        self._bytes_per_token = engine.tokenizer.max_token_bytes if engine.tokenizer is not None else None
         self._thread = threading.Thread(target=self._run, name="kvbank-engine", daemon=True)
         self._thread.start()
         self._stopping = threading.Event()
@@ -287,8 +289,24 @@ class AsyncEngine:
         text = as_dict.get("prompt")
         if tokenizer is None or not isinstance(text, str) or "prompt_token_ids" in as_dict:
             return prompt, None  # nothing to tokenize, or the engine will say what is wrong
+        self.check_text_length([text])
         rest = {k: v for k, v in as_dict.items() if k != "prompt"}
         return {**rest, "prompt_token_ids": await self.run_tokenizer(tokenizer.encode, text)}, text
+
+    def check_text_length(self, texts: Sequence[str]) -> None:
+        """Refuse a prompt whose texts' byte count alone proves it over the prompt limit, before the
+        tokenizer spends seconds on it (no token stands for more than `max_token_bytes` bytes, and
+        a chat's rendered prompt holds every message's text)."""
+        limit, per_token = self.max_prompt_tokens, self._bytes_per_token
+        if limit is None or per_token is None or sum(map(len, texts)) <= limit:  # a character is at least a byte
+            return
+        size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        least = -(-size // per_token)
+        if least > limit:
+            raise ValueError(
+                f"prompt of {size} bytes has at least {least} tokens (no token stands for more than {per_token} "
+                f"bytes), over this server's limit of {limit} (--max-prompt-tokens)"
+            )
 
     def _started(self) -> None:
         self._pending_adds -= 1

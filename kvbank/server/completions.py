@@ -120,6 +120,10 @@ class Completions:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.checks.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
         messages = template_messages(body.messages)
+        try:
+            self.async_engine.check_text_length([m["content"] for m in messages if isinstance(m.get("content"), str)])
+        except ValueError as error:
+            raise APIError(str(error), param="messages") from error
         prompt = with_salt(await self.async_engine.run_tokenizer(self._render_chat, messages), body.cache_salt)
         job = Job("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params, body.include_usage)
         streams = await self._start([prompt], params, job.id)
