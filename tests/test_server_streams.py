@@ -278,3 +278,24 @@ def test_malformed_prompt_embeds_get_400s(server, embeds, message):
     status, body, _ = request(f"{server}/v1/completions", {"prompt_embeds": embeds, "max_tokens": 2})
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     assert re.search(message, body["error"]["message"]), body["error"]["message"]
+
+
+def test_stream_texts_and_token_lists_are_bounded_by_the_prompt_limit(server):
+    """--max-prompt-tokens (twice the 1,024-token context here) bounds what a stream is sent as it
+    bounds a prompt: a text from its byte count before it is tokenized, then by its tokens."""
+    big = "word " * 80_000  # 400,000 bytes: at least 4,879 tokens of at most 82 bytes
+    status, body, _ = request(f"{server}/v1/streams", {"system": big})
+    assert status == 400 and body["error"]["param"] == "system", body
+    assert "system of 400000 bytes has at least" in body["error"]["message"]
+    stream_id = _open(server)
+    for path, field, payload in (
+        ("frames", "text", {"text": big}),
+        ("frames", "token_ids", {"token_ids": [7] * 2049}),
+        ("frames", "text", {"text": "word " * 2100}),  # under the byte bound: tokenized, then counted
+        ("ask", "question", {"question": big, "max_tokens": 1}),
+    ):
+        status, body, _ = request(f"{server}/v1/streams/{stream_id}/{path}", payload)
+        assert status == 400 and body["error"]["param"] == field, (path, payload.keys(), body)
+        assert "over this server's limit of 2048 (--max-prompt-tokens)" in body["error"]["message"]
+    assert request(f"{server}/v1/streams/{stream_id}/frames", {"text": "word " * 100})[0] == 200
+    assert _delete(server, stream_id) == 200

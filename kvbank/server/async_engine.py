@@ -293,7 +293,7 @@ class AsyncEngine:
         rest = {k: v for k, v in as_dict.items() if k != "prompt"}
         return {**rest, "prompt_token_ids": await self.run_tokenizer(tokenizer.encode, text)}, text
 
-    def check_text_length(self, texts: Sequence[str]) -> None:
+    def check_text_length(self, texts: Sequence[str], what: str = "prompt") -> None:
         """Refuse a prompt whose texts' byte count alone proves it over the prompt limit, before the
         tokenizer spends seconds on it (no token stands for more than `max_token_bytes` bytes, and
         a chat's rendered prompt holds every message's text)."""
@@ -304,7 +304,7 @@ class AsyncEngine:
         least = -(-size // per_token)
         if least > limit:
             raise ValueError(
-                f"prompt of {size} bytes has at least {least} tokens (no token stands for more than {per_token} "
+                f"{what} of {size} bytes has at least {least} tokens (no token stands for more than {per_token} "
                 f"bytes), over this server's limit of {limit} (--max-prompt-tokens)"
             )
 

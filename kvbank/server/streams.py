@@ -92,6 +92,7 @@ class Streams:
         self._check_room(tenant)
         stream_id = f"stream-{secrets.token_hex(16)}"
         system: Any = body.system
+        self._check_length("system", system)
         if body.cache_salt is not None:
             system = {
                 "prompt" if isinstance(system, str) else "prompt_token_ids": system,
@@ -143,10 +144,13 @@ class Streams:
             )
         elif body.text is not None and self.engine.tokenizer is not None:
             # Tokenized here, off the engine thread; the engine adds the separator only to text.
+            self._check_length("text", body.text)
             encode = self.engine.tokenizer.encode
             frame = await self.async_engine.run_tokenizer(encode, body.text + state.separator, False)
+            self._check_length("text", frame)
         else:
             frame = body.text if body.text is not None else body.token_ids
+            self._check_length("text" if body.text is not None else "token_ids", frame)
         request_id = f"{stream_id}-frame-{uuid.uuid4().hex}"
         state.busy += 1
         try:
@@ -186,10 +190,12 @@ class Streams:
         job = Job("ask", "text_completion", "text_completion", self.checks.model_name, params, body.include_usage)
         request_id = f"{job.id}-0"
         question: Any = body.question
+        self._check_length("question", question)
         if isinstance(question, str) and self.engine.tokenizer is not None:
             # Tokenized here, off the engine thread, with the end of turn the engine adds to text.
             text = question + state.question_suffix
             question = await self.async_engine.run_tokenizer(self.engine.tokenizer.encode, text, False)
+            self._check_length("question", question)
         state.busy += 1
         try:
             stream = await self._submit(
@@ -233,6 +239,20 @@ class Streams:
         return {"id": stream_id, "object": "stream", "deleted": True}
 
     # --- helpers ------------------------------------------------------------------------------
+
+    def _check_length(self, field: str, value: Any) -> None:
+        """A text or token list of a stream is bounded by --max-prompt-tokens as a prompt is: a text
+        from its byte count before it is tokenized, a token list by its length."""
+        limit = self.async_engine.max_prompt_tokens
+        try:
+            if isinstance(value, str):
+                self.async_engine.check_text_length([value], what=field)
+            elif isinstance(value, list) and limit is not None and len(value) > limit:
+                raise ValueError(
+                    f"{field} has {len(value)} tokens, over this server's limit of {limit} (--max-prompt-tokens)"
+                )
+        except ValueError as error:
+            raise APIError(str(error), param=field) from error
 
     def _check_room(self, tenant: str) -> None:
         """Refuse a new stream beyond the server's limit or the tenant's."""
