@@ -1,10 +1,12 @@
 """The live cache page: its JSON state from a real in-process server that requires an API key, and the
 page itself rendered by headless Chromium before and after a real completion request."""
 
+import http.client
 import json
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from html.parser import HTMLParser
 
@@ -16,6 +18,7 @@ from serving import request, start_server, stop_server, wait_healthy
 from kvbank import LLM
 from kvbank.server import AsyncEngine, build_app
 from kvbank.server.api import ServerLimits
+from kvbank.server.dashboard import LOGIN_FAILURES, LOGIN_TTL_S, LOGIN_WINDOW_S, DashboardLogin
 
 NUM_BLOCKS = 48
 KEY = "sk-dashboard-test"
@@ -102,12 +105,55 @@ def test_state_needs_the_key_by_header_or_by_the_login_cookie(base_url):
     assert status == 204
     cookie = headers["set-cookie"]
     assert "HttpOnly" in cookie and "samesite=strict" in cookie.lower() and KEY not in cookie
+    assert f"Max-Age={LOGIN_TTL_S}" in cookie
     as_cookie = {"Cookie": cookie.split(";", 1)[0]}
     status, state, _ = _call(f"{base_url}/dashboard/state", headers=as_cookie)
     assert status == 200 and len(state["blocks"]) == NUM_BLOCKS
     # The cookie opens the dashboard's state, not the API.
     assert _call(f"{base_url}/v1/models", headers=as_cookie)[0] == 401
     assert _call(f"{base_url}/v1/models", headers=AUTH)[0] == 200
+
+
+def _login_from(base_url: str, address: str, key: str) -> tuple[int, str | None]:
+    """(status, Retry-After) of a login sent from the loopback `address` (all of 127/8 is loopback)."""
+    url = urllib.parse.urlsplit(base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, source_address=(address, 0), timeout=30)
+    try:
+        connection.request("POST", "/dashboard/login", json.dumps({"key": key}), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        return response.status, response.getheader("Retry-After")
+    finally:
+        connection.close()
+
+
+def test_failed_logins_are_throttled_per_client_address(base_url):
+    for _ in range(LOGIN_FAILURES):
+        assert _login_from(base_url, "127.0.0.2", "wrong") == (401, None)
+    status, retry_after = _login_from(base_url, "127.0.0.2", KEY)  # the right key too, until the window passes
+    assert status == 429 and 1 <= int(retry_after) <= LOGIN_WINDOW_S
+    assert _login_from(base_url, "127.0.0.3", KEY) == (204, None)  # another address is not held up
+
+
+def test_login_tokens_are_new_for_each_login_expire_and_die_with_the_process():
+    now = [1000.0]
+    login = DashboardLogin(KEY, ttl_s=60, failures=3, window_s=30, clock=lambda: now[0])
+    first, second = login.issue(), login.issue()
+    assert first != second and login.valid(first) and login.valid(second)
+    assert not DashboardLogin(KEY).valid(first), "a restarted server draws another MAC key"
+    expiry, nonce, mac = first.split(".")
+    assert not login.valid(f"{int(expiry) + 3600}.{nonce}.{mac}"), "a longer expiry breaks the MAC"
+    assert not any(login.valid(token) for token in ("", "a.b", KEY, f"x{expiry}.{nonce}.{mac}"))
+    now[0] += 61
+    assert not login.valid(first) and not login.valid(second)
+    for _ in range(3):
+        assert login.retry_after("10.0.0.1") is None
+        login.failed("10.0.0.1")
+        now[0] += 5
+    # failures at 1061, 1066 and 1071, now 1076: the first leaves the 30 s window at 1091
+    assert login.retry_after("10.0.0.1") == 15 and login.retry_after("10.0.0.2") is None
+    now[0] += 15
+    assert login.retry_after("10.0.0.1") is None  # the first failure left the window
 
 
 class _PageReader(HTMLParser):

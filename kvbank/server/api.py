@@ -38,7 +38,7 @@ from kvbank import memory
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.bodies import RequestChecks
 from kvbank.server.completions import Completions, install_completions
-from kvbank.server.dashboard import install_dashboard
+from kvbank.server.dashboard import DashboardLogin, install_dashboard
 from kvbank.server.errors import BodyLimit, install_api_key, install_error_handlers, install_host_check
 from kvbank.server.limits import ServerLimits
 from kvbank.server.metrics import RequestTimer, render_metrics
@@ -68,8 +68,9 @@ def build_app(
     body_limit = limits.body_byte_limit(async_engine.engine.max_model_len, async_engine.engine.model_config.hidden_size)
     if body_limit is not None:
         app.add_middleware(BodyLimit, limit=body_limit)
-    if limits.api_key is not None:
-        install_api_key(app, limits.api_key)
+    login = DashboardLogin(limits.api_key) if limits.api_key is not None else None
+    if login is not None:
+        install_api_key(app, limits.api_key, login.valid)
     allowed_hosts = limits.host_allowlist(bind_host)
     if allowed_hosts is not None:
         install_host_check(app, allowed_hosts)
@@ -81,7 +82,7 @@ def build_app(
     install_completions(app, Completions(async_engine, checks, limits))
     install_sessions(app, Sessions(async_engine, Path(session_dir) if session_dir is not None else None, limits))
     install_streams(app, Streams(async_engine, checks, limits))
-    install_dashboard(app, async_engine, limits.api_key)
+    install_dashboard(app, async_engine, login)
     return app
 
 

@@ -35,6 +35,7 @@ import hashlib
 import hmac
 import math
 import re
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -42,7 +43,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from importlib import resources
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 
@@ -66,22 +67,87 @@ OFFLOAD_FAILURE_FIELDS = ("load_timeouts", "store_queue_full", "bad_entries")
 _LOGIN_FORM = re.compile(r"\s*<form id=\"login\".*?</form>", re.DOTALL)
 
 
-def cookie_token(api_key: str) -> str:
-    """What the login cookie holds: derived from the key, so the browser never stores the key itself."""
-    return hmac.new(api_key.encode(), b"kvbank dashboard", hashlib.sha256).hexdigest()
+#: how long a dashboard login lasts
+LOGIN_TTL_S = 12 * 3600
+#: failed logins one client address may make within LOGIN_WINDOW_S before it gets 429
+LOGIN_FAILURES = 5
+LOGIN_WINDOW_S = 60.0
+#: client addresses whose failures are remembered at once (the oldest are forgotten first)
+LOGIN_CLIENTS = 4096
+
+
+class DashboardLogin:
+    """The dashboard's login for a server with an API key: every login issues a new cookie token
+    (`expiry.nonce.mac`) that the browser keeps instead of the key; it expires after `ttl_s`, and
+    dies with the process (the MAC key is drawn at start). Failed logins are throttled per client
+    address: `failures` within `window_s`, then 429 until the oldest of them leaves the window."""
+
+    def __init__(
+        self,
+        api_key: str,
+        ttl_s: float = LOGIN_TTL_S,
+        failures: int = LOGIN_FAILURES,
+        window_s: float = LOGIN_WINDOW_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._api_key = api_key.encode()
+        self._mac_key = secrets.token_bytes(32)
+        self.ttl_s, self.failures, self.window_s = ttl_s, failures, window_s
+        self._clock = clock
+        self._failed: dict[str, deque[float]] = {}
+
+    def key_matches(self, key: str) -> bool:
+        return hmac.compare_digest(key.encode(), self._api_key)
+
+    def issue(self) -> str:
+        expiry, nonce = str(int(self._clock() + self.ttl_s)), secrets.token_hex(16)
+        return f"{expiry}.{nonce}.{self._mac(expiry, nonce)}"
+
+    def valid(self, token: str) -> bool:
+        """Whether `token` is one this process issued and it has not expired."""
+        parts = token.split(".")
+        if len(parts) != 3 or not parts[0].isdigit():
+            return False
+        expiry, nonce, mac = parts
+        return hmac.compare_digest(mac.encode(), self._mac(expiry, nonce).encode()) and int(expiry) > self._clock()
+
+    def retry_after(self, client: str) -> int | None:
+        """Seconds `client` must wait before its next attempt; None if it may try now."""
+        times = self._recent(client)
+        if len(times) < self.failures:
+            return None
+        return max(1, math.ceil(times[0] + self.window_s - self._clock()))
+
+    def failed(self, client: str) -> None:
+        times = self._recent(client)
+        times.append(self._clock())
+        self._failed[client] = times
+        while len(self._failed) > LOGIN_CLIENTS:
+            del self._failed[next(iter(self._failed))]
+
+    def _recent(self, client: str) -> deque[float]:
+        times = self._failed.pop(client, deque())  # re-inserted by `failed`: the dict keeps recency order
+        while times and times[0] <= self._clock() - self.window_s:
+            times.popleft()
+        if times:
+            self._failed[client] = times
+        return times
+
+    def _mac(self, expiry: str, nonce: str) -> str:
+        return hmac.new(self._mac_key, f"{expiry}.{nonce}".encode(), hashlib.sha256).hexdigest()
 
 
 class _Login(BaseModel):
     key: str
 
 
-def install_dashboard(app: FastAPI, async_engine: AsyncEngine, api_key: str | None = None) -> None:
+def install_dashboard(app: FastAPI, async_engine: AsyncEngine, login: DashboardLogin | None = None) -> None:
     """Serve the live cache page at `GET /dashboard`, its data at `GET /dashboard/state` and, for a
-    server with `api_key`, the login that sets the cookie `/dashboard/state` accepts."""
+    server with an API key (`login`), the login that sets the cookie `/dashboard/state` accepts."""
     sampler = StatsSampler(async_engine.stats)
     _run_with_app(app, sampler)
     page = (_STATIC / "dashboard.html").read_text(encoding="utf-8")
-    if api_key is None:
+    if login is None:
         page = _LOGIN_FORM.sub("", page)
     script = (_STATIC / "dashboard.js").read_text(encoding="utf-8")
 
@@ -95,23 +161,21 @@ def install_dashboard(app: FastAPI, async_engine: AsyncEngine, api_key: str | No
         return Response(script, media_type="text/javascript", headers=_NO_STORE)
 
     @app.post("/dashboard/login", include_in_schema=False)
-    async def login(body: _Login) -> Response:
-        if api_key is None:
+    async def log_in(body: _Login, request: Request) -> Response:
+        if login is None:
             return Response(status_code=204)
-        if not hmac.compare_digest(body.key.encode(), api_key.encode()):
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "wrong API key",
-                        "type": "invalid_request_error",
-                        "param": "key",
-                        "code": "invalid_api_key",
-                    }
-                },
-                status_code=401,
-            )
+        client = request.client.host if request.client is not None else ""
+        wait = login.retry_after(client)
+        if wait is not None:
+            message = f"too many failed logins from this address: {login.failures} in {login.window_s:g} s"
+            return _login_error(message, 429, "too_many_login_attempts", {"Retry-After": str(wait)})
+        if not login.key_matches(body.key):
+            login.failed(client)
+            return _login_error("wrong API key", 401, "invalid_api_key")
         response = Response(status_code=204)
-        response.set_cookie(COOKIE_NAME, cookie_token(api_key), httponly=True, samesite="strict", path="/dashboard")
+        response.set_cookie(
+            COOKIE_NAME, login.issue(), max_age=int(login.ttl_s), httponly=True, samesite="strict", path="/dashboard"
+        )
         return response
 
     @app.get("/dashboard/state", include_in_schema=False)
@@ -120,6 +184,11 @@ def install_dashboard(app: FastAPI, async_engine: AsyncEngine, api_key: str | No
         if not sampler.history():
             sampler.sample()
         return JSONResponse(dashboard_snapshot(async_engine, sampler, since), headers=_NO_STORE)
+
+
+def _login_error(message: str, status: int, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": "key", "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def dashboard_snapshot(async_engine: AsyncEngine, sampler: StatsSampler, since: float | None = None) -> dict:

@@ -7,6 +7,7 @@ import hmac
 import logging
 import re
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kvbank.server.async_engine import QueueFullError
-from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS, cookie_token
+from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS
 from kvbank.server.limits import host_of
 
 logger = logging.getLogger(__name__)
@@ -180,11 +181,10 @@ def install_host_check(app: FastAPI, allowed: frozenset[str]) -> None:
         return await call_next(request)
 
 
-def install_api_key(app: FastAPI, api_key: str) -> None:
+def install_api_key(app: FastAPI, api_key: str, cookie_valid: Callable[[str], bool]) -> None:
     """Every route but /health and the dashboard's public ones needs `Authorization: Bearer <api_key>`;
-    the dashboard's state also takes its login cookie."""
+    the dashboard's state also takes a login cookie that `cookie_valid` accepts."""
     expected = f"Bearer {api_key}".encode()
-    expected_cookie = cookie_token(api_key).encode()
 
     def authorized(request: Request) -> bool:
         path = request.url.path
@@ -192,8 +192,7 @@ def install_api_key(app: FastAPI, api_key: str) -> None:
             return True
         if hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
             return True
-        cookie = request.cookies.get(COOKIE_NAME, "").encode()
-        return path in COOKIE_PATHS and hmac.compare_digest(cookie, expected_cookie)
+        return path in COOKIE_PATHS and cookie_valid(request.cookies.get(COOKIE_NAME, ""))
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
