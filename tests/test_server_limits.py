@@ -51,6 +51,8 @@ def server(kvbank_env, tmp_path_factory):
             "1",
             "--num-gpu-blocks",
             "256",
+            "--session-dir",
+            str(log_path.parent / "sessions"),
         ],
         kvbank_env,
         log_path,
@@ -401,6 +403,86 @@ def test_fuzzed_request_bodies_never_cause_a_server_error(server, route, data):
     assert status < 500, (body, response)
     if status >= 400:
         assert set(response["error"]) == {"message", "type", "param", "code"}, response
+
+
+_token_lists = st.lists(st.integers(-5, 60000), max_size=6)
+_embeds = st.fixed_dictionaries(
+    {
+        "data": st.sampled_from(["", "AAAA", "AACAPw==", "not base64!", "A" * 4 * 576]) | _json_values,
+        "dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8", "x"]) | _json_values,
+        "shape": st.lists(st.integers(-2, 600), max_size=3) | _json_values,
+    },
+    optional={"extra": _json_values},
+)
+_salts = st.none() | st.sampled_from(["tenant-a", "tenant-b", ""]) | _json_values
+_other_bodies = {
+    "/v1/completions": st.fixed_dictionaries(
+        {"prompt_embeds": _embeds | st.lists(_embeds, max_size=2) | _json_values},
+        optional={"prompt": st.just("") | _json_values, "echo": st.booleans(), "max_tokens": st.integers(0, 4)},
+    ),
+    "/v1/streams": st.fixed_dictionaries(
+        {"system": st.text(max_size=20) | _token_lists | _json_values},
+        optional={
+            "policy": st.sampled_from(["frame_window(frames=4,sinks=4)", "full", "h2o(heavy=4,recent=4)", "x("])
+            | _json_values,
+            "cache_salt": _salts,
+            "separator": st.text(max_size=3) | _json_values,
+            "chat": st.booleans() | _json_values,
+        },
+    ),
+    "frames": st.fixed_dictionaries(
+        {},
+        optional={
+            "text": st.text(max_size=20) | _json_values,
+            "token_ids": _token_lists | _json_values,
+            "prompt_embeds": _embeds | _json_values,
+            "skip_repeat": st.booleans() | _json_values,
+            "cache_salt": _salts,
+        },
+    ),
+    "ask": st.fixed_dictionaries(
+        {"question": st.text(max_size=20) | _token_lists | _json_values},
+        optional={**_fields, "recall": st.integers(-2, 3) | _json_values, "max_tokens": st.integers(-1, 4)},
+    ),
+    "/v1/sessions/save": st.fixed_dictionaries(
+        {"session": st.sampled_from(["s1", "../up", "a/b", "", "." * 300]) | _json_values},
+        optional={
+            "prompt": st.text(max_size=20) | _token_lists | _json_values,
+            "prompt_token_ids": _token_lists | _json_values,
+            "messages": _messages | _json_values,
+            "cache_salt": _salts,
+        },
+    ),
+    "/v1/sessions/restore": st.fixed_dictionaries(
+        {"session": st.sampled_from(["s1", "../up", "missing", "\x00"]) | _json_values}, optional={"cache_salt": _salts}
+    ),
+    "/v1/sessions/delete": st.fixed_dictionaries(
+        {"session": st.sampled_from(["s1", "../up", "missing"]) | _json_values}, optional={"cache_salt": _salts}
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def fuzz_stream(server):
+    """A stream (the default tenant's) that the frame and question bodies are sent to."""
+    status, body, _ = request(f"{server}/v1/streams", {"system": "You watch and answer briefly."}, headers=AUTH)
+    assert status == 200, body
+    return body["id"]
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(sorted(_other_bodies)), data=st.data())
+def test_fuzzed_stream_session_and_embeds_bodies_never_cause_a_server_error(server, fuzz_stream, route, data):
+    body = data.draw(_other_bodies[route])
+    path = f"/v1/streams/{fuzz_stream}/{route}" if route in ("frames", "ask") else route
+    status, response, _ = request(f"{server}{path}", json.dumps(body).encode(), headers=AUTH)
+    assert status < 500, (path, body, response)
+    if status >= 400:
+        assert set(response["error"]) == {"message", "type", "param", "code"}, response
+    elif route == "/v1/streams":  # an opened stream is closed again: the fuzz holds no stream slots
+        salt = body.get("cache_salt")
+        headers = {**AUTH, **({"X-Cache-Salt": salt} if isinstance(salt, str) else {})}
+        assert httpx.delete(f"{server}/v1/streams/{response['id']}", headers=headers, timeout=60).status_code == 200
 
 
 def test_sigterm_finishes_running_streams_then_exits_0(kvbank_env, tmp_path):
