@@ -3,6 +3,7 @@
 import base64
 import json
 import re
+import socket
 import time
 
 import httpx
@@ -299,3 +300,21 @@ def test_stream_texts_and_token_lists_are_bounded_by_the_prompt_limit(server):
         assert "over this server's limit of 2048 (--max-prompt-tokens)" in body["error"]["message"]
     assert request(f"{server}/v1/streams/{stream_id}/frames", {"text": "word " * 100})[0] == 200
     assert _delete(server, stream_id) == 200
+
+
+def test_a_client_that_hangs_up_while_a_stream_opens_leaves_no_stream_behind(server):
+    """The id is the stream's only handle: a stream whose opener hung up while its system prompt was
+    computed is closed (the open is cancelled). (A hang-up after the computation, before the answer
+    is written, is caught by the route's disconnect check; that window is too short to hit here.)"""
+    before = _listed(server, None)
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps({"system": " ".join(_frame(i) for i in range(60))}).encode()  # ~1,000 tokens to prefill
+    head = f"POST /v1/streams HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    second = _open(server)  # queued behind the abandoned open on the engine thread: it has run by now
+    deadline = time.monotonic() + 60
+    while (listed := _listed(server, None)) != before | {second}:
+        assert time.monotonic() < deadline, f"streams left open: {listed - before - {second}}"
+        time.sleep(0.2)
+    assert _delete(server, second) == 200

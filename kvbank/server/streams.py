@@ -119,9 +119,14 @@ class Streams:
             await self._close_quietly(stream_id)
             raise
         state.last_used = time.monotonic()
-        state.question_suffix, state.policy = await self.async_engine.call(
-            lambda engine: (engine.stream(stream_id).question_suffix, str(engine.stream(stream_id).policy))
-        )
+        try:
+            state.question_suffix, state.policy = await self.async_engine.call(
+                lambda engine: (engine.stream(stream_id).question_suffix, str(engine.stream(stream_id).policy))
+            )
+        except BaseException:
+            self.streams.pop(stream_id, None)
+            await self._close_quietly(stream_id)
+            raise
         return {
             "id": stream_id,
             "object": "stream",
@@ -352,7 +357,12 @@ def install_streams(app: FastAPI, streams: Streams) -> None:
     @app.post("/v1/streams")
     async def open_stream(body: StreamOpenRequest, request: Request) -> dict:
         _same_salt(request, body.cache_salt)
-        return await streams.open(body)
+        opened = await streams.open(body)
+        if await request.is_disconnected():
+            # The client hung up before it learned the id, the stream's only handle: nobody could
+            # use or close it, and it would hold its blocks and a slot until the idle timeout.
+            await streams.close(opened["id"], body.cache_salt)
+        return opened
 
     @app.get("/v1/streams")
     async def list_streams(request: Request) -> dict:
