@@ -22,6 +22,9 @@ clients mid-request, waits for the server to drain and checks that no KV blocks 
     python bench/serve_load.py --base-url http://127.0.0.1:8080/v1 --clients 1 8 --conversations 2 \\
         --max-tokens 48 --ignore-eos --label llama.cpp
     python bench/serve_load.py --base-url http://127.0.0.1:8000/v1 --soak 300 --clients 64 --label kvbank-soak
+
+--hostile-share 0.1 (with --soak) mixes hostile requests into the soak (see `Hostile`): compare the
+well-formed clients' errors, TTFT p99 and RSS with a soak without them.
 """
 
 from __future__ import annotations
@@ -250,6 +253,97 @@ class Run:
             messages.append({"role": "assistant", "content": result.text})
 
 
+class Hostile:
+    """Requests a well-formed client never sends, mixed into a soak at `share` of all requests: an
+    oversized body, max_tokens of 10^9 under an evicting policy, 400,000 stop_token_ids, an 8 MB text
+    prompt, and stream churn (open, a frame, close). kvbank answers each with a 4xx (or, for the churn,
+    200 / 429); what counts is that none is a 5xx or a dropped connection, and that the well-formed
+    clients do not notice. Other servers may treat them differently: this is a kvbank soak."""
+
+    KINDS = ("oversized_body", "huge_max_tokens", "stop_token_flood", "huge_text", "stream_churn")
+
+    def __init__(self, args, model: str, run: Run, share: float) -> None:
+        self.args, self.model, self.run, self.share = args, model, run, share
+        self.root = re.sub(r"/v1/?$", "", args.base_url)
+        self.statuses: dict[str, dict[str, int]] = {kind: {} for kind in self.KINDS}
+        self.sent = 0
+        self.open_streams: set[str] = set()
+        self.leftovers_closed = 0
+        self._big_body = b'{"model": "x", "prompt": "' + b"a" * (48 * 2**20) + b'"}'  # over any default body limit
+        self._huge_text = "word " * (8 * 2**20 // 5)
+
+    def _due(self) -> bool:
+        """Whether one more hostile request keeps them at `share` of all requests sent."""
+        return self.sent < self.share / (1 - self.share) * max(1, len(self.run.results))
+
+    async def driver(self, index: int) -> None:
+        async with make_client(self.args, connections=1) as http:
+            while not self.run.expired():
+                if not self._due():
+                    await asyncio.sleep(0.05)
+                    continue
+                kind = self.KINDS[self.sent % len(self.KINDS)]
+                self.sent += 1
+                try:
+                    status = await getattr(self, kind)(http)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # a dropped connection is a finding, not a crash of the bench
+                    status = type(error).__name__
+                counts = self.statuses[kind]
+                counts[str(status)] = counts.get(str(status), 0) + 1
+
+    def _v1(self, path: str) -> str:
+        return f"{self.root}/v1{path}"
+
+    async def oversized_body(self, http: httpx.AsyncClient) -> int:
+        headers = {"Content-Type": "application/json"}
+        return (await http.post(self._v1("/completions"), content=self._big_body, headers=headers)).status_code
+
+    async def huge_max_tokens(self, http: httpx.AsyncClient) -> int:
+        policy = "sink_window(sinks=4,window=256)"
+        body = {"model": self.model, "prompt": "Hi", "max_tokens": 10**9, "kv_policy": policy}
+        return (await http.post(self._v1("/completions"), json=body)).status_code
+
+    async def stop_token_flood(self, http: httpx.AsyncClient) -> int:
+        body = {"model": self.model, "prompt": "Hi", "max_tokens": 4, "stop_token_ids": list(range(400_000))}
+        return (await http.post(self._v1("/completions"), json=body)).status_code
+
+    async def huge_text(self, http: httpx.AsyncClient) -> int:
+        body = {"model": self.model, "prompt": self._huge_text, "max_tokens": 4}
+        return (await http.post(self._v1("/completions"), json=body)).status_code
+
+    async def stream_churn(self, http: httpx.AsyncClient) -> int:
+        opened = await http.post(self._v1("/streams"), json={"system": "You watch and answer briefly."})
+        if opened.status_code != 200:
+            return opened.status_code
+        stream = opened.json()["id"]
+        self.open_streams.add(stream)
+        frame = await http.post(self._v1(f"/streams/{stream}/frames"), json={"text": "t=0.0s: id 1 at (3,4)"})
+        closed = await http.delete(self._v1(f"/streams/{stream}"))
+        self.open_streams.discard(stream)
+        return frame.status_code if frame.status_code != 200 else closed.status_code
+
+    async def close_leftovers(self, http: httpx.AsyncClient) -> None:
+        """Close the streams a churn opened but was cancelled before closing: a stream outlives its
+        connection (until --stream-idle-timeout), so its blocks would read as a leak."""
+        for stream in sorted(self.open_streams):
+            self.leftovers_closed += (await http.delete(self._v1(f"/streams/{stream}"))).status_code == 200
+        self.open_streams.clear()
+
+    def report(self) -> dict:
+        failures = sum(
+            n for counts in self.statuses.values() for status, n in counts.items() if status[:1] not in "1234"
+        )
+        return {
+            "share": self.share,
+            "sent": self.sent,
+            "by_kind": self.statuses,
+            "server_errors_or_drops": failures,
+            "leftover_streams_closed": self.leftovers_closed,
+        }
+
+
 def make_client(args, connections: int) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     timeout = httpx.Timeout(connect=30.0, read=args.request_timeout, write=30.0, pool=args.request_timeout)
@@ -437,8 +531,12 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
         before = await scrape(side, metrics_url)
         start, cpu = time.perf_counter(), time.process_time()
         tasks = [asyncio.create_task(run.client(i)) for i in range(clients)]
+        hostile = Hostile(args, model, run, args.hostile_share) if args.hostile_share else None
+        if hostile is not None:
+            tasks += [asyncio.create_task(hostile.driver(i)) for i in range(max(1, round(clients * hostile.share)))]
         print(
             f"\n{args.label}: soak, {clients} clients, {args.soak:.0f} s, a sample every {args.sample_interval:.0f} s"
+            + (f", {args.hostile_share:.0%} of requests hostile" if hostile is not None else "")
         )
         print(
             f"{'t':>6s} {'reqs':>6s} {'err':>5s} {'tok/s':>7s} {'RSS MiB':>8s} {'KV use':>7s} {'run':>4s} {'wait':>5s}"
@@ -468,6 +566,8 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if hostile is not None:
+            await hostile.close_leftovers(side)
         drained, drain_s, final = await wait_drained(side, metrics_url, args.drain_timeout)
         summary = summarize(run, seconds, before, final)
         summary["client_cpu_s"] = time.process_time() - cpu
@@ -490,9 +590,18 @@ async def run_soak(args, model: str, workload: Workload, metrics_url: str, repor
         # After warm-up: caches and allocator pools fill early; a leak keeps growing.
         "rss_growth_second_half_bytes": (rss[-1] - rss[len(rss) // 2]) if len(rss) >= 4 else None,
     }
+    if hostile is not None:
+        summary["hostile"] = hostile.report()
     report["levels"].append({"clients": clients, **summary})
     print(f"\n{args.label}: soak totals, {clients} clients")
     print_level(clients, summary)
+    if hostile is not None:
+        h = summary["hostile"]
+        print(
+            f"  hostile: {h['sent']} sent ({h['sent'] / max(1, h['sent'] + len(run.results)):.1%} of all), "
+            f"5xx or dropped: {h['server_errors_or_drops']}; by kind: {json.dumps(h['by_kind'])}; "
+            f"streams a cancelled churn left open, closed before the drain: {h['leftover_streams_closed']}"
+        )
     soak = summary["soak"]
     growth, late = soak["rss_growth_bytes"], soak["rss_growth_second_half_bytes"]
     print(
@@ -652,6 +761,14 @@ def main() -> None:
         default=None,
         metavar="SECONDS",
         help="run the first --clients level this long, sampling /metrics, then check for leaks",
+    )
+    parser.add_argument(
+        "--hostile-share",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="with --soak: this share of all requests is hostile (oversized bodies, max_tokens 10^9 under an "
+        "evicting policy, stop_token_ids floods, 8 MB prompts, stream churn), counted apart from the clients'",
     )
     parser.add_argument("--sample-interval", type=float, default=10.0)
     parser.add_argument("--drain-timeout", type=float, default=120.0)
