@@ -1,10 +1,11 @@
 """Where an engine's memory goes, part by part: measured from a loaded engine's tensors, or
 predicted from a model's metadata by building the same model on the meta device.
 
-The parts are the ones that differ in kind: 4-bit packed weights (kept beside their dense copy,
-which serves large steps), the dense weights, the embedding table and the LM head (one tensor
-when tied), the rotary tables, the KV pool and the KIVI residual slots. Weight parts come from
-the same classification of the same modules in both cases, so a prediction is exact as long as
+The parts are the ones that differ in kind: packed weights (GGUF blocks laid out for the integer
+kernels; without batch invariance kept beside their dense copy, which serves large steps), the
+dense weights, the embedding table and the LM head (one tensor when tied), the rotary tables, the
+KV pool and the KIVI residual slots. Weight parts come from the same classification of the same
+modules in both cases, so a prediction is exact as long as
 the engine builds its model the way `predict` does (both call models.build.assemble).
 
 The load peak is separate: loading dequantizes every GGUF tensor to float32 first, so for a
@@ -29,11 +30,11 @@ from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import bundled_model_path, describe_model, gguf_tensor_plan
 from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks, PackedLinear
-from kvbank.models.qweights import QuantLinear
+from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q8, KIND_Q8H, QuantLinear
 
 #: memory parts in the order they are shown, with what each one is
 PARTS = {
-    "packed_weights": "4-bit packed projections with their scales (steps of few tokens)",
+    "packed_weights": "projections packed for the integer kernels (4- and 8-bit GGUF blocks) with their scales",
     "dense_weights": "projections and norms in the model dtype",
     "embeddings": "the token embedding table",
     "lm_head": "the output projection (0 when tied to the embeddings)",
@@ -57,6 +58,8 @@ class MemoryReport:
     residual_slots: int
     tied_embeddings: bool
     load_peak: int | None = None
+    #: how many projections run on each kernel (see `projection_kernels`)
+    projections: tuple[tuple[str, int], ...] = ()
 
     def parts(self) -> dict[str, int]:
         """Part name -> bytes, in the order of PARTS."""
@@ -70,10 +73,12 @@ class MemoryReport:
         """A compact human-readable block: weights on one line, KV on the next, then the totals."""
         tied = " (tied)" if self.tied_embeddings else ""
         peak = "unknown" if self.load_peak is None else _mib(self.load_peak)
+        matmuls = ", ".join(f"{count} {kernel}" for kernel, count in self.projections) or "none"
         return [
-            f"weights  packed 4-bit {_mib(self.packed_weights)}, dense {_mib(self.dense_weights)}, "
+            f"weights  packed {_mib(self.packed_weights)}, dense {_mib(self.dense_weights)}, "
             f"embeddings {_mib(self.embeddings)}, lm_head {_mib(self.lm_head)}{tied}, "
             f"rope tables {_mib(self.rope_tables)}",
+            f"matmuls  {matmuls}",
             f"KV       pool {_mib(self.kv_pool)}, residual slots {_mib(self.residual_slots)}",
             f"total    {_mib(self.total)} held; loading peaks {peak} above the start",
         ]
@@ -99,13 +104,37 @@ def weight_parts(model: LlamaForCausalLM) -> dict[str, int]:
     return parts
 
 
+#: what each record kind of QuantLinear holds (kvbank/kernels/qmatmul.cpp)
+_KERNELS = {
+    KIND_Q4: "integer 4-bit (Q4_0/Q4_1)",
+    KIND_Q4F: "integer 4-bit, float32 scales (Q4_K)",
+    KIND_Q8: "integer 8-bit (Q8_0/Q5_0/Q4_0)",
+    KIND_Q8H: "integer 8-bit, scales per 16 (Q6_K)",
+}
+
+
+def projection_kernels(model: LlamaForCausalLM) -> tuple[tuple[str, int], ...]:
+    """(kernel, how many of the model's projections run on it), most used first: the integer
+    kernels by record kind, PyTorch's int4 matmul, or dense (the GGUF type has no kernel here)."""
+    counts: dict[str, int] = {}
+    for layer in model.layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if isinstance(module, QuantLinear):
+                kernel = _KERNELS[module.kind]
+            else:
+                kernel = "torch int4" if isinstance(module, PackedLinear) else "dense"
+            counts[kernel] = counts.get(kernel, 0) + 1
+    return tuple(sorted(counts.items(), key=lambda item: -item[1]))
+
+
 def _classified_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     # The first part to name a storage gets it: the specific parts come first, then every
     # tensor of the model, so whatever is left (projections, norms, biases) counts as dense.
     yield "embeddings", model.embed_tokens.weight
     yield "lm_head", model.lm_head.weight
-    yield "rope_tables", model.rope_cos
-    yield "rope_tables", model.rope_sin
+    for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):  # local: Gemma's windowed layers
+        if hasattr(model, name):
+            yield "rope_tables", getattr(model, name)
     for module in model.modules():
         if isinstance(module, PackedLinear):
             yield "packed_weights", module.packed
@@ -144,6 +173,7 @@ def measure(engine, load_peak: int | None = None) -> MemoryReport:
         residual_slots=residual,
         tied_embeddings=tied(model),
         load_peak=load_peak,
+        projections=projection_kernels(model),
     )
 
 
@@ -171,8 +201,8 @@ def predict(config: EngineConfig) -> MemoryReport:
     state_dict = {name: _meta(shape) for name, shape in shapes.items()}
     if "rope_freqs" in state_dict:  # read by value to build the rotary tables; tiny
         state_dict["rope_freqs"] = torch.ones(shapes["rope_freqs"])
-    int4 = {name: _meta_blocks(shapes[name]) for name in int4_names}
-    int8 = {name: _meta_int8(shapes[name]) for name in int8_names}
+    int4 = {name: _meta_blocks(shapes[name], kind) for name, kind in int4_names.items()}
+    int8 = {name: _meta_int8(shapes[name], kind) for name, kind in int8_names.items()}
     model, _ = assemble(model_config, state_dict, int4, config, int8)
     kv_pool, residual = _predict_kv(model_config, config)
     weights = weight_parts(model)
@@ -182,11 +212,13 @@ def predict(config: EngineConfig) -> MemoryReport:
         residual_slots=residual,
         tied_embeddings=tied(model),
         load_peak=_predict_load_peak(shapes, int4_names, int8_names, weights, info.file_bytes),
+        projections=projection_kernels(model),
     )
 
 
-def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], set[str]]:
-    """Hugging Face name -> shape of every tensor the loader keeps, and the names it also keeps 4-bit and 8-bit."""
+def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
+    """Hugging Face name -> shape of every tensor the loader keeps, and the names it also keeps 4-bit
+    and 8-bit (-> GGUF type)."""
     if path.endswith(".gguf"):
         return gguf_tensor_plan(path)
     from safetensors import safe_open
@@ -195,21 +227,23 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], set
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})  # noqa: SIM118 -- not a dict
-    return shapes, set(), set()
+    return shapes, {}, {}
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _meta_blocks(shape: tuple[int, ...]) -> Int4Blocks:
+def _meta_blocks(shape: tuple[int, ...], kind: str) -> Int4Blocks:
     rows, cols = shape
-    return Int4Blocks(_meta(shape, torch.uint8), _meta((rows, cols // GROUP_SIZE)), _meta((rows, cols // GROUP_SIZE)))
+    scales = (rows, cols // GROUP_SIZE)
+    return Int4Blocks(_meta(shape, torch.uint8), _meta(scales), _meta(scales), wide=kind == "Q4_K")
 
 
-def _meta_int8(shape: tuple[int, ...]) -> Int8Blocks:
+def _meta_int8(shape: tuple[int, ...], kind: str) -> Int8Blocks:
     rows, cols = shape
-    return Int8Blocks(_meta(shape, torch.int8), _meta((rows, cols // GROUP_SIZE)))
+    group = GROUP_SIZE // 2 if kind == "Q6_K" else GROUP_SIZE
+    return Int8Blocks(_meta(shape, torch.int8), _meta((rows, cols // group)))
 
 
 def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, int]:
@@ -228,8 +262,8 @@ def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, i
 
 def _predict_load_peak(
     shapes: dict[str, tuple[int, ...]],
-    int4_names: set[str],
-    int8_names: set[str],
+    int4_names: dict[str, str],
+    int8_names: dict[str, str],
     weights: dict[str, int],
     file_bytes: int,
 ) -> int:

@@ -78,14 +78,16 @@ def _digest(tensors) -> bytes:
 
 
 def _tensors_of(value) -> list:
-    """A tensor, or the tensor fields of Int4Blocks / Int8Blocks."""
+    """A tensor, the tensors of a tuple, or the tensor fields of Int4Blocks / Int8Blocks."""
     if isinstance(value, torch.Tensor):
         return [value]
-    return [getattr(value, f.name) for f in dataclasses.fields(value)]
+    if isinstance(value, tuple):
+        return [t for v in value if isinstance(v, torch.Tensor) for t in _tensors_of(v)]
+    return [v for f in dataclasses.fields(value) if isinstance(v := getattr(value, f.name), torch.Tensor)]
 
 
 class _SharedBundledModel:
-    """Stand-ins for gguf.GGUFReader, load_model, Int4Blocks.cat, pack_q4 and pack_q8 that compute
+    """Stand-ins for gguf.GGUFReader, load_model, Int4Blocks.cat, pack and pack_q8 that compute
     what concerns the bundled model once and hand out the same result after."""
 
     def __init__(self, bundled_path: str | None) -> None:
@@ -98,7 +100,7 @@ class _SharedBundledModel:
             "gguf_reader": gguf.GGUFReader,
             "load_model": build.load_model,
             "cat": Int4Blocks.cat,
-            "pack_q4": llama.pack_q4,
+            "pack": llama.pack,
             "pack_q8": llama.pack_q8,
         }
         self._path = bundled_path and os.path.realpath(bundled_path)
@@ -156,8 +158,8 @@ class _SharedBundledModel:
     def cat(self, parts):
         return self._memoized("cat", tuple(parts))
 
-    def pack_q4(self, blocks):
-        return self._memoized("pack_q4", (blocks,))
+    def pack(self, blocks):
+        return self._memoized("pack", (blocks,))
 
     def pack_q8(self, blocks):
         return self._memoized("pack_q8", (blocks,))
@@ -185,7 +187,7 @@ def shared_bundled_model():
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         patch.setattr(build, "load_model", shared.load_model)
         patch.setattr(Int4Blocks, "cat", staticmethod(shared.cat))
-        patch.setattr(llama, "pack_q4", shared.pack_q4)
+        patch.setattr(llama, "pack", shared.pack)
         patch.setattr(llama, "pack_q8", shared.pack_q8)
         yield shared
     assert shared.unchanged(), "a test or the engine wrote into the shared weights of the bundled model"

@@ -199,9 +199,80 @@ def _chat(llm, text):
 
 
 def test_default_bfloat16_completes_in_fluent_english(llm):
-    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert llm.engine.runner.model.norm.weight.dtype == torch.bfloat16
     text = llm.generate(_encode(llm, PROMPTS[:1]), GREEDY)[0].outputs[0].text
     assert "France" in text and re.fullmatch(r"[A-Za-z0-9 ,.'\n-]+", text), text
+
+
+def test_every_weight_of_the_q4_k_m_file_runs_on_the_integer_kernels(llm, path):
+    """Q5_0 and Q8_0 projections as 8-bit records, Q4_K as 4-bit records with float32 scales, Q6_K
+    as 8-bit records with float32 scales per 16 inputs; the Q8_0 table is the embedding and the head."""
+    from kvbank.models.gguf_file import GGUFFile
+    from kvbank.models.qweights import KIND_Q4F, KIND_Q8, KIND_Q8H, QuantEmbedding, QuantHead, QuantLinear
+
+    types = {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
+    model = llm.engine.runner.model
+    expected = {"Q4_K": KIND_Q4F, "Q6_K": KIND_Q8H}
+    for i, layer in enumerate(model.layers):
+        linears = {
+            "attn_output": layer.self_attn.o_proj,
+            "ffn_down": layer.mlp.down_proj,
+            "attn_qkv": layer.self_attn.qkv_proj,
+            "ffn_gate_up": layer.mlp.gate_up_proj,
+        }
+        assert all(isinstance(m, QuantLinear) and m.weight is None for m in linears.values()), i
+        for name in ("attn_output", "ffn_down"):
+            assert linears[name].kind == expected[types[f"blk.{i}.{name}.weight"]], (i, name)
+        assert linears["attn_qkv"].kind == linears["ffn_gate_up"].kind == KIND_Q8  # Q5_0 (+ a Q8_0 v)
+    assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantHead)
+    # `kvbank plan` predicts the same kernels and bytes from the header alone
+    from kvbank import memory
+
+    predicted, measured = memory.predict(EngineConfig(model=path)), memory.measure(llm.engine)
+    assert predicted.projections == measured.projections == (
+        ("integer 8-bit (Q8_0/Q5_0/Q4_0)", 36),
+        ("integer 4-bit, float32 scales (Q4_K)", 27),
+        ("integer 8-bit, scales per 16 (Q6_K)", 9),
+    )
+    for part in ("packed_weights", "dense_weights", "embeddings", "lm_head", "rope_tables"):
+        assert getattr(predicted, part) == getattr(measured, part), part
+
+
+def test_the_files_k_quant_and_q5_0_tensors_decode_to_gguf_values_to_the_bit(path):
+    import gguf
+
+    from kvbank.models.gguf_file import GGUFFile
+    from kvbank.models.packed import INT8_TYPES, Int4Blocks, Int8Blocks
+
+    seen = set()
+    for tensor in GGUFFile(path).tensors:
+        kind = tensor.tensor_type.name
+        if kind in ("Q4_K", "Q5_0", "Q6_K") and kind not in seen:
+            seen.add(kind)
+            rows = tensor.data.shape[0]
+            if kind in INT8_TYPES:
+                blocks = Int8Blocks.from_gguf(tensor.data, rows, kind)
+            else:
+                blocks = Int4Blocks.from_gguf(tensor.data, kind, rows)
+            expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            assert torch.equal(blocks.dequantize(), torch.from_numpy(expected)), tensor.name
+    assert seen == {"Q4_K", "Q5_0", "Q6_K"}
+
+
+def test_default_bfloat16_gives_a_request_the_same_bits_whatever_shares_its_steps(llm):
+    """With every matmul on the integer kernels (rows independent by construction) and attention
+    by rows, the default configuration is batch-invariant for Gemma too: tokens and logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    prompts = _encode(llm, PROMPTS)
+
+    def run(batch):
+        outs = llm.generate(batch, params)
+        return [(c.token_ids, [s[t] for s, t in zip(c.logprobs, c.token_ids)]) for c in (o.outputs[0] for o in outs)]
+
+    alone = [run([p])[0] for p in prompts]
+    together = run(prompts * 4)
+    assert together == alone * 4
+    assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
 
 
 def test_a_request_or_stream_policy_that_evicts_is_refused(llm):

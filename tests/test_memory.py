@@ -73,5 +73,5 @@ def test_server_log_and_metrics_show_the_memory_plan_predicted(kvbank_env, tmp_p
     # the loader holds is within a fifth of it.
     load_peak = int(re.search(r"^kvbank:load_peak_bytes (\d+)$", page, re.M).group(1))
     assert abs(load_peak - predicted["load_peak"]) < 0.2 * predicted["load_peak"]
-    assert "memory: weights  packed 4-bit 63.3 MiB" in log.read_text()
+    assert "memory: weights  packed 63.3 MiB" in log.read_text()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1"

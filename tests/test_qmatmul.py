@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbank import kernels
-from kvbank.models.packed import Int4Blocks, Int8Blocks
-from kvbank.models.qweights import pack_q4, pack_q8, unpack_q8_rows
+from kvbank.models.packed import INT4_TYPES, INT8_TYPES, Int4Blocks, Int8Blocks
+from kvbank.models.qweights import KIND_Q4F, KIND_Q8, KIND_Q8H, pack, unpack_q8_rows
 
 native = kernels.native()
 if native is None and os.environ.get("CI"):
@@ -26,14 +26,40 @@ def _isas() -> list[str]:
     return ISAS[: ISAS.index(best) + 1]
 
 
+def _k_quant_bytes(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant super-blocks (gguf-py cannot quantize them): random codes and sub-block
+    scales, fp16 super-block scales of realistic size (sub-normal ones included)."""
+    size = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    scales = rng.uniform(1e-5, 3e-3, size=(rows, cols // 256, 2)) * rng.choice([1, 1e-3], size=(rows, cols // 256, 2))
+    halves = scales.astype(np.float16).view(np.uint8).reshape(rows, cols // 256, 4)
+    if type_name == "Q4_K":
+        raw[..., 0:4] = halves  # d, dmin
+    else:
+        raw[..., 208:210] = halves[..., 0:2]  # d
+    return raw.reshape(rows, -1)
+
+
+def _raw(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """GGUF block bytes of random weights (gguf-py's quantizer; random K-quant super-blocks)."""
+    rng = np.random.default_rng(seed)
+    if type_name in ("Q4_K", "Q6_K"):
+        return _k_quant_bytes(type_name, rows, cols, rng)
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    return gguf.quants.quantize(values, gguf.GGMLQuantizationType[type_name])
+
+
+def _blocks(type_name: str, raw: np.ndarray, rows: int) -> Int4Blocks | Int8Blocks:
+    if type_name in INT8_TYPES:
+        return Int8Blocks.from_gguf(raw, rows, type_name)
+    return Int4Blocks.from_gguf(raw, type_name, rows)
+
+
 def _weights(type_name: str, rows: int, cols: int, seed: int):
-    """(records, kind, dense float64 [rows, cols]) of random weights quantized by gguf-py."""
-    kind = gguf.GGMLQuantizationType[type_name]
-    raw = gguf.quants.quantize(np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32), kind)
-    dense = torch.from_numpy(gguf.quants.dequantize(raw, kind)).double()
-    if type_name == "Q8_0":
-        return pack_q8(Int8Blocks.from_gguf(raw, rows)), 8, dense
-    return pack_q4(Int4Blocks.from_gguf(raw, type_name, rows)), 4, dense
+    """(records, kind, dense float64 [rows, cols]) of random weights in `type_name`, packed."""
+    raw = _raw(type_name, rows, cols, seed)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])).double()
+    return (*pack(_blocks(type_name, raw, rows)), dense)
 
 
 def _quantized(x: torch.Tensor) -> torch.Tensor:
@@ -45,16 +71,51 @@ def _quantized(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * scale.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+TYPES = [*INT4_TYPES, *INT8_TYPES]
+
+
+@pytest.mark.parametrize("type_name", TYPES)
 def test_every_instruction_set_gives_the_exact_product_of_the_quantized_operands(type_name):
-    records, kind, dense = _weights(type_name, 48, 224, seed=1)
-    x = torch.randn(7, 224) * torch.logspace(-3, 2, 7)[:, None]  # rows of very different scales
+    cols = 512 if type_name.endswith("_K") else 224  # K-quants come in super-blocks of 256
+    records, kind, dense = _weights(type_name, 48, cols, seed=1)
+    x = torch.randn(7, cols) * torch.logspace(-3, 2, 7)[:, None]  # rows of very different scales
     reference = _quantized(x) @ dense.T
     results = {isa: native.qlinear(x, records, kind, True, isa) for isa in _isas()}
     for isa, out in results.items():
-        # Integer dot products are exact; only the float32 sum over 7 blocks rounds.
+        # Integer dot products are exact; only the float32 sums over the blocks (or half-blocks) round.
         torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
         assert torch.equal(out, results["scalar"]), isa
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_blocks_hold_the_files_weights_to_the_bit(type_name):
+    """Decoded blocks give gguf-py's dequantized values exactly, and pack into the kind that keeps
+    their scales exact (float32 for Q4_K's and Q6_K's products of two scales)."""
+    records, kind, dense = _weights(type_name, 32, 512, seed=12)
+    expected_kind = {"Q4_K": KIND_Q4F, "Q6_K": KIND_Q8H, "Q5_0": KIND_Q8, "Q8_0": KIND_Q8}.get(type_name, 4)
+    assert kind == expected_kind
+    blocks = _blocks(type_name, _raw(type_name, 32, 512, seed=12), 32)
+    assert torch.equal(blocks.dequantize().double(), dense)
+
+
+def test_q4_0_weights_fit_8_bit_blocks_exactly_and_q4_1_weights_do_not():
+    rng = np.random.default_rng(13)
+    raw = gguf.quants.quantize(rng.standard_normal((16, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    four = Int4Blocks.from_gguf(raw, "Q4_0", 16)
+    assert torch.equal(four.as_int8().dequantize(), four.dequantize())
+    raw1 = gguf.quants.quantize(rng.standard_normal((16, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+    assert Int4Blocks.from_gguf(raw1, "Q4_1", 16).as_int8() is None
+    # a fused projection of a Q4_0 and a Q6_K tensor: one 8-bit form with scales per 16 inputs
+    six = Int8Blocks.from_gguf(_k_quant_bytes("Q6_K", 16, 256, rng), 16, "Q6_K")
+    mixed = Int8Blocks.cat([four.as_int8(), six])
+    assert mixed.halves and mixed.scale.shape == (32, 16)
+    assert torch.equal(mixed.dequantize(), torch.cat([four.dequantize(), six.dequantize()]))
+    records, kind = pack(mixed)
+    x = torch.randn(3, 256)
+    assert kind == KIND_Q8H
+    reference = _quantized(x) @ mixed.dequantize().double().T
+    out = native.qlinear(x, records, kind, True).double()
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
 def test_the_8_bit_rounding_stays_close_to_the_float_product():
@@ -65,10 +126,10 @@ def test_the_8_bit_rounding_stays_close_to_the_float_product():
     assert 1e-4 < rel < 0.01  # the activations really are rounded, by about what 8 bits cost
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_row_gets_the_same_result_in_any_batch(type_name):
-    records, kind, _ = _weights(type_name, 64, 128, seed=3)
-    rows = torch.randn(40, 128, dtype=torch.bfloat16)
+    records, kind, _ = _weights(type_name, 64, 256, seed=3)
+    rows = torch.randn(40, 256, dtype=torch.bfloat16)
     alone = native.qlinear(rows[:1], records, kind)
     for count in (2, 3, 4, 5, 8, 16, 17, 32, 40):
         assert torch.equal(native.qlinear(rows[:count], records, kind)[:1], alone), count

@@ -9,6 +9,11 @@
 //                      row's weight 4j+e in its low nibble and 16+4j+e in its high nibble;
 //                      then d[16] and m[16] as fp16 (w = d*q + m; Q4_0 has m = -8d).
 //   Q8 record (544 B): 8 x [16 rows][4 bytes] of w+128 (unsigned), then d[16] fp16 (w = d*q).
+//   Q4F record (384 B, kind 41): a Q4 record with d[16] and m[16] as float32 (Q4_K: d = super-block
+//                      scale x 6-bit sub-block scale and m = -(super-block min x 6-bit min), exact).
+//   Q8H record (640 B, kind 81): a Q8 record's bytes, then float32 scales per 16 inputs, d_lo[16]
+//                      and d_hi[16] (Q6_K: w = d x 8-bit sub-block scale x (q - 32), exact).
+// Q5_0 and Q4_0 weights are Q8 records (their integer values fit 8 bits with the same scale).
 // Per block, a row's integer dot product is exact; it is scaled and added to a float32 sum in block
 // order by the same fused multiply-adds on every path (AVX-512 VNNI, AVX2, scalar), so all paths
 // give bit-identical results, and a row's result never depends on the other rows of the batch.
@@ -31,6 +36,15 @@ constexpr int64_t QK = 32;
 constexpr int64_t GROUP_ROWS = 16;
 constexpr int64_t Q4_RECORD = 320;
 constexpr int64_t Q8_RECORD = 544;
+constexpr int64_t Q4F_RECORD = 384;
+constexpr int64_t Q8H_RECORD = 640;
+
+// The record kinds (the `kind` argument of every entry point).
+enum class Rec : int { Q4 = 4, Q8 = 8, Q4F = 41, Q8H = 81 };
+
+constexpr int64_t record_bytes(Rec kind) {
+  return kind == Rec::Q4 ? Q4_RECORD : kind == Rec::Q8 ? Q8_RECORD : kind == Rec::Q4F ? Q4F_RECORD : Q8H_RECORD;
+}
 constexpr int64_t ROW_TILE = 4;
 // Above this many rows the decoder stack splits normalization and quantization among its threads.
 constexpr int64_t SPLIT_ROWS = 8;
@@ -83,6 +97,7 @@ struct QuantRows {
   std::vector<float> d;        // [rows, blocks]
   std::vector<float> s;        // d * sum(q)
   std::vector<int32_t> sum;    // sum(q)
+  std::vector<int32_t> sum_lo; // sum of the first 16 q of each block (Q8H weights scale halves)
 
   void resize(int64_t r, int64_t c) {
     rows = r, cols = c, blocks = c / QK;
@@ -90,14 +105,31 @@ struct QuantRows {
     d.resize(r * blocks);
     s.resize(r * blocks);
     sum.resize(r * blocks);
+    sum_lo.resize(r * blocks);
   }
 
   // Row `r` from float32 values: amax / 127 scales, round to nearest even.
   void quantize_row(int64_t r, const float* x) {
 #ifdef KVBANK_X86
-    if (best_isa() == Isa::Avx512Vnni) return quantize_row_avx512(r, x);
-    if (best_isa() == Isa::Avx2) return quantize_row_avx2(r, x);
+    if (best_isa() == Isa::Avx512Vnni) {
+      quantize_row_avx512(r, x);
+    } else if (best_isa() == Isa::Avx2) {
+      quantize_row_avx2(r, x);
+    } else {
+      quantize_row_scalar(r, x);
+    }
+#else
+    quantize_row_scalar(r, x);
 #endif
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* qb = q.data() + r * cols + b * QK;
+      int32_t low = 0;
+      for (int64_t k = 0; k < QK / 2; ++k) low += qb[k];
+      sum_lo[r * blocks + b] = low;
+    }
+  }
+
+  void quantize_row_scalar(int64_t r, const float* x) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + b * QK;
       float amax = 0.0f;
@@ -191,12 +223,27 @@ inline int32_t load_i32(const int8_t* p) {
 
 // --- one group of 16 output rows for `tile` activation rows: out[i * 16 + lane] ------------------
 
+// A record's scale and minimum of `lane`: fp16 in Q4 records, float32 in Q4F records (F32).
+template <bool F32>
+inline float record_value(const uint8_t* rec, int64_t offset, int64_t lane) {
+  if (F32) {
+    float v;
+    std::memcpy(&v, rec + offset + 4 * lane, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, rec + offset + 2 * lane, 2);
+  return half_to_float(h);
+}
+
+template <bool F32>
 void q4_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
   for (int64_t i = 0; i < tile; ++i) {
     for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
       float acc = 0.0f;
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * Q4_RECORD;
+        const uint8_t* rec = w + b * record;
         const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
         int32_t dot = 0;
         for (int64_t j = 0; j < 4; ++j) {
@@ -205,12 +252,9 @@ void q4_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
             dot += static_cast<int32_t>(byte & 15) * qa[4 * j + e] + static_cast<int32_t>(byte >> 4) * qa[16 + 4 * j + e];
           }
         }
-        uint16_t dh, mh;
-        std::memcpy(&dh, rec + 256 + 2 * lane, 2);
-        std::memcpy(&mh, rec + 288 + 2 * lane, 2);
         const int64_t ab = (r0 + i) * a.blocks + b;
-        acc = std::fma(static_cast<float>(dot), half_to_float(dh) * a.d[ab], acc);
-        acc = std::fma(half_to_float(mh), a.s[ab], acc);
+        acc = std::fma(static_cast<float>(dot), record_value<F32>(rec, 256, lane) * a.d[ab], acc);
+        acc = std::fma(record_value<F32>(rec, min_at, lane), a.s[ab], acc);
       }
       out[i * GROUP_ROWS + lane] = acc;
     }
@@ -239,28 +283,59 @@ void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
   }
 }
 
+// Q8H: per row and block, the first and last 16 inputs' exact dot products, each with its own
+// scale, added low half first.
+void q8h_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  for (int64_t i = 0; i < tile; ++i) {
+    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = w + b * Q8H_RECORD;
+        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
+        int32_t dot[2] = {0, 0};
+        for (int64_t c = 0; c < 8; ++c) {
+          for (int64_t e = 0; e < 4; ++e) dot[c / 4] += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
+        }
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        dot[0] -= 128 * a.sum_lo[ab];
+        dot[1] -= 128 * (a.sum[ab] - a.sum_lo[ab]);
+        acc = std::fma(static_cast<float>(dot[0]), record_value<true>(rec, 512, lane) * a.d[ab], acc);
+        acc = std::fma(static_cast<float>(dot[1]), record_value<true>(rec, 576, lane) * a.d[ab], acc);
+      }
+      out[i * GROUP_ROWS + lane] = acc;
+    }
+  }
+}
+
 #ifdef KVBANK_X86
 // 4 activation bytes broadcast to every lane, straight from memory (a load, no shuffle).
 KVBANK_VNNI inline __m512i quad(const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
 
-template <int R>
+// 16 lanes' scales (or minimums) at `offset` of a record: fp16 (Q4, Q8) or float32 (Q4F, Q8H).
+template <bool F32>
+KVBANK_VNNI inline __m512 record_values16(const uint8_t* rec, int64_t offset) {
+  if (F32) return _mm512_loadu_ps(rec + offset);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + offset)));
+}
+
+template <int R, bool F32>
 KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec = w + b * Q4_RECORD;
-    for (int line = 0; line < Q4_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    const uint8_t* rec = w + b * record;
+    for (int line = 0; line < record; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(rec + 64 * j);
       lo[j] = _mm512_and_si512(v, low);
       hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    const __m512 dw = record_values16<F32>(rec, 256), mw = record_values16<F32>(rec, min_at);
     for (int i = 0; i < R; ++i) {
       const int8_t* qa = rows[i] + b * QK;
       // two chains of four: a vpdpbusd's latency is hidden behind the other chain and the other rows
@@ -286,18 +361,19 @@ KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
 // Two groups (32 output rows) against R rows: each activation broadcast meets both groups'
 // weights, and a weight chunk is decoded once for the R rows. Per row and group the integer dot
 // products are exact and the float sums run in block order, as in q4_group_avx512: same bits.
-template <int R>
+template <int R, bool F32>
 KVBANK_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0,
                                 float* out1) {
+  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
   __m512 acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec0 = w0 + b * Q4_RECORD;
-    const uint8_t* rec1 = w1 + b * Q4_RECORD;
-    for (int line = 0; line < Q4_RECORD; line += 64) {
+    const uint8_t* rec0 = w0 + b * record;
+    const uint8_t* rec1 = w1 + b * record;
+    for (int line = 0; line < record; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(rec0 + PREFETCH_BYTES + line), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(rec1 + PREFETCH_BYTES + line), _MM_HINT_T0);
     }
@@ -313,10 +389,8 @@ KVBANK_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
         s1[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s1[i], lo1, x_lo), hi1, x_hi);
       }
     }
-    const __m512 dw0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + 256)));
-    const __m512 mw0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + 288)));
-    const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + 256)));
-    const __m512 mw1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + 288)));
+    const __m512 dw0 = record_values16<F32>(rec0, 256), mw0 = record_values16<F32>(rec0, min_at);
+    const __m512 dw1 = record_values16<F32>(rec1, 256), mw1 = record_values16<F32>(rec1, min_at);
     for (int i = 0; i < R; ++i) {
       const int64_t ab = (r0 + i) * a.blocks + b;
       const __m512 d = _mm512_set1_ps(a.d[ab]), sums = _mm512_set1_ps(a.s[ab]);
@@ -400,6 +474,37 @@ KVBANK_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
   }
 }
 
+// Q8H: the low and high 16 inputs' products in separate sums, scaled apart (as q8h_group_scalar).
+template <int R>
+KVBANK_VNNI void q8h_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec = w + b * Q8H_RECORD;
+    for (int line = 0; line < Q8H_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    __m512i wv[8];
+    for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(rec + 64 * c);
+    const __m512 d_lo = record_values16<true>(rec, 512), d_hi = record_values16<true>(rec, 576);
+    for (int i = 0; i < R; ++i) {
+      const int8_t* qa = rows[i] + b * QK;
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        lo = _mm512_dpbusd_epi32(lo, wv[c], quad(qa + 4 * c));
+        hi = _mm512_dpbusd_epi32(hi, wv[c + 4], quad(qa + 16 + 4 * c));
+      }
+      const int64_t ab = (r0 + i) * a.blocks + b;
+      const __m512 d = _mm512_set1_ps(a.d[ab]);
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.sum_lo[ab]));
+      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * (a.sum[ab] - a.sum_lo[ab])));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d_lo, d), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d_hi, d), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
+}
+
 // AVX2: each record is two halves of 8 rows (bytes 32h.. of every 64-byte chunk); maddubs + madd
 // give the same exact integer dot products (no pair can saturate: |u8 x s8 x 2| < 2^15 here).
 KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -408,8 +513,16 @@ KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
 
 // A block's weights are decoded once and meet every row of the tile; per row and lane the
 // float sums run in block order as in the scalar version, so the bits do not depend on the tile.
-template <int R>
+// 8 lanes' scales (or minimums) of half h at `offset`: fp16 or float32 (F32).
+template <bool F32>
+KVBANK_AVX2 inline __m256 record_values8(const uint8_t* rec, int64_t offset, int h) {
+  if (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + offset + 32 * h));
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + offset + 16 * h)));
+}
+
+template <int R, bool F32>
 KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
@@ -417,9 +530,9 @@ KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * Q4_RECORD;
+      const uint8_t* rec = w + b * record;
       if (h == 0) {
-        for (int line = 0; line < Q4_RECORD; line += 64)
+        for (int line = 0; line < record; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
       }
       __m256i lo[4], hi[4];
@@ -428,8 +541,7 @@ KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
         lo[j] = _mm256_and_si256(v, low);
         hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+      const __m256 dw = record_values8<F32>(rec, 256, h), mw = record_values8<F32>(rec, min_at, h);
       for (int i = 0; i < R; ++i) {
         const int8_t* qa = rows[i] + b * QK;
         // 4-bit weights (0..15) times activations (|q| <= 127): a maddubs pair sum is at most
@@ -489,38 +601,103 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
   }
 }
+// Q8H on AVX2: signed weights as in q8_group_avx2, the low and high 16 inputs summed apart.
+template <int R>
+KVBANK_AVX2 void q8h_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* rec = w + b * Q8H_RECORD;
+      if (h == 0) {
+        for (int line = 0; line < Q8H_RECORD; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+      }
+      __m256i ws[8], mag[8];
+      for (int c = 0; c < 8; ++c) {
+        ws[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
+        mag[c] = _mm256_abs_epi8(ws[c]);
+      }
+      const __m256 d_lo = record_values8<true>(rec, 512, h), d_hi = record_values8<true>(rec, 576, h);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* qa = rows[i] + b * QK;
+        __m256i lo = dot_u8s8(mag[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), ws[0]));
+        __m256i hi = dot_u8s8(mag[4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16)), ws[4]));
+        for (int c = 1; c < 4; ++c) {
+          lo = _mm256_add_epi32(lo, dot_u8s8(mag[c], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c)), ws[c])));
+          hi = _mm256_add_epi32(
+              hi, dot_u8s8(mag[c + 4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16 + 4 * c)), ws[c + 4])));
+        }
+        const __m256 d = _mm256_set1_ps(a.d[(r0 + i) * a.blocks + b]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d_lo, d), acc[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d_hi, d), acc[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
+  }
+}
 #endif
 
-void group_kernel(bool q8, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+template <int R>
+void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
 #ifdef KVBANK_X86
   if (isa == Isa::Avx512Vnni) {
-    switch (tile) {
-      case 4: return q8 ? q8_group_avx512<4>(w, a, r0, out) : q4_group_avx512<4>(w, a, r0, out);
-      case 3: return q8 ? q8_group_avx512<3>(w, a, r0, out) : q4_group_avx512<3>(w, a, r0, out);
-      case 2: return q8 ? q8_group_avx512<2>(w, a, r0, out) : q4_group_avx512<2>(w, a, r0, out);
-      default: return q8 ? q8_group_avx512<1>(w, a, r0, out) : q4_group_avx512<1>(w, a, r0, out);
+    switch (kind) {
+      case Rec::Q4: return q4_group_avx512<R, false>(w, a, r0, out);
+      case Rec::Q4F: return q4_group_avx512<R, true>(w, a, r0, out);
+      case Rec::Q8: return q8_group_avx512<R>(w, a, r0, out);
+      case Rec::Q8H: return q8h_group_avx512<R>(w, a, r0, out);
     }
   }
   if (isa == Isa::Avx2) {
-    switch (tile) {
-      case 4: return q8 ? q8_group_avx2<4>(w, a, r0, out) : q4_group_avx2<4>(w, a, r0, out);
-      case 3: return q8 ? q8_group_avx2<3>(w, a, r0, out) : q4_group_avx2<3>(w, a, r0, out);
-      case 2: return q8 ? q8_group_avx2<2>(w, a, r0, out) : q4_group_avx2<2>(w, a, r0, out);
-      default: return q8 ? q8_group_avx2<1>(w, a, r0, out) : q4_group_avx2<1>(w, a, r0, out);
+    switch (kind) {
+      case Rec::Q4: return q4_group_avx2<R, false>(w, a, r0, out);
+      case Rec::Q4F: return q4_group_avx2<R, true>(w, a, r0, out);
+      case Rec::Q8: return q8_group_avx2<R>(w, a, r0, out);
+      case Rec::Q8H: return q8h_group_avx2<R>(w, a, r0, out);
     }
   }
 #endif
-  return q8 ? q8_group_scalar(w, a, r0, tile, out) : q4_group_scalar(w, a, r0, tile, out);
+  switch (kind) {
+    case Rec::Q4: return q4_group_scalar<false>(w, a, r0, R, out);
+    case Rec::Q4F: return q4_group_scalar<true>(w, a, r0, R, out);
+    case Rec::Q8: return q8_group_scalar(w, a, r0, R, out);
+    case Rec::Q8H: return q8h_group_scalar(w, a, r0, R, out);
+  }
 }
+
+void group_kernel(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  switch (tile) {
+    case 4: return group_tile<4>(kind, isa, w, a, r0, out);
+    case 3: return group_tile<3>(kind, isa, w, a, r0, out);
+    case 2: return group_tile<2>(kind, isa, w, a, r0, out);
+    default: return group_tile<1>(kind, isa, w, a, r0, out);
+  }
+}
+
+#ifdef KVBANK_X86
+// Two groups at once on VNNI (Q8H records have no pair kernel; they go one group at a time).
+template <int R>
+void pair_tile(Rec kind, const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0, float* out1) {
+  switch (kind) {
+    case Rec::Q4: return q4_pair_avx512<R, false>(w0, w1, a, r0, out0, out1);
+    case Rec::Q4F: return q4_pair_avx512<R, true>(w0, w1, a, r0, out0, out1);
+    default: return q8_pair_avx512<R>(w0, w1, a, r0, out0, out1);
+  }
+}
+#endif
 
 // Groups [begin, end) of out[r, n] (float32, row stride `out_stride`) = the quantized rows of `a`
 // times the packed weights.
-void qmatmul_groups(bool q8, Isa isa, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, float* out,
+void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, float* out,
                     int64_t out_stride) {
-  const int64_t group_bytes = a.blocks * (q8 ? Q8_RECORD : Q4_RECORD);
+  const int64_t group_bytes = a.blocks * record_bytes(kind);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
 #ifdef KVBANK_X86
-  if (isa == Isa::Avx512Vnni) {
+  if (isa == Isa::Avx512Vnni && kind != Rec::Q8H) {
     // on VNNI: groups two at a time (q4_pair_avx512, q8_pair_avx512), the odd one below
     alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
     for (; begin + 1 < end; begin += 2) {
@@ -528,22 +705,10 @@ void qmatmul_groups(bool q8, Isa isa, const uint8_t* weights, int64_t begin, int
       for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
         const int64_t tile = std::min(ROW_TILE, a.rows - r0);
         switch (tile) {
-          case 4:
-            q8 ? q8_pair_avx512<4>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
-               : q4_pair_avx512<4>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
-            break;
-          case 3:
-            q8 ? q8_pair_avx512<3>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
-               : q4_pair_avx512<3>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
-            break;
-          case 2:
-            q8 ? q8_pair_avx512<2>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
-               : q4_pair_avx512<2>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
-            break;
-          default:
-            q8 ? q8_pair_avx512<1>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1])
-               : q4_pair_avx512<1>(w, w + group_bytes, a, r0, pair_out[0], pair_out[1]);
-            break;
+          case 4: pair_tile<4>(kind, w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+          case 3: pair_tile<3>(kind, w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+          case 2: pair_tile<2>(kind, w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
+          default: pair_tile<1>(kind, w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
         }
         for (int64_t i = 0; i < tile; ++i) {
           for (int h = 0; h < 2; ++h)
@@ -558,7 +723,7 @@ void qmatmul_groups(bool q8, Isa isa, const uint8_t* weights, int64_t begin, int
     const uint8_t* w = weights + g * group_bytes;
     for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
       const int64_t tile = std::min(ROW_TILE, a.rows - r0);
-      group_kernel(q8, isa, w, a, r0, tile, tile_out);
+      group_kernel(kind, isa, w, a, r0, tile, tile_out);
       for (int64_t i = 0; i < tile; ++i) {
         std::memcpy(out + (r0 + i) * out_stride + g * GROUP_ROWS, tile_out + i * GROUP_ROWS, GROUP_ROWS * sizeof(float));
       }
@@ -566,10 +731,10 @@ void qmatmul_groups(bool q8, Isa isa, const uint8_t* weights, int64_t begin, int
   }
 }
 
-void qmatmul_rows(bool q8, Isa isa, const uint8_t* weights, int64_t groups, const QuantRows& a, float* out,
+void qmatmul_rows(Rec kind, Isa isa, const uint8_t* weights, int64_t groups, const QuantRows& a, float* out,
                   int64_t out_stride) {
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    qmatmul_groups(q8, isa, weights, begin, end, a, out, out_stride);
+    qmatmul_groups(kind, isa, weights, begin, end, a, out, out_stride);
   });
 }
 
@@ -588,15 +753,19 @@ Isa parse_isa(const std::string& name) {
 struct PackedWeight {
   const uint8_t* data;
   int64_t groups, blocks, out_features, in_features;
-  bool q8;
+  Rec kind;
 };
 
 PackedWeight check_weight(const torch::Tensor& w, int64_t kind) {
-  TORCH_CHECK(kind == 4 || kind == 8, "kind must be 4 (Q4 records) or 8 (Q8 records), not ", kind);
-  const int64_t record = kind == 8 ? Q8_RECORD : Q4_RECORD;
+  TORCH_CHECK(kind == 4 || kind == 8 || kind == 41 || kind == 81,
+              "kind must be 4 (Q4 records), 8 (Q8), 41 (Q4 with float32 scales) or 81 (Q8 with float32 half-block "
+              "scales), not ",
+              kind);
+  const Rec rec = static_cast<Rec>(kind);
+  const int64_t record = record_bytes(rec);
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == record,
               "packed weights must be contiguous uint8 [groups, blocks, ", record, "], got ", w.sizes());
-  return {w.data_ptr<uint8_t>(), w.size(0), w.size(1), w.size(0) * GROUP_ROWS, w.size(1) * QK, kind == 8};
+  return {w.data_ptr<uint8_t>(), w.size(0), w.size(1), w.size(0) * GROUP_ROWS, w.size(1) * QK, rec};
 }
 
 template <typename T>
@@ -799,7 +968,7 @@ torch::Tensor attn_in_impl(torch::Tensor x, std::optional<torch::Tensor> residua
   add_norm_quantize(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, norm_w.data_ptr<T>(), rows, dim, eps,
                     a);
   std::vector<float> acc(rows * qkv.out_features);
-  qmatmul_rows(qkv.q8, isa, qkv.data, qkv.groups, a, acc.data(), qkv.out_features);
+  qmatmul_rows(qkv.kind, isa, qkv.data, qkv.groups, a, acc.data(), qkv.out_features);
   auto out = torch::empty({rows, qkv.out_features}, x.options());
   store_rows(acc.data(), out.data_ptr<T>(), acc.size());
   rope_rows(out.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), rows, rope_heads, cos.size(1), qkv.out_features);
@@ -813,11 +982,11 @@ torch::Tensor mlp_impl(torch::Tensor attn, torch::Tensor residual, const PackedW
   QuantRows a;
   quantize_rows(attn.data_ptr<T>(), attn.stride(0), rows, attn.size(1), a);
   std::vector<float> acc(rows * std::max(hidden, gate_up.out_features));
-  qmatmul_rows(o.q8, isa, o.data, o.groups, a, acc.data(), hidden);
+  qmatmul_rows(o.kind, isa, o.data, o.groups, a, acc.data(), hidden);
   std::vector<T> projected(rows * hidden);
   store_rows(acc.data(), projected.data(), rows * hidden);
   add_norm_quantize(projected.data(), residual.data_ptr<T>(), norm_w.data_ptr<T>(), rows, hidden, eps, a);
-  qmatmul_rows(gate_up.q8, isa, gate_up.data, gate_up.groups, a, acc.data(), gate_up.out_features);
+  qmatmul_rows(gate_up.kind, isa, gate_up.data, gate_up.groups, a, acc.data(), gate_up.out_features);
   // silu(gate) * up from the projections rounded to T, as the unfused layer computes them.
   a.resize(rows, inter);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -828,7 +997,7 @@ torch::Tensor mlp_impl(torch::Tensor attn, torch::Tensor residual, const PackedW
       a.quantize_row(r, h.data());
     }
   });
-  qmatmul_rows(down.q8, isa, down.data, down.groups, a, acc.data(), hidden);
+  qmatmul_rows(down.kind, isa, down.data, down.groups, a, acc.data(), hidden);
   auto out = torch::empty({rows, hidden}, residual.options());
   store_rows(acc.data(), out.data_ptr<T>(), rows * hidden);
   return out;
@@ -860,11 +1029,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float
   }
   if (float_out || x.scalar_type() == torch::kFloat) {
     auto out = torch::empty({rows, pw.out_features}, x.options().dtype(torch::kFloat));
-    qmatmul_rows(pw.q8, isa, pw.data, pw.groups, a, out.data_ptr<float>(), pw.out_features);
+    qmatmul_rows(pw.kind, isa, pw.data, pw.groups, a, out.data_ptr<float>(), pw.out_features);
     return out;
   }
   std::vector<float> acc(rows * pw.out_features);
-  qmatmul_rows(pw.q8, isa, pw.data, pw.groups, a, acc.data(), pw.out_features);
+  qmatmul_rows(pw.kind, isa, pw.data, pw.groups, a, acc.data(), pw.out_features);
   auto out = torch::empty({rows, pw.out_features}, x.options());
   store_rows(acc.data(), out.data_ptr<c10::BFloat16>(), acc.size());
   return out;
@@ -968,7 +1137,7 @@ torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torc
     add_norm_quantize<float>(x.data_ptr<float>(), nullptr, norm_w.data_ptr<float>(), rows, x.size(1), eps, a);
   }
   auto out = torch::empty({rows, head.out_features}, x.options().dtype(torch::kFloat));
-  qmatmul_rows(head.q8, isa, head.data, head.groups, a, out.data_ptr<float>(), head.out_features);
+  qmatmul_rows(head.kind, isa, head.data, head.groups, a, out.data_ptr<float>(), head.out_features);
   return out;
 }
 
@@ -1235,7 +1404,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const QuantRows& a1 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, previous, norm1); });
       {
         const auto [g0, g1] = share(wqkv.groups, tid, nt);
-        qmatmul_groups(wqkv.q8, isa, wqkv.data, g0, g1, a1, acc.data(), width);
+        qmatmul_groups(wqkv.kind, isa, wqkv.data, g0, g1, a1, acc.data(), width);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
@@ -1315,7 +1484,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       });
       {
         const auto [g0, g1] = share(wo.groups, tid, nt);
-        qmatmul_groups(wo.q8, isa, wo.data, g0, g1, a2, acc.data(), hidden);
+        qmatmul_groups(wo.kind, isa, wo.data, g0, g1, a2, acc.data(), hidden);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r)
@@ -1324,7 +1493,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, residual.data(), norm2); });
       {
         const auto [g0, g1] = share(wgu.groups, tid, nt);
-        qmatmul_groups(wgu.q8, isa, wgu.data, g0, g1, a3, acc.data(), wgu.out_features);
+        qmatmul_groups(wgu.kind, isa, wgu.data, g0, g1, a3, acc.data(), wgu.out_features);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r)
@@ -1338,7 +1507,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
       {
         const auto [g0, g1] = share(wdown.groups, tid, nt);
-        qmatmul_groups(wdown.q8, isa, wdown.data, g0, g1, a4, acc.data(), hidden);
+        qmatmul_groups(wdown.kind, isa, wdown.data, g0, g1, a4, acc.data(), hidden);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r)

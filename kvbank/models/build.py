@@ -87,7 +87,8 @@ def assemble(
     with torch.device("meta"):
         model = (Gemma3ForCausalLM if config.arch == "gemma3" else LlamaForCausalLM)(config)
     model.load_weights(state_dict, engine.torch_dtype)
-    if not engine.packs_int4_weights(bool(int4) and packed_matmul_available(torch.device(engine.device))):
+    projections = bool(int4) or any(name.endswith("proj.weight") for name in int8 or {})
+    if not engine.packs_int4_weights(projections and packed_matmul_available(torch.device(engine.device))):
         return model, 0
     native = integer_kernels(engine)
     max_rows = None if engine.batch_invariant else PACKED_MAX_ROWS

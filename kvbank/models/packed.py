@@ -20,6 +20,40 @@ from torch import nn
 GROUP_SIZE = 32
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 Q8_BLOCK_BYTES = 34
+#: GGUF's K-quant super-blocks: 256 weights
+QK_K = 256
+#: the GGUF types whose integer weights and scales each block format holds exactly
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0", "Q5_0", "Q6_K")
+
+
+def _halves(raw: np.ndarray, offset: int, rows: int, blocks: int, size: int) -> np.ndarray:
+    """The fp16 at byte `offset` of every `size`-byte block of `raw`, as float32 [rows, blocks]."""
+    cells = np.asarray(raw).reshape(rows, blocks, size)
+    return cells[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks -> (q uint8 [rows, in], scale, minimum float32 [rows, in / 32]).
+
+    A super-block holds fp16 d and dmin, eight 6-bit scales and minimums packed in 12 bytes, and
+    256 4-bit weights; sub-block j's weights are d * sc_j * q - dmin * m_j. The products are exact
+    in float32 (11 + 6 significant bits), so scale = d * sc_j and minimum = -(dmin * m_j) hold the
+    file's values and scale * q + minimum is gguf's arithmetic to the bit.
+    """
+    cells = np.asarray(raw).reshape(rows, -1, 144)
+    nb = cells.shape[1]
+    d = cells[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    dmin = cells[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    packed = cells[..., 4:16].reshape(rows, nb, 3, 4)
+    low, high, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], axis=-1)
+    qs = cells[..., 16:].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(rows, -1)
+    scale = (d * sc.astype(np.float32)).reshape(rows, -1)
+    minimum = -(dmin * m.astype(np.float32)).reshape(rows, -1)
+    return q, scale, minimum
 
 
 @dataclass
@@ -33,6 +67,8 @@ class Int4Blocks:
     q: torch.Tensor  # uint8 [out, in], values 0..15
     scale: torch.Tensor  # float32 [out, in / 32]
     minimum: torch.Tensor  # float32 [out, in / 32]
+    #: whether the scales need float32 (Q4_K's products of two scales), not only fp16
+    wide: bool = False
 
     @property
     def zero(self) -> torch.Tensor:
@@ -41,7 +77,9 @@ class Int4Blocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str, rows: int) -> Int4Blocks:
-        """Decode GGUF Q4_0 / Q4_1 block bytes ([rows, blocks * bytes]) without losing anything."""
+        """Decode GGUF Q4_0 / Q4_1 / Q4_K block bytes ([rows, blocks * bytes]) without losing anything."""
+        if type_name == "Q4_K":
+            return cls(*(torch.from_numpy(np.ascontiguousarray(a)) for a in _q4_k(raw, rows)), wide=True)
         blocks = np.asarray(raw).reshape(rows, -1, Q4_BLOCK_BYTES[type_name])
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if type_name == "Q4_1":
@@ -60,31 +98,77 @@ class Int4Blocks:
         return weight.mul_(self.scale.unsqueeze(-1)).add_(self.minimum.unsqueeze(-1)).view(rows, -1)
 
     def map_rows(self, fn) -> Int4Blocks:
-        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.minimum))
+        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.minimum), self.wide)
 
     @staticmethod
     def cat(parts: list[Int4Blocks]) -> Int4Blocks:
-        return Int4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "minimum")))
+        fields = (torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "minimum"))
+        return Int4Blocks(*fields, wide=any(p.wide for p in parts))
+
+    def as_int8(self) -> Int8Blocks | None:
+        """The same weights as 8-bit blocks when they are symmetric (Q4_0: minimum = -8 * scale), else None."""
+        if self.q.device.type == "meta" or not torch.equal(self.minimum, -8 * self.scale):
+            return None
+        return Int8Blocks((self.q.to(torch.int16) - 8).to(torch.int8), self.scale)
 
 
 @dataclass
 class Int8Blocks:
-    """GGUF Q8_0 weights w = scale * q, q in -127..127, in groups of 32 along the input dimension."""
+    """Weights w = scale * q with integer q in -128..127 and one scale per group along the input
+    dimension: 32 inputs (GGUF Q8_0; Q5_0 as q - 16; Q4_0 as q - 8), or 16 inputs (Q6_K: q - 32
+    with the super-block scale times the sub-block's 8-bit scale, exact in float32)."""
 
     q: torch.Tensor  # int8 [out, in]
-    scale: torch.Tensor  # float32 [out, in / 32], fp16 values
+    scale: torch.Tensor  # float32 [out, in / 32] (fp16 values), or [out, in / 16]
+
+    @property
+    def halves(self) -> bool:
+        """Whether the scales are per 16 inputs."""
+        return self.scale.shape[1] * GROUP_SIZE // 2 == self.q.shape[1]
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, rows: int) -> Int8Blocks:
-        blocks = np.asarray(raw).reshape(rows, -1, Q8_BLOCK_BYTES)
+    def from_gguf(cls, raw: np.ndarray, rows: int, type_name: str = "Q8_0") -> Int8Blocks:
+        raw = np.asarray(raw)
+        if type_name == "Q6_K":
+            cells = raw.reshape(rows, -1, 210)
+            shifts = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+            low = (cells[..., :128].reshape(rows, -1, 2, 1, 64) >> shifts) & 0x0F
+            shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+            high = (cells[..., 128:192].reshape(rows, -1, 2, 1, 32) >> shifts) & 0x03
+            q = (low.reshape(rows, -1, 2, 4, 32) | (high << 4).reshape(rows, -1, 2, 4, 32)).astype(np.int8)
+            d = cells[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
+            scale = d * cells[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, nb, 16]
+            return cls(torch.from_numpy((q - 32).reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)))
+        if type_name == "Q5_0":
+            cells = raw.reshape(rows, -1, 22)
+            high = cells[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [rows, nb, 32]
+            low = cells[..., 6:].reshape(rows, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            q = (low & 0x0F).reshape(rows, -1, 32) | ((high & 1).astype(np.uint8) << 4)
+            d = _halves(raw, 0, rows, cells.shape[1], 22)
+            return cls(torch.from_numpy((q.astype(np.int8) - 16).reshape(rows, -1)), torch.from_numpy(d))
+        blocks = raw.reshape(rows, -1, Q8_BLOCK_BYTES)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
         return cls(torch.from_numpy(q), torch.from_numpy(d))
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [out, in]: scale * q per group (GGUF's Q8_0 arithmetic)."""
+        """float32 [out, in]: scale * q per group (GGUF's Q8_0, Q5_0 and Q6_K arithmetic)."""
         rows = self.q.shape[0]
-        return self.q.view(rows, -1, GROUP_SIZE).float().mul_(self.scale.unsqueeze(-1)).view(rows, -1)
+        group = GROUP_SIZE // 2 if self.halves else GROUP_SIZE
+        return self.q.view(rows, -1, group).float().mul_(self.scale.unsqueeze(-1)).view(rows, -1)
+
+    def per_half(self) -> Int8Blocks:
+        """The same weights with a scale per 16 inputs (each 32-input scale twice)."""
+        return self if self.halves else Int8Blocks(self.q, self.scale.repeat_interleave(2, dim=1))
+
+    def map_rows(self, fn) -> Int8Blocks:
+        return Int8Blocks(fn(self.q), fn(self.scale))
+
+    @staticmethod
+    def cat(parts: list[Int8Blocks]) -> Int8Blocks:
+        if len({p.halves for p in parts}) > 1:
+            parts = [p.per_half() for p in parts]
+        return Int8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
 
 
 def packed_matmul_available(device: torch.device) -> bool:

@@ -20,6 +20,10 @@ from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks
 GROUP_ROWS = 16
 Q4_RECORD_BYTES = 320
 Q8_RECORD_BYTES = 544
+#: the kernels' record kinds: 4-bit with fp16 scales (Q4_0, Q4_1) or float32 ones (Q4_K); 8-bit
+#: with an fp16 scale per 32 inputs (Q8_0, Q5_0, Q4_0) or float32 scales per 16 (Q6_K)
+KIND_Q4, KIND_Q8, KIND_Q4F, KIND_Q8H = 4, 8, 41, 81
+RECORD_BYTES = {KIND_Q4: 320, KIND_Q8: 544, KIND_Q4F: 384, KIND_Q8H: 640}
 
 
 def packable(out_features: int, in_features: int) -> bool:
@@ -32,26 +36,45 @@ def _halves_as_bytes(values: torch.Tensor, groups: int, blocks: int) -> torch.Te
     return per_record.view(torch.uint8).reshape(groups, blocks, 2 * GROUP_ROWS)
 
 
+def _floats_as_bytes(values: torch.Tensor, groups: int, blocks: int, per_block: int = 1) -> torch.Tensor:
+    """[out, blocks * per_block] float32 -> uint8 [groups, blocks, 64 * per_block]: for each block,
+    its `per_block` values of the record's 16 rows, one value's 16 rows after the other."""
+    cells = values.reshape(groups, GROUP_ROWS, blocks, per_block).permute(0, 2, 3, 1).contiguous()
+    return cells.view(torch.uint8).reshape(groups, blocks, 4 * GROUP_ROWS * per_block)
+
+
 def pack_q4(blocks: Int4Blocks) -> torch.Tensor:
-    """uint8 [out / 16, in / 32, 320] records (see qmatmul.cpp) of 4-bit weights."""
+    """uint8 [out / 16, in / 32, 320] records (see qmatmul.cpp) of 4-bit weights; 384-byte records
+    with float32 scales and minimums when `blocks.wide` (kind 41)."""
     out_features, in_features = blocks.q.shape
     groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
     # q[g, r, b, half, j, e] is the weight at input b*32 + half*16 + 4j + e of row 16g + r.
     q = blocks.q.reshape(groups, GROUP_ROWS, nb, 2, 4, 4)
     nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).to(torch.uint8)  # [g, r, b, j, e]
     quads = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, nb, 4 * GROUP_ROWS * 4)
-    scale = _halves_as_bytes(blocks.scale, groups, nb)
-    minimum = _halves_as_bytes(blocks.minimum, groups, nb)
+    values = _floats_as_bytes if blocks.wide else _halves_as_bytes
+    scale = values(blocks.scale, groups, nb)
+    minimum = values(blocks.minimum, groups, nb)
     return torch.cat([quads, scale, minimum], dim=-1).contiguous()
 
 
 def pack_q8(blocks: Int8Blocks) -> torch.Tensor:
-    """uint8 [out / 16, in / 32, 544] records (see qmatmul.cpp) of 8-bit weights, stored as w + 128."""
+    """uint8 [out / 16, in / 32, 544] records (see qmatmul.cpp) of 8-bit weights, stored as w + 128;
+    640-byte records with two float32 scales per block when the scales are per 16 inputs (kind 81)."""
     out_features, in_features = blocks.q.shape
     groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
     q = (blocks.q.to(torch.int16) + 128).to(torch.uint8).reshape(groups, GROUP_ROWS, nb, 8, 4)
     quads = q.permute(0, 2, 3, 1, 4).reshape(groups, nb, 8 * GROUP_ROWS * 4)
+    if blocks.halves:
+        return torch.cat([quads, _floats_as_bytes(blocks.scale, groups, nb, 2)], dim=-1).contiguous()
     return torch.cat([quads, _halves_as_bytes(blocks.scale, groups, nb)], dim=-1).contiguous()
+
+
+def pack(blocks: Int4Blocks | Int8Blocks) -> tuple[torch.Tensor, int]:
+    """(records, kind) of 4- or 8-bit blocks for the integer kernels."""
+    if isinstance(blocks, Int4Blocks):
+        return pack_q4(blocks), KIND_Q4F if blocks.wide else KIND_Q4
+    return pack_q8(blocks), KIND_Q8H if blocks.halves else KIND_Q8
 
 
 def unpack_q8_rows(records: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +91,7 @@ def unpack_q8_rows(records: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
 
 
 class QuantLinear(nn.Module):
-    """A linear layer on packed GGUF records (4- or 8-bit) through the native integer kernel.
+    """A linear layer on packed GGUF records (any kind above) through the native integer kernel.
 
     For batches of more than `max_rows` tokens it uses its dense weight instead; with
     `max_rows=None` every batch takes the integer path and no dense copy is kept.
@@ -78,13 +101,14 @@ class QuantLinear(nn.Module):
     native = None
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, records: torch.Tensor, bits: int, max_rows: int | None
+        self, weight: torch.Tensor, bias: torch.Tensor | None, records: torch.Tensor, kind: int, max_rows: int | None
     ) -> None:
         super().__init__()
         self.weight = None if max_rows is None else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.max_rows = max_rows
-        self.bits = bits
+        #: the records' kind (KIND_Q4, KIND_Q8, KIND_Q4F, KIND_Q8H)
+        self.kind = kind
         self.out_features, self.in_features = weight.shape
         self.register_buffer("records", records)
 
@@ -94,7 +118,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.integer_path(x.shape[0]):
             return F.linear(x, self.weight, self.bias)
-        out = self.native.qlinear(x, self.records, self.bits)
+        out = self.native.qlinear(x, self.records, self.kind)
         return out if self.bias is None else out + self.bias
 
 
