@@ -30,7 +30,7 @@ from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import bundled_model_path, describe_model, gguf_tensor_plan
 from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks, PackedLinear
-from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q8, KIND_Q8H, QuantLinear
+from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q5, KIND_Q8, KIND_Q8H, QuantLinear
 
 #: memory parts in the order they are shown, with what each one is
 PARTS = {
@@ -108,7 +108,8 @@ def weight_parts(model: LlamaForCausalLM) -> dict[str, int]:
 _KERNELS = {
     KIND_Q4: "integer 4-bit (Q4_0/Q4_1)",
     KIND_Q4F: "integer 4-bit, float32 scales (Q4_K)",
-    KIND_Q8: "integer 8-bit (Q8_0/Q5_0/Q4_0)",
+    KIND_Q5: "integer 5-bit (Q5_0/Q4_0)",
+    KIND_Q8: "integer 8-bit (Q8_0, or Q5_0/Q4_0 fused with it)",
     KIND_Q8H: "integer 8-bit, scales per 16 (Q6_K)",
 }
 
@@ -124,7 +125,7 @@ def projection_kernels(model: LlamaForCausalLM) -> tuple[tuple[str, int], ...]:
             else:
                 kernel = "torch int4" if isinstance(module, PackedLinear) else "dense"
             counts[kernel] = counts.get(kernel, 0) + 1
-    return tuple(sorted(counts.items(), key=lambda item: -item[1]))
+    return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def _classified_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
@@ -243,7 +244,8 @@ def _meta_blocks(shape: tuple[int, ...], kind: str) -> Int4Blocks:
 def _meta_int8(shape: tuple[int, ...], kind: str) -> Int8Blocks:
     rows, cols = shape
     group = GROUP_SIZE // 2 if kind == "Q6_K" else GROUP_SIZE
-    return Int8Blocks(_meta(shape, torch.int8), _meta((rows, cols // group)))
+    bits = {"Q5_0": 5, "Q6_K": 6}.get(kind, 8)
+    return Int8Blocks(_meta(shape, torch.int8), _meta((rows, cols // group)), bits)
 
 
 def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, int]:

@@ -171,6 +171,41 @@ def test_native_decode_kernel_matches_reference(native, isa_level, dtype, heads,
     torch.testing.assert_close(got.view(len(lens), heads, dim).float(), ref, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, block, lens, window",
+    [
+        (4, 1, 256, 16, [1, 300, 700, 513, 512], 512),  # Gemma 3: windows of 512, partitions of 256
+        (9, 3, 64, 16, [40, 700, 257], 100),  # windows that start inside a block and a partition
+    ],
+)
+@pytest.mark.parametrize("isa_level", cpu_levels(), indirect=True, scope="module")
+def test_native_decode_kernel_reads_only_a_rows_window(native, isa_level, heads, kv_heads, dim, block, lens, window):
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = sum(-(-n // block) for n in lens) + 3
+    k_cache, v_cache = (torch.randn(num_blocks, block, kv_heads, dim, generator=gen).bfloat16() for _ in range(2))
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
+    width = max(map(len, tables))
+    q = torch.randn(len(lens), heads, dim, generator=gen).bfloat16()
+    starts = torch.tensor([max(0, n - window) for n in lens])
+    args = (torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), dim**-0.5, 256)
+    queries = q.view(len(lens), kv_heads, heads // kv_heads, dim)
+    got = native.paged_decode_attention(queries, k_cache, v_cache, *args, starts).view(len(lens), heads, dim)
+    for i, (n, table) in enumerate(zip(lens, tables)):
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(starts[i], n)])
+        keys = k_cache.view(-1, kv_heads, dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache.view(-1, kv_heads, dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[i].double(), keys) * dim**-0.5).softmax(-1)
+        ref = torch.einsum("hn,nhd->hd", weights, values)
+        torch.testing.assert_close(got[i].double(), ref, atol=2e-2, rtol=2e-2)
+    # a row's window, not the batch, decides its bits: alone it gives the same result
+    for i in range(len(lens)):
+        alone = native.paged_decode_attention(
+            queries[i : i + 1], k_cache, v_cache, args[0][i : i + 1], args[1][i : i + 1], *args[2:], starts[i : i + 1]
+        )
+        assert torch.equal(alone.view(heads, dim), got[i])
+
+
 def test_native_decode_kernel_rejects_bad_input_by_name(native):
     cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)

@@ -205,10 +205,11 @@ def test_default_bfloat16_completes_in_fluent_english(llm):
 
 
 def test_every_weight_of_the_q4_k_m_file_runs_on_the_integer_kernels(llm, path):
-    """Q5_0 and Q8_0 projections as 8-bit records, Q4_K as 4-bit records with float32 scales, Q6_K
-    as 8-bit records with float32 scales per 16 inputs; the Q8_0 table is the embedding and the head."""
+    """Q5_0 projections as 5-bit records (8-bit where fused with a Q8_0 tensor), Q4_K as 4-bit
+    records with float32 scales, Q6_K as 8-bit records with float32 scales per 16 inputs; the Q8_0
+    table is the embedding and the head."""
     from kvbank.models.gguf_file import GGUFFile
-    from kvbank.models.qweights import KIND_Q4F, KIND_Q8, KIND_Q8H, QuantEmbedding, QuantHead, QuantLinear
+    from kvbank.models.qweights import KIND_Q4F, KIND_Q5, KIND_Q8, KIND_Q8H, QuantEmbedding, QuantHead, QuantLinear
 
     types = {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
     model = llm.engine.runner.model
@@ -223,16 +224,23 @@ def test_every_weight_of_the_q4_k_m_file_runs_on_the_integer_kernels(llm, path):
         assert all(isinstance(m, QuantLinear) and m.weight is None for m in linears.values()), i
         for name in ("attn_output", "ffn_down"):
             assert linears[name].kind == expected[types[f"blk.{i}.{name}.weight"]], (i, name)
-        assert linears["attn_qkv"].kind == linears["ffn_gate_up"].kind == KIND_Q8  # Q5_0 (+ a Q8_0 v)
+        assert linears["ffn_gate_up"].kind == KIND_Q5  # Q5_0 as stored
+        # q and k are Q5_0; fused with a Q8_0 v they share the 8-bit form
+        assert linears["attn_qkv"].kind == (KIND_Q8 if types[f"blk.{i}.attn_v.weight"] == "Q8_0" else KIND_Q5), i
     assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantHead)
     # `kvbank plan` predicts the same kernels and bytes from the header alone
     from kvbank import memory
 
     predicted, measured = memory.predict(EngineConfig(model=path)), memory.measure(llm.engine)
-    assert predicted.projections == measured.projections == (
-        ("integer 8-bit (Q8_0/Q5_0/Q4_0)", 36),
-        ("integer 4-bit, float32 scales (Q4_K)", 27),
-        ("integer 8-bit, scales per 16 (Q6_K)", 9),
+    assert (
+        predicted.projections
+        == measured.projections
+        == (
+            ("integer 4-bit, float32 scales (Q4_K)", 27),
+            ("integer 5-bit (Q5_0/Q4_0)", 27),
+            ("integer 8-bit (Q8_0, or Q5_0/Q4_0 fused with it)", 9),
+            ("integer 8-bit, scales per 16 (Q6_K)", 9),
+        )
     )
     for part in ("packed_weights", "dense_weights", "embeddings", "lm_head", "rope_tables"):
         assert getattr(predicted, part) == getattr(measured, part), part

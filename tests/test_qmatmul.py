@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvbank import kernels
 from kvbank.models.packed import INT4_TYPES, INT8_TYPES, Int4Blocks, Int8Blocks
-from kvbank.models.qweights import KIND_Q4F, KIND_Q8, KIND_Q8H, pack, unpack_q8_rows
+from kvbank.models.qweights import KIND_Q4F, KIND_Q5, KIND_Q8, KIND_Q8H, pack, unpack_q8_rows
 
 native = kernels.native()
 if native is None and os.environ.get("CI"):
@@ -92,7 +92,7 @@ def test_blocks_hold_the_files_weights_to_the_bit(type_name):
     """Decoded blocks give gguf-py's dequantized values exactly, and pack into the kind that keeps
     their scales exact (float32 for Q4_K's and Q6_K's products of two scales)."""
     records, kind, dense = _weights(type_name, 32, 512, seed=12)
-    expected_kind = {"Q4_K": KIND_Q4F, "Q6_K": KIND_Q8H, "Q5_0": KIND_Q8, "Q8_0": KIND_Q8}.get(type_name, 4)
+    expected_kind = {"Q4_K": KIND_Q4F, "Q6_K": KIND_Q8H, "Q5_0": KIND_Q5, "Q8_0": KIND_Q8}.get(type_name, 4)
     assert kind == expected_kind
     blocks = _blocks(type_name, _raw(type_name, 32, 512, seed=12), 32)
     assert torch.equal(blocks.dequantize().double(), dense)
@@ -103,6 +103,15 @@ def test_q4_0_weights_fit_8_bit_blocks_exactly_and_q4_1_weights_do_not():
     raw = gguf.quants.quantize(rng.standard_normal((16, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
     four = Int4Blocks.from_gguf(raw, "Q4_0", 16)
     assert torch.equal(four.as_int8().dequantize(), four.dequantize())
+    # Q4_0 weights as 5-bit records: the exact product, the same bits on every instruction set
+    x = torch.randn(5, 256)
+    records, kind = pack(four.as_int8())
+    assert kind == KIND_Q5
+    reference = _quantized(x) @ four.dequantize().double().T
+    results = {isa: native.qlinear(x, records, kind, True, isa) for isa in _isas()}
+    for isa, out in results.items():
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        assert torch.equal(out, results["scalar"]), isa
     raw1 = gguf.quants.quantize(rng.standard_normal((16, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
     assert Int4Blocks.from_gguf(raw1, "Q4_1", 16).as_int8() is None
     # a fused projection of a Q4_0 and a Q6_K tensor: one 8-bit form with scales per 16 inputs
@@ -126,7 +135,7 @@ def test_the_8_bit_rounding_stays_close_to_the_float_product():
     assert 1e-4 < rel < 0.01  # the activations really are rounded, by about what 8 bits cost
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q6_K"])
 def test_a_row_gets_the_same_result_in_any_batch(type_name):
     records, kind, _ = _weights(type_name, 64, 256, seed=3)
     rows = torch.randn(40, 256, dtype=torch.bfloat16)
@@ -157,7 +166,7 @@ def test_bad_shapes_and_kinds_are_refused_with_the_numbers():
     with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\]"):
         native.qlinear(torch.randn(2, 96), records, kind)
     with pytest.raises(RuntimeError, match="kind must be 4"):
-        native.qlinear(torch.randn(2, 64), records, 5)
+        native.qlinear(torch.randn(2, 64), records, 6)
     with pytest.raises(RuntimeError, match="packed weights must be contiguous uint8"):
         native.qlinear(torch.randn(2, 64), records, 8)
     with pytest.raises(RuntimeError, match="isa must be"):

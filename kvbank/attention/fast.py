@@ -117,6 +117,8 @@ class DenseStep:
     decode_kernel: object | None
     chunk_masks: list[torch.Tensor | None]
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    #: sliding window -> where each row's window begins (row_context_lens - window, at least 0)
+    window_starts: dict[int, torch.Tensor] = field(default_factory=dict)
     suffix_block_tables: torch.Tensor | None = None
     suffix_mask: torch.Tensor | None = None
     row_block_tables: torch.Tensor | None = None
@@ -231,6 +233,22 @@ def _attend_rows(
     queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
     attended = step.decode_kernel.paged_decode_attention(
         queries, k_cache, v_cache, step.row_block_tables, step.row_context_lens, scale, DECODE_PARTITION
+    )
+    return attended.view(q.shape)
+
+
+def attend_window_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: DenseStep, scale: float, window: int
+) -> torch.Tensor:
+    """As _attend_rows, each row reading only the last `window` positions up to its own (itself
+    included): the kernel starts the row there, so no other key is read."""
+    starts = step.window_starts.get(window)
+    if starts is None:
+        starts = step.window_starts[window] = (step.row_context_lens - window).clamp_(min=0)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
+    attended = step.decode_kernel.paged_decode_attention(
+        queries, k_cache, v_cache, step.row_block_tables, step.row_context_lens, scale, DECODE_PARTITION, starts
     )
     return attended.view(q.shape)
 

@@ -58,16 +58,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa_cap", &set_isa_cap, py::arg("level"),
         "Cap the level every kernel family runs at (process-wide; a cap above the CPU's level leaves the CPU's)");
   m.def("dense_attention_isa", &dense_attention_isa, "The variant of the bfloat16 dense attention that runs now");
-  m.def("paged_decode_attention", &paged_decode_attention, nogil,
+  m.def("paged_decode_attention", &paged_decode_attention, nogil, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),
+        py::arg("starts") = py::none(),
         "Decode attention over a paged KV cache: q [n, kv_heads, group, dim], caches [blocks, block_size, kv_heads, "
-        "dim], block tables [n, width] and context lengths [n] (int64), scale, partition (tokens per work item)");
+        "dim], block tables [n, width] and context lengths [n] (int64), scale, partition (tokens per work item); "
+        "with starts [n] (int64), row i reads positions starts[i] .. context_lens[i] - 1 (a sliding window)");
   m.def("add_rms_norm", &add_rms_norm, nogil, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         "RMSNorm of x, or of residual += x when a residual is given (updated in place); returns the normed rows");
   m.def("rope_", &rope_, nogil, "Rotary embedding in place on the first `heads` heads of x [rows, heads * dim]; cos/sin [rows, dim]");
   m.def("qmatmul_isa", &qmatmul_isa, "The variant the integer GGUF matmuls run now: avx512_vnni, avx2 or scalar");
   m.def("qlinear", &qlinear, nogil, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
         py::arg("isa") = "auto",
-        "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 8: Q8, 41: Q4 with float32 scales, 81: Q8 with "
+        "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 5: Q5, 8: Q8, 41: Q4 with float32 scales, 81: Q8 with "
         "float32 scales per 16 inputs), x quantized to 8 bits per 32; "
         "float32 out when float_out, else x's dtype");
   m.def("qlayer_attn_in", &qlayer_attn_in, nogil, py::arg("x"), py::arg("residual"), py::arg("norm_w"), py::arg("eps"),

@@ -6,10 +6,12 @@
 namespace {
 
 void dense_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tables,
-                  const torch::Tensor& lens, double scale, int64_t partition, torch::Tensor& out) {
+                  const torch::Tensor& lens, double scale, int64_t partition, torch::Tensor& out,
+                  const int64_t* starts) {
   DenseJob job(q.data_ptr<Bf16>(), k.data_ptr<Bf16>(), v.data_ptr<Bf16>(), tables.data_ptr<int64_t>(),
                lens.data_ptr<int64_t>(), out.data_ptr<Bf16>(), q.size(0), q.size(1), q.size(2), q.size(3), k.size(1),
                tables.size(1), scale, partition);
+  job.set_starts(starts);
   const Bf16* k_p = k.data_ptr<Bf16>();
   const Bf16* v_p = v.data_ptr<Bf16>();
   run_items(job.partials(), [&](int64_t item) { job.item(item, k_p, v_p); });
@@ -28,7 +30,7 @@ std::string dense_attention_isa() {
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t partition) {
+                                     int64_t partition, std::optional<torch::Tensor> starts) {
   TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -43,11 +45,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  torch::Tensor first;
+  if (starts.has_value()) {
+    first = starts->contiguous();
+    TORCH_CHECK(first.scalar_type() == torch::kLong && first.dim() == 1 && first.size(0) == q.size(0),
+                "starts must be int64 [", q.size(0), "]");
+  }
+  const int64_t* s = starts.has_value() ? first.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty_like(q);
   switch (q.scalar_type()) {
-    case torch::kFloat: decode_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
-    case torch::kBFloat16: dense_decode(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
-    case torch::kHalf: decode_dim<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out); break;
+    case torch::kFloat: decode_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;
+    case torch::kBFloat16: dense_decode(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;
+    case torch::kHalf: decode_dim<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
   return out;

@@ -51,6 +51,11 @@ class DenseJob {
     return quant_ ? quant_->partials : d64_ ? d64_->partials : d128_ ? d128_->partials : any_->partials;
   }
 
+  // Rows read from starts[i] on (a sliding window; see Partials::starts).
+  void set_starts(const int64_t* starts) {
+    (quant_ ? quant_->partials : d64_ ? d64_->partials : d128_ ? d128_->partials : any_->partials).starts = starts;
+  }
+
   int64_t items() const {
     return quant_ ? quant_->items() : d64_ ? d64_->items() : d128_ ? d128_->items() : any_->items();
   }

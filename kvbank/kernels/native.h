@@ -42,7 +42,7 @@ KVBANK_AVX512 inline __m512 bf16_to_f32(const uint16_t* p) {
 // dense_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t partition);
+                                     int64_t partition, std::optional<torch::Tensor> starts);
 
 
 // quant_decode.cpp

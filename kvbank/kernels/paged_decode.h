@@ -242,6 +242,10 @@ FastRange fast_range(int64_t group) {
 struct Partials {
   int64_t n, heads, group, dim, partition, parts;
   const int64_t* lens;
+  // Where each row's keys begin (a sliding window: the row reads positions starts[i] .. lens[i]
+  // - 1), or null for position 0. Partitions stay at absolute positions, so a row's items and
+  // their arithmetic depend on its own window alone.
+  const int64_t* starts = nullptr;
   std::unique_ptr<float[]> acc, maxes, sums;
 
   Partials(int64_t n_, int64_t heads_, int64_t group_, int64_t dim_, const int64_t* lens_, int64_t partition_)
@@ -275,6 +279,7 @@ struct Partials {
     const int64_t part = item % parts;
     begin = part * partition;
     end = std::min(lens[i], begin + partition);
+    if (starts != nullptr) begin = std::max(begin, starts[i]);
     if (begin < end) return true;
     for (int64_t g = 0; g < group; ++g) {
       maxes[item * group + g] = -std::numeric_limits<float>::infinity();
@@ -388,10 +393,11 @@ struct DecodeJob {
 template <typename T, int D>
 void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& tables, const torch::Tensor& lens, double scale, int64_t partition,
-            torch::Tensor& out) {
+            torch::Tensor& out, const int64_t* starts) {
   DecodeJob<T, D> job(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>(),
                       lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), q.size(1), q.size(2), q.size(3),
                       k_cache.size(1), tables.size(1), scale, partition);
+  job.partials.starts = starts;
   run_items(job.partials, [&](int64_t item) { job.item(item); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
@@ -400,11 +406,12 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 
 template <typename T>
 void decode_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tables,
-                const torch::Tensor& lens, double scale, int64_t partition, torch::Tensor& out) {
+                const torch::Tensor& lens, double scale, int64_t partition, torch::Tensor& out,
+                const int64_t* starts = nullptr) {
   switch (q.size(3)) {
-    case 64: return decode<T, 64>(q, k, v, tables, lens, scale, partition, out);
-    case 128: return decode<T, 128>(q, k, v, tables, lens, scale, partition, out);
-    default: return decode<T, 0>(q, k, v, tables, lens, scale, partition, out);
+    case 64: return decode<T, 64>(q, k, v, tables, lens, scale, partition, out, starts);
+    case 128: return decode<T, 128>(q, k, v, tables, lens, scale, partition, out, starts);
+    default: return decode<T, 0>(q, k, v, tables, lens, scale, partition, out, starts);
   }
 }
 

@@ -13,7 +13,11 @@
 //                      scale x 6-bit sub-block scale and m = -(super-block min x 6-bit min), exact).
 //   Q8H record (640 B, kind 81): a Q8 record's bytes, then float32 scales per 16 inputs, d_lo[16]
 //                      and d_hi[16] (Q6_K: w = d x 8-bit sub-block scale x (q - 32), exact).
-// Q5_0 and Q4_0 weights are Q8 records (their integer values fit 8 bits with the same scale).
+//   Q5 record (352 B, kind 5): a Q4 record's nibble pairs, then each nibble's fifth bit: for chunk
+//                      j, a 64-bit mask over its 64 bytes for the low nibbles (at 256 + 8j) and one
+//                      for the high nibbles (at 288 + 8j), then d[16] fp16 (w = d * (q - 16)). Q5_0
+//                      as stored; Q4_0 fits too (q - 8).
+// Q5_0 and Q4_0 weights fused with Q8_0 ones are Q8 records (their integers fit 8 bits exactly).
 // Per block, a row's integer dot product is exact; it is scaled and added to a float32 sum in block
 // order by the same fused multiply-adds on every path (AVX-512 VNNI, AVX2, scalar), so all paths
 // give bit-identical results, and a row's result never depends on the other rows of the batch.
@@ -38,12 +42,19 @@ constexpr int64_t Q4_RECORD = 320;
 constexpr int64_t Q8_RECORD = 544;
 constexpr int64_t Q4F_RECORD = 384;
 constexpr int64_t Q8H_RECORD = 640;
+constexpr int64_t Q5_RECORD = 352;
 
 // The record kinds (the `kind` argument of every entry point).
-enum class Rec : int { Q4 = 4, Q8 = 8, Q4F = 41, Q8H = 81 };
+enum class Rec : int { Q4 = 4, Q5 = 5, Q8 = 8, Q4F = 41, Q8H = 81 };
 
 constexpr int64_t record_bytes(Rec kind) {
-  return kind == Rec::Q4 ? Q4_RECORD : kind == Rec::Q8 ? Q8_RECORD : kind == Rec::Q4F ? Q4F_RECORD : Q8H_RECORD;
+  switch (kind) {
+    case Rec::Q4: return Q4_RECORD;
+    case Rec::Q5: return Q5_RECORD;
+    case Rec::Q8: return Q8_RECORD;
+    case Rec::Q4F: return Q4F_RECORD;
+    default: return Q8H_RECORD;
+  }
 }
 constexpr int64_t ROW_TILE = 4;
 // Above this many rows the decoder stack splits normalization and quantization among its threads.
@@ -283,6 +294,41 @@ void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
   }
 }
 
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Q5: the nibble pairs of a Q4 record with their fifth bits; the integer dot product of q (0..31)
+// less 16 x the activations' sum is exact, scaled once per block as Q8.
+void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  for (int64_t i = 0; i < tile; ++i) {
+    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = w + b * Q5_RECORD;
+        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 4; ++j) {
+          const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
+          for (int64_t e = 0; e < 4; ++e) {
+            const int64_t at = lane * 4 + e;
+            const uint8_t byte = rec[j * 64 + at];
+            const int32_t lo = (byte & 15) | static_cast<int32_t>(((low_bits >> at) & 1) << 4);
+            const int32_t hi = (byte >> 4) | static_cast<int32_t>(((high_bits >> at) & 1) << 4);
+            dot += lo * qa[4 * j + e] + hi * qa[16 + 4 * j + e];
+          }
+        }
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        dot -= 16 * a.sum[ab];
+        acc = std::fma(static_cast<float>(dot), record_value<false>(rec, 320, lane) * a.d[ab], acc);
+      }
+      out[i * GROUP_ROWS + lane] = acc;
+    }
+  }
+}
+
 // Q8H: per row and block, the first and last 16 inputs' exact dot products, each with its own
 // scale, added low half first.
 void q8h_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
@@ -474,6 +520,42 @@ KVBANK_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
   }
 }
 
+// Q5 on VNNI: a chunk's fifth bits come in as a byte mask that adds 16 where set.
+template <int R>
+KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec = w + b * Q5_RECORD;
+    for (int line = 0; line < Q5_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(rec + 64 * j);
+      const __m512i l = _mm512_and_si512(v, low), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      lo[j] = _mm512_mask_add_epi8(l, static_cast<__mmask64>(load_u64(rec + 256 + 8 * j)), l, five);
+      hi[j] = _mm512_mask_add_epi8(h, static_cast<__mmask64>(load_u64(rec + 288 + 8 * j)), h, five);
+    }
+    const __m512 dw = record_values16<false>(rec, 320);
+    for (int i = 0; i < R; ++i) {
+      const int8_t* qa = rows[i] + b * QK;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, lo[j], quad(qa + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, lo[j + 1], quad(qa + 4 * j + 4));
+        s0 = _mm512_dpbusd_epi32(s0, hi[j], quad(qa + 16 + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, hi[j + 1], quad(qa + 16 + 4 * j + 4));
+      }
+      const int64_t ab = (r0 + i) * a.blocks + b;
+      const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(16 * a.sum[ab]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
+}
+
 // Q8H: the low and high 16 inputs' products in separate sums, scaled apart (as q8h_group_scalar).
 template <int R>
 KVBANK_VNNI void q8h_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
@@ -601,6 +683,58 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
   }
 }
+// 32 mask bits as 32 bytes: 16 where the bit is set, else 0.
+KVBANK_AVX2 inline __m256i fifth_bits(uint32_t mask) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(mask)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// Q5 on AVX2: as q4_group_avx2 with the fifth bits added; weights up to 31 make a maddubs pair
+// sum up to 2 x 31 x 127, so the low and high halves widen apart (each of four at most 31,496).
+template <int R>
+KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* rec = w + b * Q5_RECORD;
+      if (h == 0) {
+        for (int line = 0; line < Q5_RECORD; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+      }
+      __m256i lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+        const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
+        lo[j] = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits(static_cast<uint32_t>(low_bits >> (32 * h))));
+        hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                fifth_bits(static_cast<uint32_t>(high_bits >> (32 * h))));
+      }
+      const __m256 dw = record_values8<false>(rec, 320, h);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* qa = rows[i] + b * QK;
+        __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load_i32(qa)));
+        __m256i p1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
+        for (int j = 1; j < 4; ++j) {
+          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
+          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
+        }
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+        const __m256i exact = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * a.sum[ab]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
+  }
+}
+
 // Q8H on AVX2: signed weights as in q8_group_avx2, the low and high 16 inputs summed apart.
 template <int R>
 KVBANK_AVX2 void q8h_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
@@ -650,6 +784,7 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
       case Rec::Q4F: return q4_group_avx512<R, true>(w, a, r0, out);
       case Rec::Q8: return q8_group_avx512<R>(w, a, r0, out);
       case Rec::Q8H: return q8h_group_avx512<R>(w, a, r0, out);
+      case Rec::Q5: return q5_group_avx512<R>(w, a, r0, out);
     }
   }
   if (isa == Isa::Avx2) {
@@ -658,6 +793,7 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
       case Rec::Q4F: return q4_group_avx2<R, true>(w, a, r0, out);
       case Rec::Q8: return q8_group_avx2<R>(w, a, r0, out);
       case Rec::Q8H: return q8h_group_avx2<R>(w, a, r0, out);
+      case Rec::Q5: return q5_group_avx2<R>(w, a, r0, out);
     }
   }
 #endif
@@ -666,6 +802,7 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
     case Rec::Q4F: return q4_group_scalar<true>(w, a, r0, R, out);
     case Rec::Q8: return q8_group_scalar(w, a, r0, R, out);
     case Rec::Q8H: return q8h_group_scalar(w, a, r0, R, out);
+    case Rec::Q5: return q5_group_scalar(w, a, r0, R, out);
   }
 }
 
@@ -679,7 +816,7 @@ void group_kernel(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64
 }
 
 #ifdef KVBANK_X86
-// Two groups at once on VNNI (Q8H records have no pair kernel; they go one group at a time).
+// Two groups at once on VNNI (Q5 and Q8H records have no pair kernel; they go one group at a time).
 template <int R>
 void pair_tile(Rec kind, const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0, float* out1) {
   switch (kind) {
@@ -697,7 +834,7 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
   const int64_t group_bytes = a.blocks * record_bytes(kind);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
 #ifdef KVBANK_X86
-  if (isa == Isa::Avx512Vnni && kind != Rec::Q8H) {
+  if (isa == Isa::Avx512Vnni && kind != Rec::Q8H && kind != Rec::Q5) {
     // on VNNI: groups two at a time (q4_pair_avx512, q8_pair_avx512), the odd one below
     alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
     for (; begin + 1 < end; begin += 2) {
@@ -757,9 +894,9 @@ struct PackedWeight {
 };
 
 PackedWeight check_weight(const torch::Tensor& w, int64_t kind) {
-  TORCH_CHECK(kind == 4 || kind == 8 || kind == 41 || kind == 81,
-              "kind must be 4 (Q4 records), 8 (Q8), 41 (Q4 with float32 scales) or 81 (Q8 with float32 half-block "
-              "scales), not ",
+  TORCH_CHECK(kind == 4 || kind == 5 || kind == 8 || kind == 41 || kind == 81,
+              "kind must be 4 (Q4 records), 5 (Q5), 8 (Q8), 41 (Q4 with float32 scales) or 81 (Q8 with float32 "
+              "half-block scales), not ",
               kind);
   const Rec rec = static_cast<Rec>(kind);
   const int64_t record = record_bytes(rec);

@@ -36,16 +36,22 @@ class Gemma3Attention(Attention):
         sin: torch.Tensor,
         kv_cache,
         meta: AttentionMetadata,
-        rows: WindowRows | None = None,
+        windows: dict[int, WindowRows],
     ) -> torch.Tensor:
-        """`rows`: this layer's windows for the step (None for a layer that attends to everything)."""
+        """`windows`: the step's windows by size, built on first use and shared by the layers."""
         qkv = self.rotated_qkv(x, cos, sin)
-        if rows is None:
+        if self.window is None:
             return self.o_proj(self.attend(qkv, kv_cache, meta))
         T = meta.slot_mapping.shape[0]
         q, k, v = (t.view(x.shape[0], -1, self.head_dim)[:T] for t in qkv.split(self.sizes, dim=-1))
         kv_cache.write(k, v, meta)
-        out = window_attention(q, kv_cache.k, kv_cache.v, rows, self.scale).view(T, -1)
+        # by rows through the native kernel (each row reads only its window), else gathered windows
+        out = kv_cache.attend_window(q, meta, self.scale, self.window)
+        if out is None:
+            if self.window not in windows:
+                windows[self.window] = window_rows(meta, self.window)
+            out = window_attention(q, kv_cache.k, kv_cache.v, windows[self.window], self.scale)
+        out = out.view(T, -1)
         return self.o_proj(out if x.shape[0] == T else F.pad(out, (0, 0, 0, x.shape[0] - T)))
 
 
@@ -80,11 +86,11 @@ class Gemma3DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache,
         meta: AttentionMetadata,
-        rows: WindowRows | None,
+        windows: dict[int, WindowRows],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As DecoderLayer.forward: the layer's output, and the residual stream it is added to next."""
         h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta, rows))
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta, windows))
         h, residual = self.pre_feedforward_layernorm.add_forward(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -114,12 +120,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x, positions = self._embed(input_ids, positions, embeds)
         full = self.rope_cos[positions], self.rope_sin[positions]
         local = self.rope_local_cos[positions], self.rope_local_sin[positions]
-        windows = {w: window_rows(meta, w) for w in set(self.config.layer_windows) - {None}}
+        windows: dict[int, WindowRows] = {}
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             window = layer.self_attn.window  # dense storage only: check_supported refuses the rest at build
             cos, sin = full if window is None else local
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, windows.get(window))
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, windows)
         return (x + residual)[:T]
 
     def _token_rows(self, input_ids: torch.Tensor) -> torch.Tensor:

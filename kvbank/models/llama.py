@@ -34,6 +34,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dtype == self.weight.dtype:
+            # the native op: one pass per row (q/k norms run per head: rows of head_dim)
+            rows = x.reshape(-1, x.shape[-1])
+            return self.native.add_rms_norm(rows, None, self.weight, self.eps).view(x.shape)
         # One fused op; it accumulates in float32 for bfloat16 inputs.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
@@ -118,6 +122,12 @@ class Attention(nn.Module):
         heads = (self.num_heads, self.num_kv_heads)
         if self.native is not None and self.q_norm is None:
             # Rotate q and k where the projection left them: no copies, one op.
+            self.native.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)
+        elif self.native is not None:
+            q, k, v = qkv.split(self.sizes, dim=-1)
+            q = self.q_norm(q.view(rows, self.num_heads, self.head_dim)).view(rows, -1)
+            k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim)).view(rows, -1)
+            qkv = torch.cat((q, k, v), dim=-1)
             self.native.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)
         else:
             qk, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)

@@ -109,17 +109,20 @@ class Int4Blocks:
         """The same weights as 8-bit blocks when they are symmetric (Q4_0: minimum = -8 * scale), else None."""
         if self.q.device.type == "meta" or not torch.equal(self.minimum, -8 * self.scale):
             return None
-        return Int8Blocks((self.q.to(torch.int16) - 8).to(torch.int8), self.scale)
+        return Int8Blocks((self.q.to(torch.int16) - 8).to(torch.int8), self.scale, 4)
 
 
 @dataclass
 class Int8Blocks:
     """Weights w = scale * q with integer q in -128..127 and one scale per group along the input
     dimension: 32 inputs (GGUF Q8_0; Q5_0 as q - 16; Q4_0 as q - 8), or 16 inputs (Q6_K: q - 32
-    with the super-block scale times the sub-block's 8-bit scale, exact in float32)."""
+    with the super-block scale times the sub-block's 8-bit scale, exact in float32). Blocks of at
+    most 5 bits pack into 5-bit records (Q5_0's own size), the others into 8-bit ones."""
 
     q: torch.Tensor  # int8 [out, in]
     scale: torch.Tensor  # float32 [out, in / 32] (fp16 values), or [out, in / 16]
+    #: the bits q needs: 8 (Q8_0), 6 (Q6_K), 5 (Q5_0: -16..15), 4 (Q4_0: -8..7)
+    bits: int = 8
 
     @property
     def halves(self) -> bool:
@@ -138,14 +141,14 @@ class Int8Blocks:
             q = (low.reshape(rows, -1, 2, 4, 32) | (high << 4).reshape(rows, -1, 2, 4, 32)).astype(np.int8)
             d = cells[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
             scale = d * cells[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, nb, 16]
-            return cls(torch.from_numpy((q - 32).reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)))
+            return cls(torch.from_numpy((q - 32).reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)), 6)
         if type_name == "Q5_0":
             cells = raw.reshape(rows, -1, 22)
             high = cells[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [rows, nb, 32]
             low = cells[..., 6:].reshape(rows, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
             q = (low & 0x0F).reshape(rows, -1, 32) | ((high & 1).astype(np.uint8) << 4)
             d = _halves(raw, 0, rows, cells.shape[1], 22)
-            return cls(torch.from_numpy((q.astype(np.int8) - 16).reshape(rows, -1)), torch.from_numpy(d))
+            return cls(torch.from_numpy((q.astype(np.int8) - 16).reshape(rows, -1)), torch.from_numpy(d), 5)
         blocks = raw.reshape(rows, -1, Q8_BLOCK_BYTES)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
@@ -159,16 +162,17 @@ class Int8Blocks:
 
     def per_half(self) -> Int8Blocks:
         """The same weights with a scale per 16 inputs (each 32-input scale twice)."""
-        return self if self.halves else Int8Blocks(self.q, self.scale.repeat_interleave(2, dim=1))
+        return self if self.halves else Int8Blocks(self.q, self.scale.repeat_interleave(2, dim=1), self.bits)
 
     def map_rows(self, fn) -> Int8Blocks:
-        return Int8Blocks(fn(self.q), fn(self.scale))
+        return Int8Blocks(fn(self.q), fn(self.scale), self.bits)
 
     @staticmethod
     def cat(parts: list[Int8Blocks]) -> Int8Blocks:
         if len({p.halves for p in parts}) > 1:
             parts = [p.per_half() for p in parts]
-        return Int8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+        bits = max(p.bits for p in parts)
+        return Int8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), bits)
 
 
 def packed_matmul_available(device: torch.device) -> bool:

@@ -20,10 +20,11 @@ from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks
 GROUP_ROWS = 16
 Q4_RECORD_BYTES = 320
 Q8_RECORD_BYTES = 544
-#: the kernels' record kinds: 4-bit with fp16 scales (Q4_0, Q4_1) or float32 ones (Q4_K); 8-bit
-#: with an fp16 scale per 32 inputs (Q8_0, Q5_0, Q4_0) or float32 scales per 16 (Q6_K)
-KIND_Q4, KIND_Q8, KIND_Q4F, KIND_Q8H = 4, 8, 41, 81
-RECORD_BYTES = {KIND_Q4: 320, KIND_Q8: 544, KIND_Q4F: 384, KIND_Q8H: 640}
+#: the kernels' record kinds: 4-bit with fp16 scales (Q4_0, Q4_1) or float32 ones (Q4_K); 5-bit
+#: (Q5_0; Q4_0); 8-bit with an fp16 scale per 32 inputs (Q8_0, and Q5_0 / Q4_0 fused with Q8_0) or
+#: float32 scales per 16 (Q6_K)
+KIND_Q4, KIND_Q5, KIND_Q8, KIND_Q4F, KIND_Q8H = 4, 5, 8, 41, 81
+RECORD_BYTES = {KIND_Q4: 320, KIND_Q5: 352, KIND_Q8: 544, KIND_Q4F: 384, KIND_Q8H: 640}
 
 
 def packable(out_features: int, in_features: int) -> bool:
@@ -70,11 +71,29 @@ def pack_q8(blocks: Int8Blocks) -> torch.Tensor:
     return torch.cat([quads, _halves_as_bytes(blocks.scale, groups, nb)], dim=-1).contiguous()
 
 
+def pack_q5(blocks: Int8Blocks) -> torch.Tensor:
+    """uint8 [out / 16, in / 32, 352] records (see qmatmul.cpp) of weights in -16..15, stored as
+    q + 16: the low four bits as a Q4 record's nibble pairs, the fifth as one 64-bit mask per
+    64-byte chunk and nibble half, then the fp16 scales."""
+    out_features, in_features = blocks.q.shape
+    groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
+    q = (blocks.q.to(torch.int16) + 16).to(torch.uint8).reshape(groups, GROUP_ROWS, nb, 2, 4, 4)
+    nibbles = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).to(torch.uint8)  # [g, r, b, j, e]
+    quads = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, nb, 4 * GROUP_ROWS * 4)
+    # bit r * 4 + e of the mask for nibble half `half` of chunk j is row r's weight 16 * half + 4j + e
+    bits = (q >> 4).permute(0, 2, 3, 4, 1, 5).reshape(groups, nb, 2, 4, 8, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=q.device)
+    masks = (bits * weights).sum(-1, dtype=torch.uint8).reshape(groups, nb, 64)
+    return torch.cat([quads, masks, _halves_as_bytes(blocks.scale, groups, nb)], dim=-1).contiguous()
+
+
 def pack(blocks: Int4Blocks | Int8Blocks) -> tuple[torch.Tensor, int]:
-    """(records, kind) of 4- or 8-bit blocks for the integer kernels."""
+    """(records, kind) of 4-, 5- or 8-bit blocks for the integer kernels."""
     if isinstance(blocks, Int4Blocks):
         return pack_q4(blocks), KIND_Q4F if blocks.wide else KIND_Q4
-    return pack_q8(blocks), KIND_Q8H if blocks.halves else KIND_Q8
+    if blocks.halves:
+        return pack_q8(blocks), KIND_Q8H
+    return (pack_q5(blocks), KIND_Q5) if blocks.bits <= 5 else (pack_q8(blocks), KIND_Q8)
 
 
 def unpack_q8_rows(records: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ from kvbank.attention.fast import (
     DenseStep,
     ScoreJob,
     accumulate_scores,
+    attend_window_rows,
     cascade_available,
     chunk_visibility,
     native_decode_kernel,
@@ -53,6 +54,14 @@ class DenseLayer:
     def stack_caches(self) -> StackCache:
         """The layer's caches as the fused model step takes them: bfloat16, no scales."""
         return StackCache(0, self.k, self.v)
+
+    def attend_window(self, q: torch.Tensor, meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor | None:
+        """Sliding-window attention of the step's new tokens (their K/V written) by the native kernel,
+        each row over its last `window` positions; None when this step does not attend by rows."""
+        step = meta.kinds[self.kind]
+        if step.row_block_tables is None or step.score_jobs:
+            return None
+        return attend_window_rows(q, self.k, self.v, step, scale, window)
 
     def attend(
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
