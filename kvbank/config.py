@@ -86,10 +86,15 @@ class EngineConfig:
     max_pinned_fraction: float = option(0.5, "most of the KV pool that pinned prefixes may hold", plan=False)
     weight_format: str = option(
         "auto",
-        "auto keeps a GGUF's Q4_0/Q4_1 weights 4-bit for steps of at most 8 "
-        "tokens in bfloat16 on CPU; dense dequantizes everything; int4 requires the "
-        "4-bit path",
+        "auto runs a GGUF's quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) on the integer kernels "
+        "in bfloat16 on CPU; dense dequantizes everything; int4 requires the packed path",
         choices=_WEIGHT_FORMATS,
+    )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template, or a file holding one, for a model whose file has none (or to replace it)",
+        default_text="the model file's",
+        plan=False,
     )
     kv_cache_dtype: str = option(
         "auto", "how the KV pool stores keys and values; auto is the model dtype", choices=KV_CACHE_DTYPES

@@ -265,7 +265,10 @@ class Tokenizer:
         `strftime_now`, a `tojson` filter, and `kwargs` (e.g. `tools`). With `tokenize`, return the
         ids of the rendered text, BOS not added (the template writes it where the model wants it)."""
         if self.chat_template is None:
-            raise ValueError("this model has no chat template (chat_template is None)")
+            raise ValueError(
+                "this model has no chat template (chat_template is None); give one with --chat-template / "
+                "LLM(chat_template=...)"
+            )
         context = {
             "bos_token": self._token_string(self.bos_token_id) or "",
             "eos_token": self._token_string(self.eos_token_id) or "",
@@ -519,3 +522,20 @@ _TEMPLATES = _template_environment()
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     return _TEMPLATES.from_string(source)
+
+
+def load_chat_template(value: str) -> str:
+    """The chat template `value` names: the text of a file, else `value` itself when it is a Jinja
+    template; ValueError when it is neither or does not compile."""
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        source = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"chat_template={value[:80]!r} is neither a file nor a Jinja template")
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat_template does not compile: {error.message} (line {error.lineno})") from None
+    return source

@@ -283,6 +283,48 @@ def test_default_bfloat16_gives_a_request_the_same_bits_whatever_shares_its_step
     assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_chat_through_a_real_server_with_the_openai_client_and_a_given_template(path, llm, tmp_path, kvbank_env):
+    """The file has no chat template: --chat-template gives Gemma's, and the server's chat answer is
+    the engine's greedy completion of the rendered turns (bfloat16, batch-invariant: same tokens)."""
+    import openai
+    from serving import start_server, stop_server, wait_healthy
+
+    template = tmp_path / "gemma3.jinja"
+    template.write_text(GEMMA3_TEMPLATE)
+    log = tmp_path / "server.log"
+    process, url = start_server(
+        ["--model", path, "--chat-template", str(template), "--num-gpu-blocks", "256"], kvbank_env, log
+    )
+    try:
+        wait_healthy(process, url, log)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(model=path, messages=messages, max_tokens=12, temperature=0)
+    finally:
+        stop_server(process)
+    prompt = llm.get_tokenizer().encode(_render(messages), add_special_tokens=False)
+    expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert reply.choices[0].message.content == expected.text and expected.text.strip()
+    assert reply.usage.prompt_tokens == len(prompt)
+
+
+def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused_before_loading(path):
+    with pytest.raises(ValueError, match="chat_template='gemma' is neither a file nor a Jinja template"):
+        LLM(path, chat_template="gemma")
+    with pytest.raises(ValueError, match="chat_template does not compile"):
+        LLM(path, chat_template="{% for m in messages %}")
+
+
+def _render(messages):
+    import jinja2
+
+    return (
+        jinja2.Environment()
+        .from_string(GEMMA3_TEMPLATE)
+        .render(messages=messages, add_generation_prompt=True, bos_token="<bos>")
+    )
+
+
 def test_a_request_or_stream_policy_that_evicts_is_refused(llm):
     # Windowed layers read the last positions by slot: a policy that moves tokens between slots
     # would make them read the wrong tokens, so a request's or a stream's own policy is refused too.

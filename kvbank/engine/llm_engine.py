@@ -29,6 +29,7 @@ from kvbank.engine.streams import FrameRequest, FrameType, Stream
 from kvbank.kernels import isa
 from kvbank.kernels.allocator import keep_freed_memory
 from kvbank.models.build import build_model
+from kvbank.tokenizer import load_chat_template
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -44,8 +45,11 @@ class LLMEngine:
         self.device, self.dtype = torch.device(config.device), config.torch_dtype
         if self.device.type == "cpu":
             keep_freed_memory()
+        template = None if config.chat_template is None else load_chat_template(config.chat_template)
         built = build_model(config, progress)
         self.model_config, self.model_path, self.tokenizer = built.config, built.path, built.tokenizer
+        if template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = template
         self.packed_layers = built.packed_layers
         self.max_model_len = built.config.max_position_embeddings
         self.block_size, self.kv_format = config.block_size, config.kv_format
