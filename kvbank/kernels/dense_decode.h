@@ -30,7 +30,7 @@ class DenseJob {
     kvbank::Isa variant = kvbank::Isa::Scalar;
     kvbank::family_variant(kvbank::Family::DenseAttention, &variant);
     const bool lanes = variant == kvbank::Isa::Avx2 || variant == kvbank::Isa::Avx512;
-    if (lanes && (dim == 64 || dim == 128) && group <= 8) {
+    if (lanes && (dim == 64 || dim == 128 || dim == 256) && group <= 8) {
       const int isa = variant == kvbank::Isa::Avx512 ? kQuantAvx512 : kQuantAvx2;
       quant_.reset(new QuantJob<Bf16>(q, tables, lens, out, n, heads, group, dim, block_size, width, scale, partition,
                                       isa));

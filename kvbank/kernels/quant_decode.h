@@ -1170,6 +1170,7 @@ struct QuantJob {
   float s;
   QuantRange<T, 64> range64 = nullptr;
   QuantRange<T, 128> range128 = nullptr;
+  QuantRange<T, 256> range256 = nullptr;
   Partials partials;
 
   QuantJob(const T* q, const int64_t* tables, const int64_t* lens, T* out, int64_t n, int64_t heads_, int64_t group_,
@@ -1179,6 +1180,7 @@ struct QuantJob {
         width(width_), s(static_cast<float>(scale)), partials(n, heads_, group_, dim_, lens, partition) {
     if (dim == 64) range64 = quant_range_for<T, 64>(group, isa);
     if (dim == 128) range128 = quant_range_for<T, 128>(group, isa);
+    if (dim == 256) range256 = quant_range_for<T, 256>(group, isa);
   }
 
   int64_t items() const { return partials.items(); }
@@ -1196,8 +1198,10 @@ struct QuantJob {
     const int64_t own_block = (lens_p[i] - 1) / block_size;
     if (range64 != nullptr) {
       range64(L, q_i, t_p + i * width, begin, end, h, own_block, own_row, s, acc, maxes, sums);
-    } else {
+    } else if (range128 != nullptr) {
       range128(L, q_i, t_p + i * width, begin, end, h, own_block, own_row, s, acc, maxes, sums);
+    } else {
+      range256(L, q_i, t_p + i * width, begin, end, h, own_block, own_row, s, acc, maxes, sums);
     }
   }
 
