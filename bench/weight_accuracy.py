@@ -9,6 +9,11 @@ of --prompts chat answers: teacher-forced top-1 agreement and how many tokens fr
 output stays identical.
 
     python bench/weight_accuracy.py --corpus ../shared/data/web_bible.txt
+    python bench/weight_accuracy.py --model gemma-3-270m-q4_k_m.gguf --transformers --ppl-tokens 16384
+
+With --transformers, transformers (float32, loading the same GGUF with gguf_file=) scores the same
+windows as a fourth reference (perplexity only). A model whose file has no chat template gets
+the questions as plain text.
 
 Results go to bench/results/weight_accuracy.json.
 """
@@ -52,6 +57,8 @@ def main() -> None:
     parser.add_argument("--ppl-tokens", type=int, default=32768)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--transformers", action="store_true", help="add transformers' float32 perplexity")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "weight_accuracy.json"))
     args = parser.parse_args()
     if not args.corpus.is_file():
@@ -61,11 +68,11 @@ def main() -> None:
     references: dict[str, list[list[int]]] = {}
     tokens = prompts = kept = None
     for name, options in CONFIGS.items():
-        llm = LLM(**options, num_gpu_blocks=512, enable_prefix_caching=False)
+        llm = LLM(args.model, **options, num_gpu_blocks=512, enable_prefix_caching=False)
         if tokens is None:
             tokens = llm.get_tokenizer().encode(args.corpus.read_text())[: args.ppl_tokens + args.window]
             questions = (QUESTIONS * (1 + args.prompts // len(QUESTIONS)))[: args.prompts]
-            prompts = [llm.render_chat([{"role": "user", "content": q}]) for q in questions]
+            prompts = [_prompt(llm, q) for q in questions]
         ppl, scored = perplexity(llm, tokens, args.window)
         results[name] = {"perplexity": ppl, "scored_tokens": scored}
         references[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
@@ -74,6 +81,12 @@ def main() -> None:
         gc.collect()
         print(f"{name:18s} perplexity {ppl:.4f} over {scored} tokens", flush=True)
     default = next(iter(CONFIGS))
+    if args.transformers:
+        ppl, scored = transformers_perplexity(kept.engine.model_path, tokens, args.window)
+        results["transformers float32"] = {"perplexity": ppl, "scored_tokens": scored}
+        change = results[default]["perplexity"] / ppl - 1
+        results[default]["vs transformers float32"] = {"perplexity_change": change}
+        print(f"transformers float32 perplexity {ppl:.4f} over {scored} tokens; {default}: {change:+.2%}", flush=True)
     for reference in list(CONFIGS)[1:]:
         top1, identical = agreement(kept, prompts, references[reference])
         change = results[default]["perplexity"] / results[reference]["perplexity"] - 1
@@ -86,10 +99,36 @@ def main() -> None:
             f"{default} vs {reference}: perplexity {change:+.2%}, top-1 agreement {top1:.1%}, "
             f"greedy identical for {identical:.1f} of 128 tokens (mean over {len(prompts)} prompts)"
         )
-    out = {"corpus": str(args.corpus), "window": args.window, "results": results}
+    out = {"model": args.model or "bundled", "corpus": str(args.corpus), "window": args.window, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
+
+
+def _prompt(llm: LLM, question: str) -> list[int]:
+    try:
+        return llm.render_chat([{"role": "user", "content": question}])
+    except ValueError:  # no chat template in the file: the question as text
+        return llm.get_tokenizer().encode(question)
+
+
+def transformers_perplexity(path: str, tokens: list[int], window: int) -> tuple[float, int]:
+    """Perplexity of transformers (float32) reading the same GGUF, over the same windows as `perplexity`."""
+    import math
+
+    import torch
+    import transformers
+
+    folder, name = str(Path(path).parent), Path(path).name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, len(tokens) - window + 1, window):
+            ids = torch.tensor([tokens[i : i + window]])
+            logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
+            total += logprobs.gather(1, ids[0, 1:, None]).sum().item()
+            count += window - 1
+    return math.exp(-total / count), count
 
 
 if __name__ == "__main__":

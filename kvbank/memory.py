@@ -30,7 +30,7 @@ from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import bundled_model_path, describe_model, gguf_tensor_plan
 from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks, PackedLinear
-from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q5, KIND_Q8, KIND_Q8H, QuantLinear
+from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q5, KIND_Q8, KIND_Q8H, QuantLinear, SplitLinear
 
 #: memory parts in the order they are shown, with what each one is
 PARTS = {
@@ -122,6 +122,8 @@ def projection_kernels(model: LlamaForCausalLM) -> tuple[tuple[str, int], ...]:
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if isinstance(module, QuantLinear):
                 kernel = _KERNELS[module.kind]
+            elif isinstance(module, SplitLinear):
+                kernel = "split: " + " + ".join(_KERNELS[part.kind].removeprefix("integer ") for part in module.parts)
             else:
                 kernel = "torch int4" if isinstance(module, PackedLinear) else "dense"
             counts[kernel] = counts.get(kernel, 0) + 1

@@ -225,3 +225,28 @@ def test_the_head_is_the_final_norm_then_the_8_bit_matmul():
     # The norm's float32 sum runs in another order than torch's: an 8-bit rounding may differ.
     expected = native.qlinear(_rms(hidden, norm), head, 8, True)
     torch.testing.assert_close(logits, expected, rtol=0, atol=0.01 * expected.abs().max().item())
+
+
+def test_a_fused_projection_of_types_with_no_common_record_runs_split_on_the_integer_kernels():
+    """Q4_K_M files give q and k Q4_K and v Q6_K: no record holds all three exactly, so the fused
+    q/k/v runs as one integer linear per tensor, side by side (was dense)."""
+    from torch import nn
+
+    from kvbank.models.llama import group_blocks, split_linear
+    from kvbank.models.qweights import SplitLinear
+
+    rows = {"q": 256, "k": 128, "v": 128}
+    types = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}
+    blocks = {n: _blocks(types[n], _raw(types[n], r, 256, seed=20 + i), r) for i, (n, r) in enumerate(rows.items())}
+    int4 = [blocks[n] if types[n] in INT4_TYPES else None for n in rows]
+    int8 = [blocks[n] if types[n] in INT8_TYPES else None for n in rows]
+    assert group_blocks(int4, int8, native) is None
+    dense = nn.Linear(256, 512, bias=False).bfloat16()
+    split = split_linear(dense, int4, int8, native, None)
+    assert isinstance(split, SplitLinear) and [p.kind for p in split.parts] == [KIND_Q4F, KIND_Q4F, KIND_Q8H]
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    weights = torch.cat([b.dequantize().double() for b in blocks.values()])
+    reference = _quantized(x) @ weights.T
+    out = split(x).double()
+    torch.testing.assert_close(out, reference, rtol=2e-2, atol=1e-2 * reference.abs().max().item())  # bfloat16 out
+    assert torch.equal(split(x[:1]), split(x)[:1])  # a row's bits do not depend on the batch

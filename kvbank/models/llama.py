@@ -18,7 +18,7 @@ from kvbank.attention.fast import DECODE_PARTITION
 from kvbank.attention.rope import apply_rope
 from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Int4Blocks, Int8Blocks, PackedLinear
-from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, pack, pack_q8, packable
+from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, SplitLinear, pack, pack_q8, packable
 
 #: StackCache fields that a cache format may have beside its K and V, passed to the stack per layer
 STACK_EXTRAS = ("k_scale", "v_scale", "k_grid", "v_zero", "residual_k", "residual_v")
@@ -253,6 +253,26 @@ def group_blocks(
     return Int8Blocks.cat(parts) if all(part is not None for part in parts) else None
 
 
+def split_linear(
+    dense: nn.Linear, int4: list[Int4Blocks | None], int8: list[Int8Blocks | None], native, max_rows: int | None
+) -> SplitLinear | None:
+    """The fused projection `dense` as one integer-kernel linear per tensor, when every tensor has
+    blocks and records of its own but they share no form (see group_blocks); else None (dense)."""
+    parts = [four if four is not None else eight for four, eight in zip(int4, int8)]
+    if native is None or dense.bias is not None or any(p is None for p in parts):
+        return None
+    if not all(packable(*p.q.shape) for p in parts):
+        return None
+    linears, row = [], 0
+    for part in parts:
+        rows = part.q.shape[0]
+        linear = QuantLinear(dense.weight[row : row + rows], None, *pack(part), max_rows)
+        linear.native = native
+        linears.append(linear)
+        row += rows
+    return SplitLinear(linears)
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer: embed, N layers of attention + gated MLP, final norm, LM head."""
 
@@ -476,11 +496,14 @@ class LlamaForCausalLM(nn.Module):
             }
             for (module, attr), names in groups.items():
                 keys = [f"{prefix}{name}.weight" for name in names]
-                blocks = group_blocks([int4.get(k) for k in keys], [(int8 or {}).get(k) for k in keys], native)
+                parts4, parts8 = [int4.get(k) for k in keys], [(int8 or {}).get(k) for k in keys]
+                blocks = group_blocks(parts4, parts8, native)
                 dense = getattr(module, attr)
                 if blocks is None:
-                    continue
-                if native is not None and packable(*dense.weight.shape):
+                    linear = split_linear(dense, parts4, parts8, native, max_rows)
+                    if linear is None:
+                        continue
+                elif native is not None and packable(*dense.weight.shape):
                     linear = QuantLinear(dense.weight, dense.bias, *pack(blocks), max_rows)
                     linear.native = native
                 else:

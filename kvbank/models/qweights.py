@@ -141,6 +141,26 @@ class QuantLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class SplitLinear(nn.Module):
+    """A fused projection (q/k/v, gate/up) whose tensors have no record kind in common (Q4_K q/k
+    with a Q6_K v, as Q4_K_M files mix them): each part on the integer kernels in its own
+    records, the outputs side by side. Each part gives a row the same bits in any batch, so the
+    whole does too."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.bias = None
+
+    def integer_path(self, rows: int) -> bool:
+        return all(p.integer_path(rows) for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table read from Q8 records, the same bytes the LM head multiplies with.
 
