@@ -30,7 +30,7 @@ from kvbank.models.config import ModelConfig
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import bundled_model_path, describe_model, gguf_tensor_plan
 from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks, PackedLinear
-from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q5, KIND_Q8, KIND_Q8H, QuantLinear, SplitLinear
+from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q5, KIND_Q5F, KIND_Q8, KIND_Q8H, QuantLinear, SplitLinear
 
 #: memory parts in the order they are shown, with what each one is
 PARTS = {
@@ -108,6 +108,7 @@ def weight_parts(model: LlamaForCausalLM) -> dict[str, int]:
 _KERNELS = {
     KIND_Q4: "integer 4-bit (Q4_0/Q4_1)",
     KIND_Q4F: "integer 4-bit, float32 scales (Q4_K)",
+    KIND_Q5F: "integer 5-bit, float32 scales (Q5_K/Q5_1)",
     KIND_Q5: "integer 5-bit (Q5_0/Q4_0)",
     KIND_Q8: "integer 8-bit (Q8_0, or Q5_0/Q4_0 fused with it)",
     KIND_Q8H: "integer 8-bit, scales per 16 (Q6_K)",
@@ -240,7 +241,8 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.T
 def _meta_blocks(shape: tuple[int, ...], kind: str) -> Int4Blocks:
     rows, cols = shape
     scales = (rows, cols // GROUP_SIZE)
-    return Int4Blocks(_meta(shape, torch.uint8), _meta(scales), _meta(scales), wide=kind == "Q4_K")
+    wide, bits = kind in ("Q4_K", "Q5_K"), 5 if kind in ("Q5_1", "Q5_K") else 4
+    return Int4Blocks(_meta(shape, torch.uint8), _meta(scales), _meta(scales), wide=wide, bits=bits)
 
 
 def _meta_int8(shape: tuple[int, ...], kind: str) -> Int8Blocks:

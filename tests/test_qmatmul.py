@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvbank import kernels
 from kvbank.models.packed import INT4_TYPES, INT8_TYPES, Int4Blocks, Int8Blocks
-from kvbank.models.qweights import KIND_Q4F, KIND_Q5, KIND_Q8, KIND_Q8H, pack, unpack_q8_rows
+from kvbank.models.qweights import KIND_Q4F, KIND_Q5, KIND_Q5F, KIND_Q8, KIND_Q8H, pack, unpack_q8_rows
 
 native = kernels.native()
 if native is None and os.environ.get("CI"):
@@ -29,11 +29,11 @@ def _isas() -> list[str]:
 def _k_quant_bytes(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant super-blocks (gguf-py cannot quantize them): random codes and sub-block
     scales, fp16 super-block scales of realistic size (sub-normal ones included)."""
-    size = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[type_name]
     raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
     scales = rng.uniform(1e-5, 3e-3, size=(rows, cols // 256, 2)) * rng.choice([1, 1e-3], size=(rows, cols // 256, 2))
     halves = scales.astype(np.float16).view(np.uint8).reshape(rows, cols // 256, 4)
-    if type_name == "Q4_K":
+    if type_name in ("Q4_K", "Q5_K"):
         raw[..., 0:4] = halves  # d, dmin
     else:
         raw[..., 208:210] = halves[..., 0:2]  # d
@@ -43,7 +43,7 @@ def _k_quant_bytes(type_name: str, rows: int, cols: int, rng: np.random.Generato
 def _raw(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """GGUF block bytes of random weights (gguf-py's quantizer; random K-quant super-blocks)."""
     rng = np.random.default_rng(seed)
-    if type_name in ("Q4_K", "Q6_K"):
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
         return _k_quant_bytes(type_name, rows, cols, rng)
     values = rng.standard_normal((rows, cols)).astype(np.float32)
     return gguf.quants.quantize(values, gguf.GGMLQuantizationType[type_name])
@@ -92,8 +92,9 @@ def test_blocks_hold_the_files_weights_to_the_bit(type_name):
     """Decoded blocks give gguf-py's dequantized values exactly, and pack into the kind that keeps
     their scales exact (float32 for Q4_K's and Q6_K's products of two scales)."""
     records, kind, dense = _weights(type_name, 32, 512, seed=12)
-    expected_kind = {"Q4_K": KIND_Q4F, "Q6_K": KIND_Q8H, "Q5_0": KIND_Q5, "Q8_0": KIND_Q8}.get(type_name, 4)
-    assert kind == expected_kind
+    kinds = {"Q4_0": 4, "Q4_1": 4, "Q4_K": KIND_Q4F, "Q5_1": KIND_Q5F, "Q5_K": KIND_Q5F}
+    kinds |= {"Q8_0": KIND_Q8, "Q5_0": KIND_Q5, "Q6_K": KIND_Q8H}
+    assert kind == kinds[type_name]
     blocks = _blocks(type_name, _raw(type_name, 32, 512, seed=12), 32)
     assert torch.equal(blocks.dequantize().double(), dense)
 
@@ -135,7 +136,7 @@ def test_the_8_bit_rounding_stays_close_to_the_float_product():
     assert 1e-4 < rel < 0.01  # the activations really are rounded, by about what 8 bits cost
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K"])
 def test_a_row_gets_the_same_result_in_any_batch(type_name):
     records, kind, _ = _weights(type_name, 64, 256, seed=3)
     rows = torch.randn(40, 256, dtype=torch.bfloat16)

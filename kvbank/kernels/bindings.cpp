@@ -70,7 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_isa", &qmatmul_isa, "The variant the integer GGUF matmuls run now: avx512_vnni, avx2 or scalar");
   m.def("qlinear", &qlinear, nogil, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
         py::arg("isa") = "auto",
-        "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 5: Q5, 8: Q8, 41: Q4 with float32 scales, 81: Q8 with "
+        "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 5: Q5, 8: Q8, 41/51: Q4/Q5 with float32 scales, 81: Q8 with "
         "float32 scales per 16 inputs), x quantized to 8 bits per 32; "
         "float32 out when float_out, else x's dtype");
   m.def("qlayer_attn_in", &qlayer_attn_in, nogil, py::arg("x"), py::arg("residual"), py::arg("norm_w"), py::arg("eps"),

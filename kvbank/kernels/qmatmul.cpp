@@ -17,6 +17,8 @@
 //                      j, a 64-bit mask over its 64 bytes for the low nibbles (at 256 + 8j) and one
 //                      for the high nibbles (at 288 + 8j), then d[16] fp16 (w = d * (q - 16)). Q5_0
 //                      as stored; Q4_0 fits too (q - 8).
+//   Q5F record (448 B, kind 51): a Q5 record's nibbles and masks with d[16] and m[16] as float32
+//                      (Q5_K: w = d*q + m with q in 0..31, scales as Q4_K's).
 // Q5_0 and Q4_0 weights fused with Q8_0 ones are Q8 records (their integers fit 8 bits exactly).
 // Per block, a row's integer dot product is exact; it is scaled and added to a float32 sum in block
 // order by the same fused multiply-adds on every path (AVX-512 VNNI, AVX2, scalar), so all paths
@@ -43,9 +45,10 @@ constexpr int64_t Q8_RECORD = 544;
 constexpr int64_t Q4F_RECORD = 384;
 constexpr int64_t Q8H_RECORD = 640;
 constexpr int64_t Q5_RECORD = 352;
+constexpr int64_t Q5F_RECORD = 448;
 
 // The record kinds (the `kind` argument of every entry point).
-enum class Rec : int { Q4 = 4, Q5 = 5, Q8 = 8, Q4F = 41, Q8H = 81 };
+enum class Rec : int { Q4 = 4, Q5 = 5, Q8 = 8, Q4F = 41, Q5F = 51, Q8H = 81 };
 
 constexpr int64_t record_bytes(Rec kind) {
   switch (kind) {
@@ -53,6 +56,7 @@ constexpr int64_t record_bytes(Rec kind) {
     case Rec::Q5: return Q5_RECORD;
     case Rec::Q8: return Q8_RECORD;
     case Rec::Q4F: return Q4F_RECORD;
+    case Rec::Q5F: return Q5F_RECORD;
     default: return Q8H_RECORD;
   }
 }
@@ -302,12 +306,16 @@ inline uint64_t load_u64(const uint8_t* p) {
 
 // Q5: the nibble pairs of a Q4 record with their fifth bits; the integer dot product of q (0..31)
 // less 16 x the activations' sum is exact, scaled once per block as Q8.
+// K (Q5F records): q in 0..31 with float32 scale and minimum, the minimum term from the
+// activation block sums as for Q4 records.
+template <bool K>
 void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
   for (int64_t i = 0; i < tile; ++i) {
     for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
       float acc = 0.0f;
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * Q5_RECORD;
+        const uint8_t* rec = w + b * record;
         const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
         int32_t dot = 0;
         for (int64_t j = 0; j < 4; ++j) {
@@ -321,8 +329,13 @@ void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
           }
         }
         const int64_t ab = (r0 + i) * a.blocks + b;
-        dot -= 16 * a.sum[ab];
-        acc = std::fma(static_cast<float>(dot), record_value<false>(rec, 320, lane) * a.d[ab], acc);
+        if (K) {
+          acc = std::fma(static_cast<float>(dot), record_value<true>(rec, 320, lane) * a.d[ab], acc);
+          acc = std::fma(record_value<true>(rec, 384, lane), a.s[ab], acc);
+        } else {
+          dot -= 16 * a.sum[ab];
+          acc = std::fma(static_cast<float>(dot), record_value<false>(rec, 320, lane) * a.d[ab], acc);
+        }
       }
       out[i * GROUP_ROWS + lane] = acc;
     }
@@ -521,16 +534,17 @@ KVBANK_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
 }
 
 // Q5 on VNNI: a chunk's fifth bits come in as a byte mask that adds 16 where set.
-template <int R>
+template <int R, bool K>
 KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec = w + b * Q5_RECORD;
-    for (int line = 0; line < Q5_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    const uint8_t* rec = w + b * record;
+    for (int line = 0; line < record; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(rec + 64 * j);
@@ -538,7 +552,8 @@ KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
       lo[j] = _mm512_mask_add_epi8(l, static_cast<__mmask64>(load_u64(rec + 256 + 8 * j)), l, five);
       hi[j] = _mm512_mask_add_epi8(h, static_cast<__mmask64>(load_u64(rec + 288 + 8 * j)), h, five);
     }
-    const __m512 dw = record_values16<false>(rec, 320);
+    const __m512 dw = record_values16<K>(rec, 320);
+    const __m512 mw = K ? record_values16<true>(rec, 384) : _mm512_setzero_ps();
     for (int i = 0; i < R; ++i) {
       const int8_t* qa = rows[i] + b * QK;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -549,8 +564,10 @@ KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
         s1 = _mm512_dpbusd_epi32(s1, hi[j + 1], quad(qa + 16 + 4 * j + 4));
       }
       const int64_t ab = (r0 + i) * a.blocks + b;
-      const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(16 * a.sum[ab]));
+      __m512i exact = _mm512_add_epi32(s0, s1);
+      if (!K) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(16 * a.sum[ab]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
+      if (K) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
@@ -694,8 +711,9 @@ KVBANK_AVX2 inline __m256i fifth_bits(uint32_t mask) {
 
 // Q5 on AVX2: as q4_group_avx2 with the fifth bits added; weights up to 31 make a maddubs pair
 // sum up to 2 x 31 x 127, so the low and high halves widen apart (each of four at most 31,496).
-template <int R>
+template <int R, bool K>
 KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
@@ -703,9 +721,9 @@ KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * Q5_RECORD;
+      const uint8_t* rec = w + b * record;
       if (h == 0) {
-        for (int line = 0; line < Q5_RECORD; line += 64)
+        for (int line = 0; line < record; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
       }
       __m256i lo[4], hi[4];
@@ -716,7 +734,8 @@ KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
         hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                 fifth_bits(static_cast<uint32_t>(high_bits >> (32 * h))));
       }
-      const __m256 dw = record_values8<false>(rec, 320, h);
+      const __m256 dw = record_values8<K>(rec, 320, h);
+      const __m256 mw = K ? record_values8<true>(rec, 384, h) : _mm256_setzero_ps();
       for (int i = 0; i < R; ++i) {
         const int8_t* qa = rows[i] + b * QK;
         __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load_i32(qa)));
@@ -727,8 +746,9 @@ KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
         }
         const int64_t ab = (r0 + i) * a.blocks + b;
         const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-        const __m256i exact = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * a.sum[ab]));
+        const __m256i exact = K ? sum : _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * a.sum[ab]));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[i]);
+        if (K) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
       }
     }
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
@@ -784,7 +804,8 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
       case Rec::Q4F: return q4_group_avx512<R, true>(w, a, r0, out);
       case Rec::Q8: return q8_group_avx512<R>(w, a, r0, out);
       case Rec::Q8H: return q8h_group_avx512<R>(w, a, r0, out);
-      case Rec::Q5: return q5_group_avx512<R>(w, a, r0, out);
+      case Rec::Q5: return q5_group_avx512<R, false>(w, a, r0, out);
+      case Rec::Q5F: return q5_group_avx512<R, true>(w, a, r0, out);
     }
   }
   if (isa == Isa::Avx2) {
@@ -793,7 +814,8 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
       case Rec::Q4F: return q4_group_avx2<R, true>(w, a, r0, out);
       case Rec::Q8: return q8_group_avx2<R>(w, a, r0, out);
       case Rec::Q8H: return q8h_group_avx2<R>(w, a, r0, out);
-      case Rec::Q5: return q5_group_avx2<R>(w, a, r0, out);
+      case Rec::Q5: return q5_group_avx2<R, false>(w, a, r0, out);
+      case Rec::Q5F: return q5_group_avx2<R, true>(w, a, r0, out);
     }
   }
 #endif
@@ -802,7 +824,8 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
     case Rec::Q4F: return q4_group_scalar<true>(w, a, r0, R, out);
     case Rec::Q8: return q8_group_scalar(w, a, r0, R, out);
     case Rec::Q8H: return q8h_group_scalar(w, a, r0, R, out);
-    case Rec::Q5: return q5_group_scalar(w, a, r0, R, out);
+    case Rec::Q5: return q5_group_scalar<false>(w, a, r0, R, out);
+    case Rec::Q5F: return q5_group_scalar<true>(w, a, r0, R, out);
   }
 }
 
@@ -816,7 +839,7 @@ void group_kernel(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64
 }
 
 #ifdef KVBANK_X86
-// Two groups at once on VNNI (Q5 and Q8H records have no pair kernel; they go one group at a time).
+// Two groups at once on VNNI (Q5, Q5F and Q8H records have no pair kernel; they go one group at a time).
 template <int R>
 void pair_tile(Rec kind, const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0, float* out1) {
   switch (kind) {
@@ -834,7 +857,7 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
   const int64_t group_bytes = a.blocks * record_bytes(kind);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
 #ifdef KVBANK_X86
-  if (isa == Isa::Avx512Vnni && kind != Rec::Q8H && kind != Rec::Q5) {
+  if (isa == Isa::Avx512Vnni && (kind == Rec::Q4 || kind == Rec::Q4F || kind == Rec::Q8)) {
     // on VNNI: groups two at a time (q4_pair_avx512, q8_pair_avx512), the odd one below
     alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
     for (; begin + 1 < end; begin += 2) {
@@ -894,9 +917,9 @@ struct PackedWeight {
 };
 
 PackedWeight check_weight(const torch::Tensor& w, int64_t kind) {
-  TORCH_CHECK(kind == 4 || kind == 5 || kind == 8 || kind == 41 || kind == 81,
-              "kind must be 4 (Q4 records), 5 (Q5), 8 (Q8), 41 (Q4 with float32 scales) or 81 (Q8 with float32 "
-              "half-block scales), not ",
+  TORCH_CHECK(kind == 4 || kind == 5 || kind == 8 || kind == 41 || kind == 51 || kind == 81,
+              "kind must be 4 (Q4 records), 5 (Q5), 8 (Q8), 41 (Q4 with float32 scales), 51 (Q5 with float32 "
+              "scales) or 81 (Q8 with float32 half-block scales), not ",
               kind);
   const Rec rec = static_cast<Rec>(kind);
   const int64_t record = record_bytes(rec);

@@ -258,7 +258,7 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             wanted8 = kind == "Q8_0" or keeps_int8(kind, hf_name)
             blocks8 = Int8Blocks.from_gguf(tensor.data, rows, kind) if wanted8 else None
             # gguf's arithmetic (d * q + m, d * q; float32) as whole-tensor torch ops: same bits
-            if kind in ("Q4_1", "Q4_K"):
+            if kind in ("Q4_1", "Q4_K", "Q5_1", "Q5_K"):
                 weight = blocks4.dequantize()
             elif blocks8 is not None:
                 weight = blocks8.dequantize()

@@ -22,8 +22,9 @@ Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 Q8_BLOCK_BYTES = 34
 #: GGUF's K-quant super-blocks: 256 weights
 QK_K = 256
-#: the GGUF types whose integer weights and scales each block format holds exactly
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: the GGUF types whose integer weights and scales each block form holds exactly: with a
+#: minimum per block (Int4Blocks; Q5_K's weights take 5 bits) and without (Int8Blocks)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K")
 INT8_TYPES = ("Q8_0", "Q5_0", "Q6_K")
 
 
@@ -33,15 +34,24 @@ def _halves(raw: np.ndarray, offset: int, rows: int, blocks: int, size: int) -> 
     return cells[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def _q4_k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks -> (q uint8 [rows, in], scale, minimum float32 [rows, in / 32]).
+def _five_bits(high: np.ndarray, low: np.ndarray, rows: int) -> np.ndarray:
+    """Q5_0 / Q5_1 weights (uint8 [rows, in], 0..31) from each block's 4 bytes of fifth bits (a
+    little-endian word, bit e for weight e) and 16 bytes of nibbles (weights e and e + 16)."""
+    fifth = high.copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [rows, nb, 32]
+    nibbles = low.reshape(rows, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return ((nibbles & 0x0F).reshape(rows, -1, 32) | ((fifth & 1).astype(np.uint8) << 4)).reshape(rows, -1)
 
-    A super-block holds fp16 d and dmin, eight 6-bit scales and minimums packed in 12 bytes, and
-    256 4-bit weights; sub-block j's weights are d * sc_j * q - dmin * m_j. The products are exact
-    in float32 (11 + 6 significant bits), so scale = d * sc_j and minimum = -(dmin * m_j) hold the
-    file's values and scale * q + minimum is gguf's arithmetic to the bit.
+
+def _k_quant(raw: np.ndarray, rows: int, five: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks -> (q uint8 [rows, in], scale, minimum float32 [rows, in / 32]).
+
+    A super-block holds fp16 d and dmin, eight 6-bit scales and minimums packed in 12 bytes, (Q5_K:
+    32 bytes of fifth bits, bit j of byte e for weight e of sub-block j) and 256 4-bit weights;
+    sub-block j's weights are d * sc_j * q - dmin * m_j. The products are exact in float32 (11 + 6
+    significant bits), so scale = d * sc_j and minimum = -(dmin * m_j) hold the file's values and
+    scale * q + minimum is gguf's arithmetic to the bit.
     """
-    cells = np.asarray(raw).reshape(rows, -1, 144)
+    cells = np.asarray(raw).reshape(rows, -1, 176 if five else 144)
     nb = cells.shape[1]
     d = cells[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
     dmin = cells[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
@@ -49,8 +59,13 @@ def _q4_k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     low, high, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     sc = np.concatenate([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
     m = np.concatenate([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], axis=-1)
-    qs = cells[..., 16:].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    q = (qs & 0x0F).reshape(rows, -1)
+    low = 48 if five else 16
+    qs = cells[..., low:].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(rows, nb, 8, 32)
+    if five:
+        high = cells[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        q = q | ((high & 1) << 4)
+    q = q.reshape(rows, -1)
     scale = (d * sc.astype(np.float32)).reshape(rows, -1)
     minimum = -(dmin * m.astype(np.float32)).reshape(rows, -1)
     return q, scale, minimum
@@ -58,7 +73,7 @@ def _q4_k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 @dataclass
 class Int4Blocks:
-    """Weights w = scale * q + minimum, in groups of 32 along the input dimension (q in 0..15).
+    """Weights w = scale * q + minimum, in groups of 32 along the input dimension (q in 0..15; Q5_K 0..31).
 
     Q4_1 stores the scale and minimum as fp16; Q4_0 has minimum = -8 * scale. Both are kept
     as float32 here, exactly.
@@ -69,6 +84,8 @@ class Int4Blocks:
     minimum: torch.Tensor  # float32 [out, in / 32]
     #: whether the scales need float32 (Q4_K's products of two scales), not only fp16
     wide: bool = False
+    #: the bits q needs: 4, or 5 (Q5_K: 0..31)
+    bits: int = 4
 
     @property
     def zero(self) -> torch.Tensor:
@@ -78,8 +95,15 @@ class Int4Blocks:
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str, rows: int) -> Int4Blocks:
         """Decode GGUF Q4_0 / Q4_1 / Q4_K block bytes ([rows, blocks * bytes]) without losing anything."""
-        if type_name == "Q4_K":
-            return cls(*(torch.from_numpy(np.ascontiguousarray(a)) for a in _q4_k(raw, rows)), wide=True)
+        if type_name in ("Q4_K", "Q5_K"):
+            five = type_name == "Q5_K"
+            parts = (torch.from_numpy(np.ascontiguousarray(a)) for a in _k_quant(raw, rows, five))
+            return cls(*parts, wide=True, bits=5 if five else 4)
+        if type_name == "Q5_1":  # d, m, then Q5_0's fifth bits and nibbles; w = d * q + m
+            cells = np.asarray(raw).reshape(rows, -1, 24)
+            d, m = (_halves(raw, at, rows, cells.shape[1], 24) for at in (0, 2))
+            q = _five_bits(cells[..., 4:8], cells[..., 8:], rows)
+            return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), bits=5)
         blocks = np.asarray(raw).reshape(rows, -1, Q4_BLOCK_BYTES[type_name])
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if type_name == "Q4_1":
@@ -98,12 +122,12 @@ class Int4Blocks:
         return weight.mul_(self.scale.unsqueeze(-1)).add_(self.minimum.unsqueeze(-1)).view(rows, -1)
 
     def map_rows(self, fn) -> Int4Blocks:
-        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.minimum), self.wide)
+        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.minimum), self.wide, self.bits)
 
     @staticmethod
     def cat(parts: list[Int4Blocks]) -> Int4Blocks:
         fields = (torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "minimum"))
-        return Int4Blocks(*fields, wide=any(p.wide for p in parts))
+        return Int4Blocks(*fields, wide=any(p.wide for p in parts), bits=max(p.bits for p in parts))
 
     def as_int8(self) -> Int8Blocks | None:
         """The same weights as 8-bit blocks when they are symmetric (Q4_0: minimum = -8 * scale), else None."""
@@ -144,11 +168,9 @@ class Int8Blocks:
             return cls(torch.from_numpy((q - 32).reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)), 6)
         if type_name == "Q5_0":
             cells = raw.reshape(rows, -1, 22)
-            high = cells[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [rows, nb, 32]
-            low = cells[..., 6:].reshape(rows, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-            q = (low & 0x0F).reshape(rows, -1, 32) | ((high & 1).astype(np.uint8) << 4)
+            q = _five_bits(cells[..., 2:6], cells[..., 6:], rows)
             d = _halves(raw, 0, rows, cells.shape[1], 22)
-            return cls(torch.from_numpy((q.astype(np.int8) - 16).reshape(rows, -1)), torch.from_numpy(d), 5)
+            return cls(torch.from_numpy(q.astype(np.int8) - 16), torch.from_numpy(d), 5)
         blocks = raw.reshape(rows, -1, Q8_BLOCK_BYTES)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)

@@ -21,10 +21,10 @@ GROUP_ROWS = 16
 Q4_RECORD_BYTES = 320
 Q8_RECORD_BYTES = 544
 #: the kernels' record kinds: 4-bit with fp16 scales (Q4_0, Q4_1) or float32 ones (Q4_K); 5-bit
-#: (Q5_0; Q4_0); 8-bit with an fp16 scale per 32 inputs (Q8_0, and Q5_0 / Q4_0 fused with Q8_0) or
-#: float32 scales per 16 (Q6_K)
-KIND_Q4, KIND_Q5, KIND_Q8, KIND_Q4F, KIND_Q8H = 4, 5, 8, 41, 81
-RECORD_BYTES = {KIND_Q4: 320, KIND_Q5: 352, KIND_Q8: 544, KIND_Q4F: 384, KIND_Q8H: 640}
+#: (Q5_0; Q4_0) or 5-bit with float32 scales and minimums (Q5_K); 8-bit with an fp16 scale per 32
+#: inputs (Q8_0, and Q5_0 / Q4_0 fused with Q8_0) or float32 scales per 16 (Q6_K)
+KIND_Q4, KIND_Q5, KIND_Q8, KIND_Q4F, KIND_Q5F, KIND_Q8H = 4, 5, 8, 41, 51, 81
+RECORD_BYTES = {KIND_Q4: 320, KIND_Q5: 352, KIND_Q8: 544, KIND_Q4F: 384, KIND_Q5F: 448, KIND_Q8H: 640}
 
 
 def packable(out_features: int, in_features: int) -> bool:
@@ -71,25 +71,42 @@ def pack_q8(blocks: Int8Blocks) -> torch.Tensor:
     return torch.cat([quads, _halves_as_bytes(blocks.scale, groups, nb)], dim=-1).contiguous()
 
 
-def pack_q5(blocks: Int8Blocks) -> torch.Tensor:
-    """uint8 [out / 16, in / 32, 352] records (see qmatmul.cpp) of weights in -16..15, stored as
-    q + 16: the low four bits as a Q4 record's nibble pairs, the fifth as one 64-bit mask per
-    64-byte chunk and nibble half, then the fp16 scales."""
-    out_features, in_features = blocks.q.shape
-    groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
-    q = (blocks.q.to(torch.int16) + 16).to(torch.uint8).reshape(groups, GROUP_ROWS, nb, 2, 4, 4)
+def _q5_bits(u: torch.Tensor, groups: int, nb: int) -> torch.Tensor:
+    """uint8 [groups, nb, 320]: weights u (0..31) as a Q4 record's nibble pairs of their low four
+    bits, then one 64-bit mask of fifth bits per 64-byte chunk and nibble half."""
+    q = u.reshape(groups, GROUP_ROWS, nb, 2, 4, 4)
     nibbles = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).to(torch.uint8)  # [g, r, b, j, e]
     quads = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, nb, 4 * GROUP_ROWS * 4)
     # bit r * 4 + e of the mask for nibble half `half` of chunk j is row r's weight 16 * half + 4j + e
     bits = (q >> 4).permute(0, 2, 3, 4, 1, 5).reshape(groups, nb, 2, 4, 8, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=q.device)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=u.device)
     masks = (bits * weights).sum(-1, dtype=torch.uint8).reshape(groups, nb, 64)
-    return torch.cat([quads, masks, _halves_as_bytes(blocks.scale, groups, nb)], dim=-1).contiguous()
+    return torch.cat([quads, masks], dim=-1)
+
+
+def pack_q5(blocks: Int8Blocks) -> torch.Tensor:
+    """uint8 [out / 16, in / 32, 352] records (see qmatmul.cpp) of weights in -16..15, stored as
+    q + 16 (_q5_bits), then the fp16 scales."""
+    out_features, in_features = blocks.q.shape
+    groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
+    u = (blocks.q.to(torch.int16) + 16).to(torch.uint8)
+    return torch.cat([_q5_bits(u, groups, nb), _halves_as_bytes(blocks.scale, groups, nb)], dim=-1).contiguous()
+
+
+def pack_q5f(blocks: Int4Blocks) -> torch.Tensor:
+    """uint8 [out / 16, in / 32, 448] records (see qmatmul.cpp) of weights q in 0..31 (Q5_K) as
+    _q5_bits, then float32 scales and minimums."""
+    out_features, in_features = blocks.q.shape
+    groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
+    scale, minimum = (_floats_as_bytes(v, groups, nb) for v in (blocks.scale, blocks.minimum))
+    return torch.cat([_q5_bits(blocks.q.to(torch.uint8), groups, nb), scale, minimum], dim=-1).contiguous()
 
 
 def pack(blocks: Int4Blocks | Int8Blocks) -> tuple[torch.Tensor, int]:
     """(records, kind) of 4-, 5- or 8-bit blocks for the integer kernels."""
     if isinstance(blocks, Int4Blocks):
+        if blocks.bits == 5:
+            return pack_q5f(blocks), KIND_Q5F
         return pack_q4(blocks), KIND_Q4F if blocks.wide else KIND_Q4
     if blocks.halves:
         return pack_q8(blocks), KIND_Q8H
