@@ -278,8 +278,8 @@ def test_default_bfloat16_gives_a_request_the_same_bits_whatever_shares_its_step
         return [(c.token_ids, [s[t] for s, t in zip(c.logprobs, c.token_ids)]) for c in (o.outputs[0] for o in outs)]
 
     alone = [run([p])[0] for p in prompts]
-    together = run(prompts * 4)
-    assert together == alone * 4
+    assert run([prompts[0]] * 16) == [alone[0]] * 16  # 16 copies
+    assert run(prompts * 3) == alone * 3  # mixed lengths, one past the window
     assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
 
 
