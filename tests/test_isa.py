@@ -82,7 +82,7 @@ def test_the_mlp_gives_the_same_bits_at_every_level(native):
     for level in cpu_levels():  # activations quantized, multiplied and gated by each level's variants
         with isa.capped(native, level):
             outputs[level] = native.qlayer_mlp(
-                attn, residual.clone(), o_w, o_kind, norm, 1e-5, gate_up_w, gate_up_kind, down_w, down_kind
+                attn, residual.clone(), [o_w], [o_kind], norm, 1e-5, [gate_up_w], [gate_up_kind], [down_w], [down_kind]
             )
     assert outputs and all(torch.isfinite(out.float()).all() for out in outputs.values())
     first = next(iter(outputs.values()))

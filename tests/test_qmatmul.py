@@ -199,7 +199,7 @@ def test_fused_layer_calls_equal_their_steps_one_by_one():
     sin = torch.cat([-angles.sin(), angles.sin()], -1).bfloat16()
 
     res = residual.clone()
-    fused_qkv = native.qlayer_attn_in(x, res, norm1, 1e-5, qkv, k4, cos, sin, heads + 2)
+    fused_qkv = native.qlayer_attn_in(x, res, norm1, 1e-5, [qkv], [k4], cos, sin, heads + 2)
     expected_res = (x.float() + residual.float()).bfloat16()
     assert torch.equal(res, expected_res)
     step = native.qlinear(_rms(expected_res, norm1), qkv, k4, True).bfloat16()
@@ -208,7 +208,7 @@ def test_fused_layer_calls_equal_their_steps_one_by_one():
 
     attn = torch.randn(rows, hidden, dtype=torch.bfloat16)
     res2 = res.clone()
-    fused_out = native.qlayer_mlp(attn, res2, o, 4, norm2, 1e-5, gate_up, 4, down, 4)
+    fused_out = native.qlayer_mlp(attn, res2, [o], [4], norm2, 1e-5, [gate_up], [4], [down], [4])
     projected = native.qlinear(attn, o, 4)
     after = (projected.float() + res.float()).bfloat16()
     assert torch.equal(res2, after)
@@ -251,3 +251,27 @@ def test_a_fused_projection_of_types_with_no_common_record_runs_split_on_the_int
     out = split(x).double()
     torch.testing.assert_close(out, reference, rtol=2e-2, atol=1e-2 * reference.abs().max().item())  # bfloat16 out
     assert torch.equal(split(x[:1]), split(x)[:1])  # a row's bits do not depend on the batch
+
+
+def test_fused_layer_calls_take_a_projection_split_in_segments_of_different_kinds():
+    """q/k/v as Q5_1 q and k with a Q8_0 v (no common record): the fused call runs the segments
+    side by side and equals the one-by-one steps, as for one segment."""
+    hidden, heads, dim = 64, 2, 16
+    q_rec, q_kind, _ = _weights("Q5_1", hidden, hidden, seed=30)
+    k_rec, k_kind, _ = _weights("Q5_1", hidden // 2, hidden, seed=31)
+    v_rec, v_kind, _ = _weights("Q8_0", hidden // 2, hidden, seed=32)
+    assert (q_kind, v_kind) == (KIND_Q5F, KIND_Q8)
+    rows = 3
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    norm = torch.rand(hidden, dtype=torch.bfloat16) + 0.5
+    angles = torch.rand(rows, dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).bfloat16()
+    records, kinds = [q_rec, k_rec, v_rec], [q_kind, k_kind, v_kind]
+    fused = native.qlayer_attn_in(x, None, norm, 1e-5, records, kinds, cos, sin, heads + 2)
+    normed = _rms(x, norm)
+    step = torch.cat([native.qlinear(normed, r, k, True) for r, k in zip(records, kinds)], -1).bfloat16()
+    native.rope_(step, cos, sin, heads + 2)
+    _close(fused, step)
+    with pytest.raises(RuntimeError, match="one kind per records tensor"):
+        native.qlayer_attn_in(x, None, norm, 1e-5, [q_rec, k_rec], [q_kind], cos, sin, heads + 2)

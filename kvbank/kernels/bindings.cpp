@@ -77,7 +77,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv_w"), py::arg("kind"), py::arg("cos"), py::arg("sin"), py::arg("rope_heads"),
         py::arg("isa") = "auto",
         "A decoder layer up to attention: residual += x (in place; none: x is the residual), RMSNorm, the q/k/v "
-        "projection and rotary embedding of the first rope_heads heads");
+        "projection (a list of records tensors side by side, with their kinds) and rotary embedding of the first "
+        "rope_heads heads");
   m.def("qlayer_mlp", &qlayer_mlp, nogil, py::arg("attn"), py::arg("residual"), py::arg("o_w"), py::arg("o_kind"),
         py::arg("norm_w"), py::arg("eps"), py::arg("gate_up_w"), py::arg("gate_up_kind"), py::arg("down_w"),
         py::arg("down_kind"), py::arg("isa") = "auto",
@@ -88,11 +89,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhead", &qhead, nogil, py::arg("hidden"), py::arg("norm_w"), py::arg("eps"), py::arg("head_w"), py::arg("kind"),
         py::arg("isa") = "auto", "Float32 logits: the final RMSNorm of hidden and the packed LM head");
   py::class_<QuantStack>(m, "QuantStack")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, double, int64_t, int64_t,
-                    int64_t>(),
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
+                    std::vector<torch::Tensor>, double, int64_t, int64_t, int64_t>(),
            py::arg("weights"), py::arg("kinds"), py::arg("norms"), py::arg("eps"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"),
-           "Per layer: packed q/k/v, o, gate/up and down weights with their kinds, and the two norm weights")
+           "Per layer: packed q/k/v, o, gate/up and down weights (each a list of records tensors side by side) "
+           "with their kinds, and the two norm weights")
       .def_property_readonly("num_layers", &QuantStack::num_layers)
       .def("forward", &QuantStack::forward, nogil, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),

@@ -71,11 +71,12 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads)
 std::string qmatmul_isa();
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float_out, std::string isa);
 torch::Tensor qlayer_attn_in(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_w, double eps,
-                             torch::Tensor qkv_w, int64_t kind, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
-                             std::string isa);
-torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, torch::Tensor o_w, int64_t o_kind,
-                         torch::Tensor norm_w, double eps, torch::Tensor gate_up_w, int64_t gate_up_kind,
-                         torch::Tensor down_w, int64_t down_kind, std::string isa);
+                             std::vector<torch::Tensor> qkv_w, std::vector<int64_t> kind, torch::Tensor cos,
+                             torch::Tensor sin, int64_t rope_heads, std::string isa);
+torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, std::vector<torch::Tensor> o_w,
+                         std::vector<int64_t> o_kind, torch::Tensor norm_w, double eps,
+                         std::vector<torch::Tensor> gate_up_w, std::vector<int64_t> gate_up_kind,
+                         std::vector<torch::Tensor> down_w, std::vector<int64_t> down_kind, std::string isa);
 torch::Tensor q8_rows(torch::Tensor records, torch::Tensor ids, torch::ScalarType dtype);
 torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torch::Tensor head_w, int64_t kind,
                     std::string isa);
@@ -85,8 +86,10 @@ torch::Tensor argmax_rows(torch::Tensor logits, std::string isa);
 // A decoder stack on packed GGUF weights, run for a whole step in one call (qmatmul.cpp).
 class QuantStack {
  public:
-  QuantStack(std::vector<torch::Tensor> weights, std::vector<int64_t> kinds, std::vector<torch::Tensor> norms, double eps,
-             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+  // Per layer four projections (q/k/v, o, gate/up, down), each one records tensor or several side
+  // by side with their kinds, and two norms.
+  QuantStack(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> kinds,
+             std::vector<torch::Tensor> norms, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
   int64_t num_layers() const;
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                         std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
@@ -98,8 +101,8 @@ class QuantStack {
                         std::optional<torch::Tensor> own_rows);
 
  private:
-  std::vector<torch::Tensor> weights_;
-  std::vector<int64_t> kinds_;
+  std::vector<std::vector<torch::Tensor>> weights_;
+  std::vector<std::vector<int64_t>> kinds_;
   std::vector<torch::Tensor> norms_;
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -891,13 +891,6 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
   }
 }
 
-void qmatmul_rows(Rec kind, Isa isa, const uint8_t* weights, int64_t groups, const QuantRows& a, float* out,
-                  int64_t out_stride) {
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    qmatmul_groups(kind, isa, weights, begin, end, a, out, out_stride);
-  });
-}
-
 // The matmul variant called `name` (auto: the active one); refused above the active level.
 Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
@@ -910,10 +903,20 @@ Isa parse_isa(const std::string& name) {
   return wanted;
 }
 
+// One tensor of records of one kind: `groups` groups of 16 output rows.
+struct Segment {
+  const uint8_t* data;
+  int64_t groups;
+  Rec kind;
+};
+
+// A projection's records: one segment, or several side by side (a fused projection whose tensors
+// share no record kind, e.g. Q4_K q/k with a Q6_K v): their output rows follow one another.
 struct PackedWeight {
   const uint8_t* data;
   int64_t groups, blocks, out_features, in_features;
   Rec kind;
+  std::vector<Segment> segments;
 };
 
 PackedWeight check_weight(const torch::Tensor& w, int64_t kind) {
@@ -925,7 +928,39 @@ PackedWeight check_weight(const torch::Tensor& w, int64_t kind) {
   const int64_t record = record_bytes(rec);
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == record,
               "packed weights must be contiguous uint8 [groups, blocks, ", record, "], got ", w.sizes());
-  return {w.data_ptr<uint8_t>(), w.size(0), w.size(1), w.size(0) * GROUP_ROWS, w.size(1) * QK, rec};
+  return {w.data_ptr<uint8_t>(), w.size(0), w.size(1), w.size(0) * GROUP_ROWS, w.size(1) * QK, rec,
+          {{w.data_ptr<uint8_t>(), w.size(0), rec}}};
+}
+
+// The segments `ws` (kinds `kinds`) of one projection, side by side.
+PackedWeight check_weights(const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& kinds) {
+  TORCH_CHECK(!ws.empty() && ws.size() == kinds.size(), "a projection takes one kind per records tensor, got ",
+              ws.size(), " tensors and ", kinds.size(), " kinds");
+  PackedWeight whole = check_weight(ws[0], kinds[0]);
+  for (size_t i = 1; i < ws.size(); ++i) {
+    const PackedWeight part = check_weight(ws[i], kinds[i]);
+    TORCH_CHECK(part.in_features == whole.in_features, "records ", i, " take ", part.in_features, " inputs, not ",
+                whole.in_features);
+    whole.groups += part.groups;
+    whole.out_features += part.out_features;
+    whole.segments.push_back(part.segments[0]);
+  }
+  return whole;
+}
+
+// Groups [g0, g1) of a projection (counted over its segments), into out's columns.
+void qmatmul_span(const PackedWeight& w, Isa isa, int64_t g0, int64_t g1, const QuantRows& a, float* out,
+                  int64_t out_stride) {
+  int64_t base = 0;
+  for (const Segment& seg : w.segments) {
+    const int64_t lo = std::max(g0, base), hi = std::min(g1, base + seg.groups);
+    if (lo < hi) qmatmul_groups(seg.kind, isa, seg.data, lo - base, hi - base, a, out + base * GROUP_ROWS, out_stride);
+    base += seg.groups;
+  }
+}
+
+void qmatmul_rows(const PackedWeight& w, Isa isa, const QuantRows& a, float* out, int64_t out_stride) {
+  at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) { qmatmul_span(w, isa, begin, end, a, out, out_stride); });
 }
 
 template <typename T>
@@ -1128,7 +1163,7 @@ torch::Tensor attn_in_impl(torch::Tensor x, std::optional<torch::Tensor> residua
   add_norm_quantize(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, norm_w.data_ptr<T>(), rows, dim, eps,
                     a);
   std::vector<float> acc(rows * qkv.out_features);
-  qmatmul_rows(qkv.kind, isa, qkv.data, qkv.groups, a, acc.data(), qkv.out_features);
+  qmatmul_rows(qkv, isa, a, acc.data(), qkv.out_features);
   auto out = torch::empty({rows, qkv.out_features}, x.options());
   store_rows(acc.data(), out.data_ptr<T>(), acc.size());
   rope_rows(out.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), rows, rope_heads, cos.size(1), qkv.out_features);
@@ -1142,11 +1177,11 @@ torch::Tensor mlp_impl(torch::Tensor attn, torch::Tensor residual, const PackedW
   QuantRows a;
   quantize_rows(attn.data_ptr<T>(), attn.stride(0), rows, attn.size(1), a);
   std::vector<float> acc(rows * std::max(hidden, gate_up.out_features));
-  qmatmul_rows(o.kind, isa, o.data, o.groups, a, acc.data(), hidden);
+  qmatmul_rows(o, isa, a, acc.data(), hidden);
   std::vector<T> projected(rows * hidden);
   store_rows(acc.data(), projected.data(), rows * hidden);
   add_norm_quantize(projected.data(), residual.data_ptr<T>(), norm_w.data_ptr<T>(), rows, hidden, eps, a);
-  qmatmul_rows(gate_up.kind, isa, gate_up.data, gate_up.groups, a, acc.data(), gate_up.out_features);
+  qmatmul_rows(gate_up, isa, a, acc.data(), gate_up.out_features);
   // silu(gate) * up from the projections rounded to T, as the unfused layer computes them.
   a.resize(rows, inter);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -1157,7 +1192,7 @@ torch::Tensor mlp_impl(torch::Tensor attn, torch::Tensor residual, const PackedW
       a.quantize_row(r, h.data());
     }
   });
-  qmatmul_rows(down.kind, isa, down.data, down.groups, a, acc.data(), hidden);
+  qmatmul_rows(down, isa, a, acc.data(), hidden);
   auto out = torch::empty({rows, hidden}, residual.options());
   store_rows(acc.data(), out.data_ptr<T>(), rows * hidden);
   return out;
@@ -1189,20 +1224,20 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float
   }
   if (float_out || x.scalar_type() == torch::kFloat) {
     auto out = torch::empty({rows, pw.out_features}, x.options().dtype(torch::kFloat));
-    qmatmul_rows(pw.kind, isa, pw.data, pw.groups, a, out.data_ptr<float>(), pw.out_features);
+    qmatmul_rows(pw, isa, a, out.data_ptr<float>(), pw.out_features);
     return out;
   }
   std::vector<float> acc(rows * pw.out_features);
-  qmatmul_rows(pw.kind, isa, pw.data, pw.groups, a, acc.data(), pw.out_features);
+  qmatmul_rows(pw, isa, a, acc.data(), pw.out_features);
   auto out = torch::empty({rows, pw.out_features}, x.options());
   store_rows(acc.data(), out.data_ptr<c10::BFloat16>(), acc.size());
   return out;
 }
 
 torch::Tensor qlayer_attn_in(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_w, double eps,
-                             torch::Tensor qkv_w, int64_t kind, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads,
-                             std::string isa_name) {
-  const PackedWeight qkv = check_weight(qkv_w, kind);
+                             std::vector<torch::Tensor> qkv_w, std::vector<int64_t> kind, torch::Tensor cos,
+                             torch::Tensor sin, int64_t rope_heads, std::string isa_name) {
+  const PackedWeight qkv = check_weights(qkv_w, kind);
   check_rows(x, qkv.in_features, "x");
   if (residual) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(),
@@ -1222,11 +1257,12 @@ torch::Tensor qlayer_attn_in(torch::Tensor x, std::optional<torch::Tensor> resid
   return attn_in_impl<float>(x, residual, norm_w, eps, qkv, cos, sin, rope_heads, isa);
 }
 
-torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, torch::Tensor o_w, int64_t o_kind,
-                         torch::Tensor norm_w, double eps, torch::Tensor gate_up_w, int64_t gate_up_kind,
-                         torch::Tensor down_w, int64_t down_kind, std::string isa_name) {
-  const PackedWeight o = check_weight(o_w, o_kind), gate_up = check_weight(gate_up_w, gate_up_kind),
-                     down = check_weight(down_w, down_kind);
+torch::Tensor qlayer_mlp(torch::Tensor attn, torch::Tensor residual, std::vector<torch::Tensor> o_w,
+                         std::vector<int64_t> o_kind, torch::Tensor norm_w, double eps,
+                         std::vector<torch::Tensor> gate_up_w, std::vector<int64_t> gate_up_kind,
+                         std::vector<torch::Tensor> down_w, std::vector<int64_t> down_kind, std::string isa_name) {
+  const PackedWeight o = check_weights(o_w, o_kind), gate_up = check_weights(gate_up_w, gate_up_kind),
+                     down = check_weights(down_w, down_kind);
   check_rows(residual, o.out_features, "residual");
   TORCH_CHECK(attn.dim() == 2 && attn.stride(1) == 1 && attn.size(1) == o.in_features && attn.size(0) == residual.size(0) &&
                   attn.scalar_type() == residual.scalar_type(),
@@ -1297,21 +1333,22 @@ torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torc
     add_norm_quantize<float>(x.data_ptr<float>(), nullptr, norm_w.data_ptr<float>(), rows, x.size(1), eps, a);
   }
   auto out = torch::empty({rows, head.out_features}, x.options().dtype(torch::kFloat));
-  qmatmul_rows(head.kind, isa, head.data, head.groups, a, out.data_ptr<float>(), head.out_features);
+  qmatmul_rows(head, isa, a, out.data_ptr<float>(), head.out_features);
   return out;
 }
 
 // --- a whole decoder stack per call ---------------------------------------------------------------
 
-QuantStack::QuantStack(std::vector<torch::Tensor> weights, std::vector<int64_t> kinds, std::vector<torch::Tensor> norms,
-                       double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+QuantStack::QuantStack(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> kinds,
+                       std::vector<torch::Tensor> norms, double eps, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim)
     : weights_(std::move(weights)), kinds_(std::move(kinds)), norms_(std::move(norms)), eps_(eps),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {
   TORCH_CHECK(weights_.size() % 4 == 0 && weights_.size() == kinds_.size() && norms_.size() * 2 == weights_.size(),
               "a stack takes 4 packed weights (qkv, o, gate_up, down) and 2 norms per layer");
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (size_t i = 0; i < weights_.size(); i += 4) {
-    const PackedWeight qkv = check_weight(weights_[i], kinds_[i]), o = check_weight(weights_[i + 1], kinds_[i + 1]);
+    const PackedWeight qkv = check_weights(weights_[i], kinds_[i]), o = check_weights(weights_[i + 1], kinds_[i + 1]);
     TORCH_CHECK(qkv.out_features == q_size + 2 * kv_size && o.in_features == q_size,
                 "layer ", i / 4, ": q/k/v has ", qkv.out_features, " rows and o ", o.in_features, " inputs; the heads need ",
                 q_size + 2 * kv_size, " and ", q_size);
@@ -1365,7 +1402,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   TORCH_CHECK(group <= kMaxGroup && head_dim_ <= kMaxDim && partition > 0, "group ", group, " or head dim ", head_dim_,
               " is beyond the decode kernel");
   std::vector<PackedWeight> w;
-  for (int64_t i = 0; i < 4 * layers; ++i) w.push_back(check_weight(weights_[i], kinds_[i]));
+  for (int64_t i = 0; i < 4 * layers; ++i) w.push_back(check_weights(weights_[i], kinds_[i]));
   const int64_t inter = w[2].out_features / 2;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -1564,7 +1601,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const QuantRows& a1 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, previous, norm1); });
       {
         const auto [g0, g1] = share(wqkv.groups, tid, nt);
-        qmatmul_groups(wqkv.kind, isa, wqkv.data, g0, g1, a1, acc.data(), width);
+        qmatmul_span(wqkv, isa, g0, g1, a1, acc.data(), width);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
@@ -1644,7 +1681,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       });
       {
         const auto [g0, g1] = share(wo.groups, tid, nt);
-        qmatmul_groups(wo.kind, isa, wo.data, g0, g1, a2, acc.data(), hidden);
+        qmatmul_span(wo, isa, g0, g1, a2, acc.data(), hidden);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r)
@@ -1653,7 +1690,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, residual.data(), norm2); });
       {
         const auto [g0, g1] = share(wgu.groups, tid, nt);
-        qmatmul_groups(wgu.kind, isa, wgu.data, g0, g1, a3, acc.data(), wgu.out_features);
+        qmatmul_span(wgu, isa, g0, g1, a3, acc.data(), wgu.out_features);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r)
@@ -1667,7 +1704,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
       {
         const auto [g0, g1] = share(wdown.groups, tid, nt);
-        qmatmul_groups(wdown.kind, isa, wdown.data, g0, g1, a4, acc.data(), hidden);
+        qmatmul_span(wdown, isa, g0, g1, a4, acc.data(), hidden);
       }
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r)

@@ -199,8 +199,7 @@ class DecoderLayer(nn.Module):
             residual,
             self.input_layernorm.weight,
             self.input_layernorm.eps,
-            attn.qkv_proj.records,
-            attn.qkv_proj.kind,
+            *attn.qkv_proj.segments(),
             cos,
             sin,
             attn.num_heads + attn.num_kv_heads,
@@ -209,14 +208,11 @@ class DecoderLayer(nn.Module):
         out = self.native.qlayer_mlp(
             attn.attend(qkv, kv_cache, meta),
             residual,
-            attn.o_proj.records,
-            attn.o_proj.kind,
+            *attn.o_proj.segments(),
             self.post_attention_layernorm.weight,
             self.post_attention_layernorm.eps,
-            mlp.gate_up_proj.records,
-            mlp.gate_up_proj.kind,
-            mlp.down_proj.records,
-            mlp.down_proj.kind,
+            *mlp.gate_up_proj.segments(),
+            *mlp.down_proj.segments(),
         )
         return out, residual
 
@@ -226,7 +222,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         linears = (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         fusable = (
-            all(isinstance(m, QuantLinear) and m.bias is None for m in linears)
+            all(isinstance(m, (QuantLinear, SplitLinear)) and m.bias is None for m in linears)
             and attn.q_norm is None
             and len({m.max_rows for m in linears}) == 1
         )
@@ -408,8 +404,9 @@ class LlamaForCausalLM(nn.Module):
                     layer.mlp.gate_up_proj,
                     layer.mlp.down_proj,
                 ):
-                    weights.append(linear.records)
-                    kinds.append(linear.kind)
+                    records, kind = linear.segments()
+                    weights.append(records)
+                    kinds.append(kind)
                 norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             c = self.config
             self._native_stack = self.layers[0].native.QuantStack(

@@ -151,6 +151,10 @@ class QuantLinear(nn.Module):
     def integer_path(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
 
+    def segments(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The records and kinds the fused native calls take (one segment)."""
+        return [self.records], [self.kind]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.integer_path(x.shape[0]):
             return F.linear(x, self.weight, self.bias)
@@ -169,10 +173,15 @@ class SplitLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
+        self.max_rows = parts[0].max_rows
         self.bias = None
 
     def integer_path(self, rows: int) -> bool:
         return all(p.integer_path(rows) for p in self.parts)
+
+    def segments(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The parts' records and kinds, side by side, as the fused native calls take them."""
+        return [p.records for p in self.parts], [p.kind for p in self.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
