@@ -276,22 +276,30 @@ void q4_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
   }
 }
 
+// Q8 (H false: one fp16 scale per block) and Q8H (H: float32 scales per 16 inputs): per row and
+// block the first and last 16 inputs' exact dot products; Q8H scales them apart, low half first.
+template <bool H>
 void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
   for (int64_t i = 0; i < tile; ++i) {
     for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
       float acc = 0.0f;
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * Q8_RECORD;
+        const uint8_t* rec = w + b * record;
         const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
-        int32_t dot = 0;
+        int32_t dot[2] = {0, 0};
         for (int64_t c = 0; c < 8; ++c) {
-          for (int64_t e = 0; e < 4; ++e) dot += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
+          for (int64_t e = 0; e < 4; ++e) dot[c / 4] += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
         }
         const int64_t ab = (r0 + i) * a.blocks + b;
-        dot -= 128 * a.sum[ab];
-        uint16_t dh;
-        std::memcpy(&dh, rec + 512 + 2 * lane, 2);
-        acc = std::fma(static_cast<float>(dot), half_to_float(dh) * a.d[ab], acc);
+        dot[0] -= 128 * a.sum_lo[ab];
+        dot[1] -= 128 * (a.sum[ab] - a.sum_lo[ab]);
+        if (H) {
+          acc = std::fma(static_cast<float>(dot[0]), record_value<true>(rec, 512, lane) * a.d[ab], acc);
+          acc = std::fma(static_cast<float>(dot[1]), record_value<true>(rec, 576, lane) * a.d[ab], acc);
+        } else {
+          acc = std::fma(static_cast<float>(dot[0] + dot[1]), record_value<false>(rec, 512, lane) * a.d[ab], acc);
+        }
       }
       out[i * GROUP_ROWS + lane] = acc;
     }
@@ -342,29 +350,6 @@ void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
   }
 }
 
-// Q8H: per row and block, the first and last 16 inputs' exact dot products, each with its own
-// scale, added low half first.
-void q8h_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  for (int64_t i = 0; i < tile; ++i) {
-    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * Q8H_RECORD;
-        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
-        int32_t dot[2] = {0, 0};
-        for (int64_t c = 0; c < 8; ++c) {
-          for (int64_t e = 0; e < 4; ++e) dot[c / 4] += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
-        }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        dot[0] -= 128 * a.sum_lo[ab];
-        dot[1] -= 128 * (a.sum[ab] - a.sum_lo[ab]);
-        acc = std::fma(static_cast<float>(dot[0]), record_value<true>(rec, 512, lane) * a.d[ab], acc);
-        acc = std::fma(static_cast<float>(dot[1]), record_value<true>(rec, 576, lane) * a.d[ab], acc);
-      }
-      out[i * GROUP_ROWS + lane] = acc;
-    }
-  }
-}
 
 #ifdef KVBANK_X86
 // 4 activation bytes broadcast to every lane, straight from memory (a load, no shuffle).
@@ -465,28 +450,38 @@ KVBANK_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
   }
 }
 
-template <int R>
+// Q8 and Q8H (H) as q8_group_scalar: the low and high 16 inputs' products summed apart.
+template <int R, bool H>
 KVBANK_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec = w + b * Q8_RECORD;
-    for (int line = 0; line < Q8_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    const uint8_t* rec = w + b * record;
+    for (int line = 0; line < record; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
     __m512i wv[8];
     for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(rec + 64 * c);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+    const __m512 d_lo = record_values16<H>(rec, 512), d_hi = H ? record_values16<true>(rec, 576) : d_lo;
     for (int i = 0; i < R; ++i) {
       const int8_t* qa = rows[i] + b * QK;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, wv[c], quad(qa + 4 * c));
-        s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], quad(qa + 4 * c + 4));
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        lo = _mm512_dpbusd_epi32(lo, wv[c], quad(qa + 4 * c));
+        hi = _mm512_dpbusd_epi32(hi, wv[c + 4], quad(qa + 16 + 4 * c));
       }
       const int64_t ab = (r0 + i) * a.blocks + b;
-      const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.sum[ab]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
+      const __m512 d = _mm512_set1_ps(a.d[ab]);
+      if (H) {
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.sum_lo[ab]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * (a.sum[ab] - a.sum_lo[ab])));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d_lo, d), acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d_hi, d), acc[i]);
+      } else {
+        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), _mm512_set1_epi32(128 * a.sum[ab]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d_lo, d), acc[i]);
+      }
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
@@ -573,36 +568,6 @@ KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
 }
 
-// Q8H: the low and high 16 inputs' products in separate sums, scaled apart (as q8h_group_scalar).
-template <int R>
-KVBANK_VNNI void q8h_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  const int8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec = w + b * Q8H_RECORD;
-    for (int line = 0; line < Q8H_RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
-    __m512i wv[8];
-    for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(rec + 64 * c);
-    const __m512 d_lo = record_values16<true>(rec, 512), d_hi = record_values16<true>(rec, 576);
-    for (int i = 0; i < R; ++i) {
-      const int8_t* qa = rows[i] + b * QK;
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        lo = _mm512_dpbusd_epi32(lo, wv[c], quad(qa + 4 * c));
-        hi = _mm512_dpbusd_epi32(hi, wv[c + 4], quad(qa + 16 + 4 * c));
-      }
-      const int64_t ab = (r0 + i) * a.blocks + b;
-      const __m512 d = _mm512_set1_ps(a.d[ab]);
-      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.sum_lo[ab]));
-      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * (a.sum[ab] - a.sum_lo[ab])));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d_lo, d), acc[i]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d_hi, d), acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
-}
 
 // AVX2: each record is two halves of 8 rows (bytes 32h.. of every 64-byte chunk); maddubs + madd
 // give the same exact integer dot products (no pair can saturate: |u8 x s8 x 2| < 2^15 here).
@@ -662,8 +627,11 @@ KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
   }
 }
 
-template <int R>
+// Q8 and Q8H (H) on AVX2: signed weights, |w| as the unsigned operand and the activation taking
+// w's sign; the low and high 16 inputs summed apart, as q8_group_scalar.
+template <int R, bool H>
 KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
@@ -671,30 +639,33 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * Q8_RECORD;
+      const uint8_t* rec = w + b * record;
       if (h == 0) {
-        for (int line = 0; line < Q8_RECORD; line += 64)
+        for (int line = 0; line < record; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
       }
-      // Signed weights: |w| as the unsigned operand, the activation takes w's sign.
       __m256i ws[8], mag[8];
       for (int c = 0; c < 8; ++c) {
         ws[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
         mag[c] = _mm256_abs_epi8(ws[c]);
       }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
+      const __m256 d_lo = record_values8<H>(rec, 512, h), d_hi = H ? record_values8<true>(rec, 576, h) : d_lo;
       for (int i = 0; i < R; ++i) {
         const int8_t* qa = rows[i] + b * QK;
-        __m256i s0 = dot_u8s8(mag[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), ws[0]));
-        __m256i s1 = dot_u8s8(mag[1], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4)), ws[1]));
-        for (int c = 2; c < 8; c += 2) {
-          s0 = _mm256_add_epi32(s0, dot_u8s8(mag[c], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c)), ws[c])));
-          s1 = _mm256_add_epi32(
-              s1, dot_u8s8(mag[c + 1], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c + 4)), ws[c + 1])));
+        __m256i lo = dot_u8s8(mag[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), ws[0]));
+        __m256i hi = dot_u8s8(mag[4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16)), ws[4]));
+        for (int c = 1; c < 4; ++c) {
+          lo = _mm256_add_epi32(lo, dot_u8s8(mag[c], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c)), ws[c])));
+          hi = _mm256_add_epi32(
+              hi, dot_u8s8(mag[c + 4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16 + 4 * c)), ws[c + 4])));
         }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])),
-                                 acc[i]);
+        const __m256 d = _mm256_set1_ps(a.d[(r0 + i) * a.blocks + b]);
+        if (H) {
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d_lo, d), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d_hi, d), acc[i]);
+        } else {
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(d_lo, d), acc[i]);
+        }
       }
     }
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
@@ -755,44 +726,6 @@ KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
   }
 }
 
-// Q8H on AVX2: signed weights as in q8_group_avx2, the low and high 16 inputs summed apart.
-template <int R>
-KVBANK_AVX2 void q8h_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const int8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * Q8H_RECORD;
-      if (h == 0) {
-        for (int line = 0; line < Q8H_RECORD; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
-      }
-      __m256i ws[8], mag[8];
-      for (int c = 0; c < 8; ++c) {
-        ws[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
-        mag[c] = _mm256_abs_epi8(ws[c]);
-      }
-      const __m256 d_lo = record_values8<true>(rec, 512, h), d_hi = record_values8<true>(rec, 576, h);
-      for (int i = 0; i < R; ++i) {
-        const int8_t* qa = rows[i] + b * QK;
-        __m256i lo = dot_u8s8(mag[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), ws[0]));
-        __m256i hi = dot_u8s8(mag[4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16)), ws[4]));
-        for (int c = 1; c < 4; ++c) {
-          lo = _mm256_add_epi32(lo, dot_u8s8(mag[c], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c)), ws[c])));
-          hi = _mm256_add_epi32(
-              hi, dot_u8s8(mag[c + 4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16 + 4 * c)), ws[c + 4])));
-        }
-        const __m256 d = _mm256_set1_ps(a.d[(r0 + i) * a.blocks + b]);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d_lo, d), acc[i]);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d_hi, d), acc[i]);
-      }
-    }
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
-  }
-}
 #endif
 
 template <int R>
@@ -802,8 +735,8 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
     switch (kind) {
       case Rec::Q4: return q4_group_avx512<R, false>(w, a, r0, out);
       case Rec::Q4F: return q4_group_avx512<R, true>(w, a, r0, out);
-      case Rec::Q8: return q8_group_avx512<R>(w, a, r0, out);
-      case Rec::Q8H: return q8h_group_avx512<R>(w, a, r0, out);
+      case Rec::Q8: return q8_group_avx512<R, false>(w, a, r0, out);
+      case Rec::Q8H: return q8_group_avx512<R, true>(w, a, r0, out);
       case Rec::Q5: return q5_group_avx512<R, false>(w, a, r0, out);
       case Rec::Q5F: return q5_group_avx512<R, true>(w, a, r0, out);
     }
@@ -812,8 +745,8 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
     switch (kind) {
       case Rec::Q4: return q4_group_avx2<R, false>(w, a, r0, out);
       case Rec::Q4F: return q4_group_avx2<R, true>(w, a, r0, out);
-      case Rec::Q8: return q8_group_avx2<R>(w, a, r0, out);
-      case Rec::Q8H: return q8h_group_avx2<R>(w, a, r0, out);
+      case Rec::Q8: return q8_group_avx2<R, false>(w, a, r0, out);
+      case Rec::Q8H: return q8_group_avx2<R, true>(w, a, r0, out);
       case Rec::Q5: return q5_group_avx2<R, false>(w, a, r0, out);
       case Rec::Q5F: return q5_group_avx2<R, true>(w, a, r0, out);
     }
@@ -822,8 +755,8 @@ void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t
   switch (kind) {
     case Rec::Q4: return q4_group_scalar<false>(w, a, r0, R, out);
     case Rec::Q4F: return q4_group_scalar<true>(w, a, r0, R, out);
-    case Rec::Q8: return q8_group_scalar(w, a, r0, R, out);
-    case Rec::Q8H: return q8h_group_scalar(w, a, r0, R, out);
+    case Rec::Q8: return q8_group_scalar<false>(w, a, r0, R, out);
+    case Rec::Q8H: return q8_group_scalar<true>(w, a, r0, R, out);
     case Rec::Q5: return q5_group_scalar<false>(w, a, r0, R, out);
     case Rec::Q5F: return q5_group_scalar<true>(w, a, r0, R, out);
   }
