@@ -217,6 +217,27 @@ def test_fused_layer_calls_equal_their_steps_one_by_one():
     _close(fused_out, native.qlinear(h.float(), down, 4, True).bfloat16())
 
 
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q4_K", "Q5_0"])
+def test_an_untied_head_of_any_kernel_type_runs_on_its_records(type_name):
+    """Q4_K_M files untie the head as Q6_K (or Q4_K/Q5_K): it takes its own records, not bfloat16."""
+    from tiny_models import tiny_config
+
+    from kvbank.models.llama import LlamaForCausalLM
+    from kvbank.models.qweights import QuantHead
+
+    vocab, hidden = 64, 256
+    model = LlamaForCausalLM(tiny_config(num_heads=4, head_dim=64, vocab_size=vocab, tie_word_embeddings=False))
+    model.to(torch.bfloat16)
+    blocks = _blocks(type_name, _raw(type_name, vocab, hidden, seed=40), vocab)
+    int4, int8 = ({"lm_head.weight": blocks}, {}) if type_name in INT4_TYPES else ({}, {"lm_head.weight": blocks})
+    model._pack_embeddings(int8, native, int4)
+    assert isinstance(model.lm_head, QuantHead) and model.lm_head.kind == pack(blocks)[1]
+    hidden_states = torch.randn(3, hidden, dtype=torch.bfloat16)
+    logits = model.compute_logits(hidden_states)
+    expected = native.qlinear(_rms(hidden_states, model.norm.weight), *pack(blocks), True)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0.01 * expected.abs().max().item())
+
+
 def test_the_head_is_the_final_norm_then_the_8_bit_matmul():
     head, _, _ = _weights("Q8_0", 80, 64, seed=11)
     hidden = torch.randn(3, 64, dtype=torch.bfloat16)

@@ -18,7 +18,16 @@ from kvbank.attention.fast import DECODE_PARTITION
 from kvbank.attention.rope import apply_rope
 from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Int4Blocks, Int8Blocks, PackedLinear
-from kvbank.models.qweights import QuantEmbedding, QuantHead, QuantLinear, SplitLinear, pack, pack_q8, packable
+from kvbank.models.qweights import (
+    KIND_Q8,
+    QuantEmbedding,
+    QuantHead,
+    QuantLinear,
+    SplitLinear,
+    pack,
+    pack_q8,
+    packable,
+)
 
 #: StackCache fields that a cache format may have beside its K and V, passed to the stack per layer
 STACK_EXTRAS = ("k_scale", "v_scale", "k_grid", "v_zero", "residual_k", "residual_v")
@@ -509,12 +518,13 @@ class LlamaForCausalLM(nn.Module):
                 packed += 1
             if native is not None:
                 layer.use_integer_kernels(native)
-        if native is not None and int8:
-            self._pack_embeddings(int8, native)
+        if native is not None:
+            self._pack_embeddings(int8 or {}, native, int4)
         return packed
 
-    def _pack_embeddings(self, int8: dict[str, Int8Blocks], native) -> None:
-        """A Q8_0 embedding table read as it is stored, by the lookup and, when tied, the LM head."""
+    def _pack_embeddings(self, int8: dict[str, Int8Blocks], native, int4: dict[str, Int4Blocks]) -> None:
+        """A Q8_0 embedding table read as it is stored, by the lookup and, when tied, the LM head; an
+        untied head of any type with a kernel, in its own records."""
         c = self.config
         dtype = self.embed_tokens.weight.dtype
         table = int8.get("model.embed_tokens.weight")
@@ -523,11 +533,11 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = QuantEmbedding(records, c.vocab_size, dtype)
             self.embed_tokens.native = native
             if c.tie_word_embeddings:
-                self.lm_head = QuantHead(records, c.vocab_size)
+                self.lm_head = QuantHead(records, KIND_Q8, c.vocab_size)
                 self.lm_head.native = native
-        head = int8.get("lm_head.weight")
+        head = int8.get("lm_head.weight") or int4.get("lm_head.weight")
         if not c.tie_word_embeddings and head is not None and packable(*head.q.shape):
-            self.lm_head = QuantHead(pack_q8(head), c.vocab_size)
+            self.lm_head = QuantHead(*pack(head), c.vocab_size)
             self.lm_head.native = native
 
     def _build_rope(self, rope_freqs: torch.Tensor | None, dtype: torch.dtype) -> None:

@@ -113,16 +113,17 @@ def describe_model(path: str | None) -> ModelInfo:
 
 
 def keeps_int4(gguf_type: str, hf_name: str) -> bool:
-    """Whether loading keeps a GGUF tensor's 4-bit blocks beside its float32 copy (for packed matmuls)."""
-    return gguf_type in INT4_TYPES and hf_name.endswith("proj.weight")
+    """Whether loading keeps a GGUF tensor's blocks with minimums (Q4_0/Q4_1/Q4_K/Q5_1/Q5_K) beside
+    its float32 copy: projections and an untied LM head, for the integer kernels."""
+    return gguf_type in INT4_TYPES and (hf_name.endswith("proj.weight") or hf_name == "lm_head.weight")
 
 
 def keeps_int8(gguf_type: str, hf_name: str) -> bool:
-    """Whether loading keeps a GGUF tensor's 8-bit blocks: projections whose integer weights fit 8
-    bits with their scales (Q8_0, Q5_0, Q6_K), and a Q8_0 embedding table or LM head."""
-    if hf_name.endswith("proj.weight"):
+    """Whether loading keeps a GGUF tensor's 8-bit blocks: projections and an untied LM head whose
+    integer weights fit 8 bits with their scales (Q8_0, Q5_0, Q6_K), and a Q8_0 embedding table."""
+    if hf_name.endswith("proj.weight") or hf_name == "lm_head.weight":
         return gguf_type in INT8_TYPES
-    return gguf_type == "Q8_0" and hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+    return gguf_type == "Q8_0" and hf_name == "model.embed_tokens.weight"
 
 
 def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:

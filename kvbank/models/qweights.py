@@ -211,14 +211,16 @@ class QuantEmbedding(nn.Module):
 
 
 class QuantHead(nn.Module):
-    """The LM head on Q8 records: float32 logits of the final norm's output, in one native call."""
+    """The LM head on packed records (Q8 when tied to a Q8_0 table; an untied head in its own
+    type's records): float32 logits of the final norm's output, in one native call."""
 
     native = None
 
-    def __init__(self, records: torch.Tensor, out_features: int) -> None:
+    def __init__(self, records: torch.Tensor, kind: int, out_features: int) -> None:
         super().__init__()
         self.register_buffer("weight", records)
+        self.kind = kind
         self.out_features = out_features
 
     def logits(self, hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.native.qhead(hidden, norm_weight, eps, self.weight, 8)
+        return self.native.qhead(hidden, norm_weight, eps, self.weight, self.kind)
