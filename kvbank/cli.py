@@ -25,6 +25,7 @@ from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.kernels import isa
+from kvbank.models.build import check_supported
 from kvbank.models.loader import BUNDLED_FILE, describe_model
 from kvbank.server.api import build_app
 from kvbank.server.async_engine import AsyncEngine
@@ -241,8 +242,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(
             f"{row['kv_cache_dtype']:<15}{row['bytes_per_token']:>12.1f}{row['bytes_per_token'] / full:>8.3f}x"
             f"{_mib(row['residual_bytes_per_seq']):>14}{row['num_tokens']:>11}{row['sequences']:>7}"
-            f"{row['max_sequences']:>10}"
+            f"{row['max_sequences']:>10}{'  refused*' if row['refused'] else ''}"
         )
+    refused = next((row["refused"] for row in rows if row["refused"]), None)
+    if refused:
+        print(f"*: this model refuses it: {refused}")
     print(
         f"seqs: full-length sequences at --max-num-seqs {config.max_num_seqs} (int4/int2 reserve one residual "
         "block per sequence); max seqs: with --max-num-seqs set to that number"
@@ -268,8 +272,14 @@ def _plan_row(model_config, config: EngineConfig, kv: str, context: int) -> dict
         reserved_seqs=config.max_num_seqs,
     )
     per_seq = -(-context // config.block_size)
+    try:
+        check_supported(model_config, dataclasses.replace(config, kv_cache_dtype=kv))
+        refused = None
+    except ValueError as error:  # e.g. quantized KV for a model with sliding-window layers
+        refused = str(error)
     return {
         "kv_cache_dtype": kv,
+        "refused": refused,
         "bytes_per_token": plan.bytes_per_token,
         "residual_bytes_per_seq": plan.residual_bytes_per_seq,
         "num_blocks": plan.num_blocks,

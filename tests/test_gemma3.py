@@ -351,6 +351,15 @@ def test_refuses_what_the_windows_cannot_run(path, option, match):
     check_supported(dataclasses.replace(config, layer_windows=()), EngineConfig(model=path, **option))
 
 
+def test_kvbank_plan_marks_the_kv_dtypes_this_model_refuses(path):
+    from kvbank.cli import _plan_row
+
+    config = describe_model(path).config
+    engine = EngineConfig(model=path)
+    assert _plan_row(config, engine, "auto", 8192)["refused"] is None
+    assert "not supported for gemma3" in _plan_row(config, engine, "int8", 8192)["refused"]
+
+
 def test_the_engine_refuses_a_quantized_kv_cache_at_load(path):
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*head_dim=256.*sliding-window"):
         LLM(path, kv_cache_dtype="int4")
