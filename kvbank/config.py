@@ -86,7 +86,7 @@ class EngineConfig:
     max_pinned_fraction: float = option(0.5, "most of the KV pool that pinned prefixes may hold", plan=False)
     weight_format: str = option(
         "auto",
-        "auto runs a GGUF's quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) on the integer kernels "
+        "auto runs a GGUF's quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) on the integer kernels "
         "in bfloat16 on CPU; dense dequantizes everything; int4 requires the packed path",
         choices=_WEIGHT_FORMATS,
     )

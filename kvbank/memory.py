@@ -34,7 +34,7 @@ from kvbank.models.qweights import KIND_Q4, KIND_Q4F, KIND_Q5, KIND_Q5F, KIND_Q8
 
 #: memory parts in the order they are shown, with what each one is
 PARTS = {
-    "packed_weights": "projections packed for the integer kernels (4- and 8-bit GGUF blocks) with their scales",
+    "packed_weights": "projections packed for the integer kernels (4-, 5- and 8-bit GGUF blocks) with their scales",
     "dense_weights": "projections and norms in the model dtype",
     "embeddings": "the token embedding table",
     "lm_head": "the output projection (0 when tied to the embeddings)",
@@ -205,8 +205,8 @@ def predict(config: EngineConfig) -> MemoryReport:
     state_dict = {name: _meta(shape) for name, shape in shapes.items()}
     if "rope_freqs" in state_dict:  # read by value to build the rotary tables; tiny
         state_dict["rope_freqs"] = torch.ones(shapes["rope_freqs"])
-    int4 = {name: _meta_blocks(shapes[name], kind) for name, kind in int4_names.items()}
-    int8 = {name: _meta_int8(shapes[name], kind) for name, kind in int8_names.items()}
+    int4 = {name: Int4Blocks.meta(shapes[name], kind) for name, kind in int4_names.items()}
+    int8 = {name: Int8Blocks.meta(shapes[name], kind) for name, kind in int8_names.items()}
     model, _ = assemble(model_config, state_dict, int4, config, int8)
     kv_pool, residual = _predict_kv(model_config, config)
     weights = weight_parts(model)
@@ -236,20 +236,6 @@ def _tensor_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _meta_blocks(shape: tuple[int, ...], kind: str) -> Int4Blocks:
-    rows, cols = shape
-    scales = (rows, cols // GROUP_SIZE)
-    wide, bits = kind in ("Q4_K", "Q5_K"), 5 if kind in ("Q5_1", "Q5_K") else 4
-    return Int4Blocks(_meta(shape, torch.uint8), _meta(scales), _meta(scales), wide=wide, bits=bits)
-
-
-def _meta_int8(shape: tuple[int, ...], kind: str) -> Int8Blocks:
-    rows, cols = shape
-    group = GROUP_SIZE // 2 if kind == "Q6_K" else GROUP_SIZE
-    bits = {"Q5_0": 5, "Q6_K": 6}.get(kind, 8)
-    return Int8Blocks(_meta(shape, torch.int8), _meta((rows, cols // group)), bits)
 
 
 def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, int]:

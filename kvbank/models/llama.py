@@ -243,11 +243,11 @@ def group_blocks(
     int4: list[Int4Blocks | None], int8: list[Int8Blocks | None], native
 ) -> Int4Blocks | Int8Blocks | None:
     """One block form for the tensors fused into one projection (q/k/v, gate/up), or None when they
-    have none in common and the projection stays dense.
+    have none in common (they then run split, see split_linear, or dense).
 
-    4-bit tensors stay 4-bit; with the native kernels, a group whose tensors all fit 8 bits (Q8_0,
-    Q5_0, Q6_K, and symmetric Q4_0) becomes 8-bit. Without them only Q4_0 / Q4_1 run packed
-    (torch's int4 matmul holds scales in the model dtype; Q4_K's need float32).
+    Tensors with minimums (Int4Blocks) stay so; with the native kernels, a group whose tensors all
+    fit 8 bits (Q8_0, Q5_0, Q6_K, and symmetric Q4_0) becomes 8-bit. Without them only Q4_0 / Q4_1
+    run packed (torch's int4 matmul holds scales in the model dtype; K-quants need float32).
     """
     if all(part is not None for part in int4):
         blocks = Int4Blocks.cat(int4)

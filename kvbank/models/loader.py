@@ -39,7 +39,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: str
     int4: dict[str, Int4Blocks] = field(default_factory=dict)
-    #: 8-bit blocks of projections (Q8_0, Q5_0, Q6_K) and of a Q8_0 embedding table / LM head
+    #: 8-bit blocks of projections and an untied LM head (Q8_0, Q5_0, Q6_K), and of a Q8_0 embedding table
     int8: dict[str, Int8Blocks] = field(default_factory=dict)
 
 

@@ -20,18 +20,21 @@ from torch import nn
 GROUP_SIZE = 32
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 Q8_BLOCK_BYTES = 34
-#: GGUF's K-quant super-blocks: 256 weights
-QK_K = 256
-#: the GGUF types whose integer weights and scales each block form holds exactly: with a
-#: minimum per block (Int4Blocks; Q5_K's weights take 5 bits) and without (Int8Blocks)
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q6_K")
+#: the GGUF types whose integer weights and scales each block form holds exactly, with the form's
+#: shape: with a minimum per block (Int4Blocks: q's bits, whether the scales need float32) and
+#: without (Int8Blocks: q's bits, whether the scales are per 16 inputs)
+INT4_FORMS = {"Q4_0": (4, False), "Q4_1": (4, False), "Q4_K": (4, True), "Q5_1": (5, False), "Q5_K": (5, True)}
+INT8_FORMS = {"Q8_0": (8, False), "Q5_0": (5, False), "Q6_K": (6, True)}
+INT4_TYPES, INT8_TYPES = tuple(INT4_FORMS), tuple(INT8_FORMS)
 
 
-def _halves(raw: np.ndarray, offset: int, rows: int, blocks: int, size: int) -> np.ndarray:
-    """The fp16 at byte `offset` of every `size`-byte block of `raw`, as float32 [rows, blocks]."""
-    cells = np.asarray(raw).reshape(rows, blocks, size)
+def _halves(cells: np.ndarray, offset: int) -> np.ndarray:
+    """The fp16 at byte `offset` of every block of `cells` ([rows, blocks, bytes]), as float32 [rows, blocks]."""
     return cells[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _five_bits(high: np.ndarray, low: np.ndarray, rows: int) -> np.ndarray:
@@ -53,8 +56,7 @@ def _k_quant(raw: np.ndarray, rows: int, five: bool) -> tuple[np.ndarray, np.nda
     """
     cells = np.asarray(raw).reshape(rows, -1, 176 if five else 144)
     nb = cells.shape[1]
-    d = cells[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-    dmin = cells[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    d, dmin = _halves(cells, 0)[..., None], _halves(cells, 2)[..., None]
     packed = cells[..., 4:16].reshape(rows, nb, 3, 4)
     low, high, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     sc = np.concatenate([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
@@ -94,20 +96,19 @@ class Int4Blocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str, rows: int) -> Int4Blocks:
-        """Decode GGUF Q4_0 / Q4_1 / Q4_K block bytes ([rows, blocks * bytes]) without losing anything."""
-        if type_name in ("Q4_K", "Q5_K"):
-            five = type_name == "Q5_K"
-            parts = (torch.from_numpy(np.ascontiguousarray(a)) for a in _k_quant(raw, rows, five))
-            return cls(*parts, wide=True, bits=5 if five else 4)
+        """Decode GGUF Q4_0 / Q4_1 / Q4_K / Q5_1 / Q5_K block bytes ([rows, blocks * bytes]), losing nothing."""
+        bits, wide = INT4_FORMS[type_name]
+        if wide:  # Q4_K, Q5_K
+            parts = (torch.from_numpy(np.ascontiguousarray(a)) for a in _k_quant(raw, rows, bits == 5))
+            return cls(*parts, wide=True, bits=bits)
         if type_name == "Q5_1":  # d, m, then Q5_0's fifth bits and nibbles; w = d * q + m
             cells = np.asarray(raw).reshape(rows, -1, 24)
-            d, m = (_halves(raw, at, rows, cells.shape[1], 24) for at in (0, 2))
-            q = _five_bits(cells[..., 4:8], cells[..., 8:], rows)
+            q, d, m = _five_bits(cells[..., 4:8], cells[..., 8:], rows), _halves(cells, 0), _halves(cells, 2)
             return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), bits=5)
         blocks = np.asarray(raw).reshape(rows, -1, Q4_BLOCK_BYTES[type_name])
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        d = _halves(blocks, 0)
         if type_name == "Q4_1":
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            m = _halves(blocks, 2)
             nibbles = blocks[..., 4:]
         else:
             nibbles = blocks[..., 2:]
@@ -120,6 +121,13 @@ class Int4Blocks:
         rows = self.q.shape[0]
         weight = self.q.view(rows, -1, GROUP_SIZE).float()  # in place from here: no second copy held
         return weight.mul_(self.scale.unsqueeze(-1)).add_(self.minimum.unsqueeze(-1)).view(rows, -1)
+
+    @classmethod
+    def meta(cls, shape: tuple[int, int], type_name: str) -> Int4Blocks:
+        """The blocks `from_gguf` gives for a tensor of this shape and type, on the meta device."""
+        (rows, cols), (bits, wide) = shape, INT4_FORMS[type_name]
+        scales = (rows, cols // GROUP_SIZE)
+        return cls(_meta(shape, torch.uint8), _meta(scales), _meta(scales), wide=wide, bits=bits)
 
     def map_rows(self, fn) -> Int4Blocks:
         return Int4Blocks(fn(self.q), fn(self.scale), fn(self.minimum), self.wide, self.bits)
@@ -169,10 +177,9 @@ class Int8Blocks:
         if type_name == "Q5_0":
             cells = raw.reshape(rows, -1, 22)
             q = _five_bits(cells[..., 2:6], cells[..., 6:], rows)
-            d = _halves(raw, 0, rows, cells.shape[1], 22)
-            return cls(torch.from_numpy(q.astype(np.int8) - 16), torch.from_numpy(d), 5)
+            return cls(torch.from_numpy(q.astype(np.int8) - 16), torch.from_numpy(_halves(cells, 0)), 5)
         blocks = raw.reshape(rows, -1, Q8_BLOCK_BYTES)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        d = _halves(blocks, 0)
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
         return cls(torch.from_numpy(q), torch.from_numpy(d))
 
@@ -181,6 +188,13 @@ class Int8Blocks:
         rows = self.q.shape[0]
         group = GROUP_SIZE // 2 if self.halves else GROUP_SIZE
         return self.q.view(rows, -1, group).float().mul_(self.scale.unsqueeze(-1)).view(rows, -1)
+
+    @classmethod
+    def meta(cls, shape: tuple[int, int], type_name: str) -> Int8Blocks:
+        """The blocks `from_gguf` gives for a tensor of this shape and type, on the meta device."""
+        (rows, cols), (bits, halves) = shape, INT8_FORMS[type_name]
+        group = GROUP_SIZE // 2 if halves else GROUP_SIZE
+        return cls(_meta(shape, torch.int8), _meta((rows, cols // group)), bits)
 
     def per_half(self) -> Int8Blocks:
         """The same weights with a scale per 16 inputs (each 32-input scale twice)."""

@@ -143,7 +143,7 @@ class QuantLinear(nn.Module):
         self.weight = None if max_rows is None else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.max_rows = max_rows
-        #: the records' kind (KIND_Q4, KIND_Q8, KIND_Q4F, KIND_Q8H)
+        #: the records' kind (KIND_Q4, KIND_Q5, KIND_Q8, KIND_Q4F, KIND_Q5F, KIND_Q8H)
         self.kind = kind
         self.out_features, self.in_features = weight.shape
         self.register_buffer("records", records)
