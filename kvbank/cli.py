@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from kvbank import kernels, memory
+from kvbank.cache.hybrid import kv_groups
 from kvbank.cache.quant import KV_CACHE_DTYPES
 from kvbank.cache.storage import plan_pool
 from kvbank.config import EngineConfig
@@ -197,6 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
     context = args.context_len or config.max_model_len or info.config.max_position_embeddings
     budget = int(config.kv_cache_memory_gb * 2**30)
     rows = [_plan_row(info.config, config, kv, context) for kv in KV_CACHE_DTYPES]
+    groups = _kv_groups_plan(info.config, config, context)
     if args.json:
         print(
             json.dumps(
@@ -215,6 +217,7 @@ def _plan(args: argparse.Namespace) -> int:
                     "block_size": config.block_size,
                     "max_num_seqs": config.max_num_seqs,
                     "kernel_isa": isa.report(kernels.native()),
+                    "kv_groups": groups,
                     "rows": rows,
                 },
                 indent=1,
@@ -247,6 +250,13 @@ def _plan(args: argparse.Namespace) -> int:
     refused = next((row["refused"] for row in rows if row["refused"]), None)
     if refused:
         print(f"*: this model refuses it: {refused}")
+    if groups is not None:
+        print(
+            f"hybrid KV cache: {groups['layout']}; bytes/token at {context} tokens: full-attention layers "
+            f"{groups['full_bytes_per_token']:.1f} + windows {groups['window_bytes_per_token']:.1f} = "
+            f"{groups['bytes_per_token']:.1f}, against {groups['swa_full_bytes_per_token']:.1f} keeping every token "
+            f"in every layer (--swa-full: {groups['swa_full_max_sequences']} max seqs)"
+        )
     print(
         f"seqs: full-length sequences at --max-num-seqs {config.max_num_seqs} (int4/int2 reserve one residual "
         "block per sequence); max seqs: with --max-num-seqs set to that number"
@@ -270,8 +280,9 @@ def _plan_row(model_config, config: EngineConfig, kv: str, context: int) -> dict
         config.block_size,
         dataclasses.replace(config.kv_format, dtype=kv),
         reserved_seqs=config.max_num_seqs,
+        groups=kv_groups(model_config.layer_windows, config.swa_full),
     )
-    per_seq = -(-context // config.block_size)
+    per_seq = plan.blocks_per_sequence(context)
     try:
         check_supported(model_config, dataclasses.replace(config, kv_cache_dtype=kv))
         refused = None
@@ -280,12 +291,34 @@ def _plan_row(model_config, config: EngineConfig, kv: str, context: int) -> dict
     return {
         "kv_cache_dtype": kv,
         "refused": refused,
-        "bytes_per_token": plan.bytes_per_token,
+        "bytes_per_token": plan.bytes_per_token_at(context),
         "residual_bytes_per_seq": plan.residual_bytes_per_seq,
         "num_blocks": plan.num_blocks,
         "num_tokens": plan.num_tokens,
         "sequences": min(config.max_num_seqs, plan.num_blocks // per_seq),
         "max_sequences": plan.sequences_that_fit(context),
+    }
+
+
+def _kv_groups_plan(model_config, config: EngineConfig, context: int) -> dict[str, Any] | None:
+    """The hybrid layout's bytes per token at `context`, per group, against keeping every token."""
+    groups = kv_groups(model_config.layer_windows, config.swa_full)
+    if groups is None:
+        return None
+    args = (model_config, config.torch_dtype, int(config.kv_cache_memory_gb * 2**30), config.block_size)
+    plan = plan_pool(*args, config.kv_format, config.max_num_seqs, groups)
+    every = plan_pool(*args, config.kv_format, config.max_num_seqs)
+    full = -(-context // config.block_size) * plan.bytes_per_block / context
+    return {
+        "layout": groups.describe(model_config.num_layers),
+        "window": groups.window,
+        "num_window_tables": groups.num_window_tables,
+        "full_bytes_per_token": full,
+        "window_bytes_per_token": plan.bytes_per_token_at(context) - full,
+        "bytes_per_token": plan.bytes_per_token_at(context),
+        "swa_full_bytes_per_token": every.bytes_per_token,
+        "max_sequences": plan.sequences_that_fit(context),
+        "swa_full_max_sequences": every.sequences_that_fit(context),
     }
 
 

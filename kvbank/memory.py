@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvbank.cache.hybrid import kv_groups
 from kvbank.cache.storage import KVStorage, plan_pool
 from kvbank.config import EngineConfig
 from kvbank.models.build import assemble
@@ -246,6 +247,7 @@ def _predict_kv(model_config: ModelConfig, config: EngineConfig) -> tuple[int, i
         config.block_size,
         config.kv_format,
         reserved_seqs=config.max_num_seqs,
+        groups=kv_groups(model_config.layer_windows, config.swa_full),
     )
     num_blocks = config.num_gpu_blocks or plan.num_blocks
     residual_slots = max(config.max_num_seqs, 1) if plan.residual_bytes_per_seq else 0

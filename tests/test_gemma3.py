@@ -65,7 +65,14 @@ def llm32(path):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    return LLM(path, num_gpu_blocks=256)
+    # the default hybrid cache: a block holds 3 layers, 15 windowed layers hold their windows
+    return LLM(path, num_gpu_blocks=1024, max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def llm_full(path):
+    # every token in every layer (llama.cpp's --swa-full): 18 layers per block
+    return LLM(path, num_gpu_blocks=256, max_num_batched_tokens=512, swa_full=True)
 
 
 def _encode(llm, prompts):
@@ -332,9 +339,14 @@ def test_a_request_or_stream_policy_that_evicts_is_refused(llm):
     for policy in ("sink_window(sinks=4,window=64)", "context_shift(keep=4)"):
         with pytest.raises(ValueError, match="kv_policy=.* is not supported for gemma3: its sliding-window"):
             llm.generate([prompt], SamplingParams(max_tokens=2, kv_policy=policy))
-    with pytest.raises(ValueError, match="kv_policy=frame_window.* is not supported for gemma3"):
+    with pytest.raises(ValueError, match="streams are not supported with the hybrid.*swa_full=True"):
         llm.open_stream("You watch a camera.", chat=False)
     assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_with_every_token_kept_a_streams_frame_window_is_refused(llm_full):
+    with pytest.raises(ValueError, match="kv_policy=frame_window.* is not supported for gemma3"):
+        llm_full.open_stream("You watch a camera.", chat=False)
 
 
 @pytest.mark.parametrize(
@@ -363,3 +375,79 @@ def test_kvbank_plan_marks_the_kv_dtypes_this_model_refuses(path):
 def test_the_engine_refuses_a_quantized_kv_cache_at_load(path):
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*head_dim=256.*sliding-window"):
         LLM(path, kv_cache_dtype="int4")
+
+
+# --- the hybrid sliding-window KV cache ---------------------------------------------------------------
+
+LONG = "Remember this number: 7391.\n\n" + STORY * 40 + "\nQuestion: what number did I ask you to remember?\nAnswer:"
+
+
+def _outputs(llm, prompts, params):
+    return [
+        [(c.token_ids, [s[t] for s, t in zip(c.logprobs, c.token_ids)]) for c in o.outputs]
+        for o in llm.generate(prompts, params)
+    ]
+
+
+def test_the_hybrid_cache_gives_the_bits_of_a_cache_that_keeps_every_token(llm, llm_full):
+    """Default bfloat16: tokens and logprobs to the bit against --swa-full, cold, from prefix hits
+    (the window's blocks found in the cache) and for n = 2 (forks share, then split, window blocks)."""
+    prompts = _encode(llm, [*PROMPTS, LONG])
+    assert len(prompts[-1]) > 2 * 512
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=16, logprobs=0, ignore_eos=True)
+    full = _outputs(llm_full, prompts, params), _outputs(llm_full, prompts[-1:], sampled)
+    cold = _outputs(llm, prompts, params), _outputs(llm, prompts[-1:], sampled)
+    assert cold == full
+    again = llm.generate(prompts, params)
+    assert [o.num_cached_tokens for o in again][-2:] == [(len(p) - 1) // 16 * 16 for p in prompts[-2:]]
+    assert (_outputs(llm, prompts, params), _outputs(llm, prompts[-1:], sampled)) == full
+    assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_windowed_layers_hold_only_their_window_while_a_long_prompt_runs(llm):
+    engine, groups = llm.engine, llm.engine.manager.groups
+    prompt = _encode(llm, [LONG])[0]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "long")
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            # every token in the full-attention layers
+            assert -(-seq.num_computed_tokens // 16) <= len(seq.block_table) <= -(-seq.num_tokens // 16)
+            held.append(max(sum(1 for b in table if b >= 0) for table in seq.window_tables))
+    prefill = -(-len(prompt) // 512)  # steps of a 512-token budget
+    assert max(held) <= groups.chunk_blocks(512, 16)
+    assert max(held[prefill:]) <= groups.window_blocks(16) < -(-len(prompt) // 16)
+    assert engine.manager.num_free_blocks == engine.num_blocks
+
+
+def test_preempted_sequences_are_recomputed_to_the_same_bits(path, llm):
+    """A pool too small for every sequence's growth: the newest are preempted, their blocks in all
+    tables freed, and they come back to the tokens and logprobs they get alone."""
+    prompts = _encode(llm, [f"{STORY}Chapter {i}." for i in range(6)])
+    params = SamplingParams(temperature=0, max_tokens=60, logprobs=0, ignore_eos=True)
+    alone = [_outputs(llm, [p], params)[0] for p in prompts]
+    small = LLM(path, num_gpu_blocks=200, max_num_batched_tokens=512)
+    assert _outputs(small, prompts, params) == alone
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.manager.num_free_blocks == small.engine.num_blocks
+    for option in ({"preemption_mode": "swap"}, {"kv_host_gb": 0.1}):
+        with pytest.raises(ValueError, match="not supported with the hybrid .*swa_full=True"):
+            LLM(path, num_gpu_blocks=64, **option)
+    prompt = llm.get_tokenizer().encode(STORY)
+    with pytest.raises(ValueError, match="session files are not supported with the hybrid.*swa_full=True"):
+        small.save_session(prompt, "unused.kvb")
+
+
+def test_kvbank_plan_counts_bytes_per_token_per_group(path):
+    """`kvbank plan`'s arithmetic for Gemma 3 at 8k and 32k: 3 layers for every token, 15 for windows."""
+    from kvbank.cli import _kv_groups_plan
+
+    config, engine = describe_model(path).config, EngineConfig(model=path, kv_cache_memory_gb=1)
+    at8k, at32k = _kv_groups_plan(config, engine, 8192), _kv_groups_plan(config, engine, 32768)
+    assert at8k["swa_full_bytes_per_token"] == 18 * 1024 and at8k["full_bytes_per_token"] == 3 * 1024
+    assert at8k["window_bytes_per_token"] == 5 * 33 * 16 * 3 * 1024 / 8192
+    assert at32k["window_bytes_per_token"] == at8k["window_bytes_per_token"] / 4  # a constant total
+    assert at8k["max_sequences"] >= 4 * at8k["swa_full_max_sequences"] > 0
+    assert _kv_groups_plan(config, dataclasses.replace(engine, swa_full=True), 8192) is None

@@ -53,6 +53,8 @@ class AttentionMetadata:
     block_size: int
     dtype: torch.dtype
     kinds: dict[str, Any] = field(default_factory=dict)
+    #: hybrid KV layouts (cache/hybrid.py): each layer's view of the batch, through its own block tables
+    layer_metas: list[AttentionMetadata] | None = None
 
     @cached_property
     def decode_mask(self) -> torch.Tensor | None:

@@ -22,6 +22,11 @@ from dataclasses import dataclass, field
 Parent = bytes | int
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(slots=True)
 class Block:
     """One fixed-size slice of the KV pool."""
@@ -38,6 +43,8 @@ class Block:
     hits: int = 0
     #: a tier holds (or is being sent) an entry that covers this block
     offloaded: bool = False
+    #: 0 for a block of a sequence's block table, t + 1 for one of its window table t (cache/hybrid.py)
+    group: int = 0
 
     def reset(self) -> None:
         self.ref_count = 0
@@ -48,6 +55,7 @@ class Block:
         self.position = 0
         self.hits = 0
         self.offloaded = False
+        self.group = 0
 
 
 class BlockPool:
@@ -146,7 +154,13 @@ class BlockPool:
         return None if block_id is None else self.blocks[block_id]
 
     def register(
-        self, block: Block, block_hash: bytes, token_ids: tuple[int, ...], parent: Parent, position: int = 0
+        self,
+        block: Block,
+        block_hash: bytes,
+        token_ids: tuple[int, ...],
+        parent: Parent,
+        position: int = 0,
+        group: int = 0,
     ) -> int | None:
         """Index a full, computed block.
 
@@ -160,6 +174,7 @@ class BlockPool:
         if block_hash in self.index:
             return None
         block.hash, block.token_ids, block.parent, block.position = block_hash, token_ids, parent, position
+        block.group = group
         block.serial = next(self._serials)
         self.index[block_hash] = block.block_id
         self.by_serial[block.serial] = block.block_id

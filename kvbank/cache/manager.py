@@ -2,6 +2,11 @@
 
 Plain Python, no tensors: block contents are moved by the runner. `append_slots` returns the
 copy-on-write copies (source -> destination block ids) the next forward pass must make first.
+
+With a hybrid layout (cache/hybrid.py) a sequence also holds window tables: they grow with it, and
+`commit` releases the blocks its windows have moved past (indexed ones stay cached). A prefix hit
+then needs, beside the full-attention blocks, every window table's blocks of the window before
+the first recomputed token: the longest prefix with both is the hit.
 """
 
 from __future__ import annotations
@@ -12,14 +17,18 @@ from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from typing import Protocol
 
-from kvbank.cache.blocks import Block, BlockPool
+from kvbank.cache.blocks import Block, BlockPool, blocks_for
 from kvbank.cache.events import CacheEvents
+from kvbank.cache.hybrid import KVGroups
 from kvbank.cache.prefix import block_hash
 
 log = logging.getLogger("kvbank")
 
 #: What block_states() reports per block.
 FREE, IN_USE, CACHED, PINNED = range(4)
+
+#: A window table's entry for a block its window has moved past (released).
+GONE = -1
 
 
 class Sequence(Protocol):
@@ -35,6 +44,11 @@ class Sequence(Protocol):
     #: tokens a long-context policy dropped from the cache, and the blocks it keeps aside
     num_evicted: int
     pristine_blocks: list[int]
+    #: hybrid layouts: per window table, block ids (GONE below the window); the first index not yet
+    #: released, and blocks before `window_committed` are indexed as far as they can be
+    window_tables: list[list[int]]
+    window_first: int
+    window_committed: int
 
     @property
     def num_slots(self) -> int: ...
@@ -58,11 +72,6 @@ class Sequence(Protocol):
     def no_prefix_cache(self) -> bool: ...
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """How many blocks hold `num_tokens` tokens."""
-    return -(-num_tokens // block_size)
-
-
 def _admitted_tokens(seq: Sequence, num_hits: int, block_size: int) -> int:
     # A sequence whose policy bounds its cache gets blocks for its hits and that bound (its first
     # chunk fits in it); later chunks append after the policy has evicted.
@@ -82,10 +91,13 @@ class KVCacheManager:
         max_pinned_fraction: float = 0.5,
         on_empty: Callable[[int], None] | None = None,
         events: CacheEvents | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         """`on_empty(block_id)`: a block's content is dropped (storage frees what it keeps beside it);
-        `events` hears of every block entering and leaving the prefix index."""
+        `events` hears of every block entering and leaving the prefix index; `groups`: the hybrid
+        layout of a model with sliding-window layers (None: every layer keeps every token)."""
         self.events = events
+        self.groups = groups
         if events is None:
             self.pool = BlockPool(num_blocks, on_empty)
         else:
@@ -134,17 +146,19 @@ class KVCacheManager:
             states[block_id] = PINNED
         return bytes(states)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._prefix_hits(seq)
-        revived = sum(1 for block in hits if block.ref_count == 0)
+    def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
+        """Whether `allocate(seq, budget)` finds the blocks it needs free."""
+        hits, windows = self._prefix_hits(seq)
+        revived = sum(1 for block in [*hits, *_flat(windows)] if block.ref_count == 0)
         needed = blocks_for(_admitted_tokens(seq, len(hits), self.block_size), self.block_size) - len(hits)
-        return self.pool.num_free - revived >= needed
+        return self.pool.num_free - revived >= needed + self._window_growth(seq, len(hits), budget)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Block table for all of `seq`'s tokens; cached leading blocks are shared, not recomputed."""
+    def allocate(self, seq: Sequence, budget: int | None = None) -> None:
+        """Block table for all of `seq`'s tokens; cached leading blocks are shared, not recomputed.
+        Window tables (hybrid layouts) get blocks for the first `budget` tokens to compute (all)."""
         assert not seq.block_table
-        hits = self._prefix_hits(seq)
-        for block in hits:
+        hits, windows = self._prefix_hits(seq)
+        for block in [*hits, *_flat(windows)]:
             self.pool.share(block)
             block.hits += 1
         self._release_held(seq)
@@ -153,9 +167,21 @@ class KVCacheManager:
         for _ in range(len(hits), blocks_for(_admitted_tokens(seq, len(hits), self.block_size), self.block_size)):
             seq.block_table.append(self.pool.take().block_id)
         seq.num_computed_tokens = len(hits) * self.block_size
+        if self.groups is not None:
+            first = self.groups.first_block(seq.num_computed_tokens, self.block_size)
+            seq.window_tables = [[GONE] * first + [block.block_id for block in column] for column in windows]
+            seq.window_first, seq.window_committed = first, len(hits)
+            grow = self._window_growth(seq, len(hits), budget) // self.groups.num_window_tables
+            for table in seq.window_tables:
+                table.extend(self.pool.take().block_id for _ in range(grow))
 
     def can_append(self, seq: Sequence, num_new: int) -> bool:
-        return self.pool.num_free >= self._blocks_to_add(seq, num_new) + self._needs_copy(seq)
+        needed = self._blocks_to_add(seq, num_new) + self._needs_copy(seq)
+        if self.groups is not None:
+            index = seq.num_slots // self.block_size
+            needed += sum(self._shared(table, index) for table in seq.window_tables)
+            needed += self.groups.num_window_tables * self._window_to_add(seq, num_new)
+        return self.pool.num_free >= needed
 
     def append_slots(self, seq: Sequence, num_new: int) -> list[tuple[int, int]]:
         """Make room to write K/V for positions [computed, computed + num_new); returns the block
@@ -163,6 +189,12 @@ class KVCacheManager:
         copies = [self._copy_on_write(seq, seq.num_slots // self.block_size)] if self._needs_copy(seq) else []
         for _ in range(self._blocks_to_add(seq, num_new)):
             seq.block_table.append(self.pool.take().block_id)
+        if self.groups is not None:
+            index, grow = seq.num_slots // self.block_size, self._window_to_add(seq, num_new)
+            for table in seq.window_tables:
+                if self._shared(table, index):
+                    copies.append(self._split(table, index))
+                table.extend(self.pool.take().block_id for _ in range(grow))
         return copies
 
     def evict_cached(self) -> int:
@@ -188,18 +220,22 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent`; the first write to a shared block copies it."""
-        for block_id in parent.block_table + parent.pristine_blocks:
+        for block_id in parent.block_table + parent.pristine_blocks + _present(parent.window_tables):
             self.pool.share(self.pool.blocks[block_id])
         child.block_table = list(parent.block_table)
         child.pristine_blocks = list(parent.pristine_blocks)
+        child.window_tables = [list(table) for table in parent.window_tables]
+        child.window_first, child.window_committed = parent.window_first, parent.window_committed
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first, so the LRU evicts tails before shared heads (pristine
         blocks are the heads as first computed, so they go last)."""
-        for block_id in [*reversed(seq.block_table), *reversed(seq.pristine_blocks)]:
+        tables = [*reversed(_present(seq.window_tables)), *reversed(seq.block_table), *reversed(seq.pristine_blocks)]
+        for block_id in tables:
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
         seq.pristine_blocks = []
+        seq.window_tables, seq.window_first, seq.window_committed = [], 0, 0
         self._release_held(seq)
 
     def hold(self, seq: Sequence, blocks: list[Block]) -> None:
@@ -214,7 +250,19 @@ class KVCacheManager:
         return self._walk(seq.token_ids[: num_blocks * self.block_size], seq.root_hash, seq.block_hashes)
 
     def commit(self, seq: Sequence) -> None:
-        """Index every block of `seq` that is now full and computed."""
+        """Index every block of `seq` that is now full and computed; then release the window blocks
+        the next token no longer reads (hybrid layouts)."""
+        self._index(seq)
+        if self.groups is not None:
+            first = self.groups.first_block(seq.num_slots, self.block_size)
+            for index in range(seq.window_first, first):
+                for table in seq.window_tables:
+                    if table[index] != GONE:
+                        self.pool.release(self.pool.blocks[table[index]])
+                        table[index] = GONE
+            seq.window_first = max(seq.window_first, first)
+
+    def _index(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching or seq.no_prefix_cache or seq.num_evicted:
             return  # after an eviction, blocks no longer hold the full computation of their tokens
         bs = self.block_size
@@ -230,6 +278,18 @@ class KVCacheManager:
                     block, seq.block_hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]), parent, i
                 )
             seq.chain_serials.append(serial)
+        if self.groups is None:
+            return
+        # a window block is indexed under its full-attention block's serial: found only through it
+        for i in range(seq.window_committed, full):
+            serial = seq.chain_serials[i]
+            for t, table in enumerate(seq.window_tables):
+                if serial is not None and table[i] != GONE:
+                    tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                    self.pool.register(
+                        self.pool.blocks[table[i]], _window_hash(seq.block_hashes[i], t), tokens, serial, i, t + 1
+                    )
+        seq.window_committed = max(seq.window_committed, full)
 
     def pin(self, token_ids: Tokens[int], root_hash: bytes, keep_free: int = 0) -> int:
         """Keep the cached full blocks of this prefix out of eviction; returns the tokens pinned.
@@ -249,12 +309,14 @@ class KVCacheManager:
         key = (root_hash, tuple(token_ids[: len(token_ids) // self.block_size * self.block_size]))
         if key in self.pins:
             return len(key[1])
-        blocks = self._walk(key[1], root_hash)
+        hashes = self._chain(key[1], root_hash)
+        blocks, windows = self._window_hits(key[1], hashes, self._walk(key[1], root_hash, hashes))
         if len(blocks) * self.block_size < len(key[1]):
             raise ValueError(
-                f"only {len(blocks) * self.block_size} of the prefix's {len(key[1])} tokens are cached; "
-                "compute the prefix before pinning it"
+                f"only {len(blocks) * self.block_size} of the prefix's {len(key[1])} tokens are cached"
+                f"{' with their windows' if self.groups is not None else ''}; compute the prefix before pinning it"
             )
+        blocks = [*blocks, *_flat(windows)]  # a hit needs the window's blocks too
         added = len({b.block_id for b in blocks} - set(self.pinned_blocks))
         if len(self.pinned_blocks) + added > self.max_pinned_blocks:
             raise ValueError(
@@ -286,13 +348,45 @@ class KVCacheManager:
             self.pool.release(self.pool.blocks[block_id])
         return len(key[1])
 
-    def _prefix_hits(self, seq: Sequence) -> list[Block]:
+    def _prefix_hits(self, seq: Sequence) -> tuple[list[Block], list[list[Block]]]:
+        """The cached blocks a new `seq` starts with, and (hybrid layouts) per window table the
+        blocks of the window before its first computed token."""
         # The last token is always recomputed: its logits are needed to sample.
         if not self.enable_prefix_caching or seq.no_prefix_cache:
-            return []
+            return [], [[] for _ in range(self.groups.num_window_tables if self.groups else 0)]
         num_full = min(seq.num_tokens - 1, seq.prefix_limit) // self.block_size
         self._hash_blocks(seq, num_full)
-        return self._walk(seq.token_ids[: num_full * self.block_size], seq.root_hash, seq.block_hashes)
+        tokens = seq.token_ids[: num_full * self.block_size]
+        return self._window_hits(tokens, seq.block_hashes, self._walk(tokens, seq.root_hash, seq.block_hashes))
+
+    def _window_hits(
+        self, token_ids: Tokens[int], hashes: list[bytes], hits: list[Block]
+    ) -> tuple[list[Block], list[list[Block]]]:
+        """`hits` cut to the longest prefix whose window blocks are all cached, and those blocks."""
+        if self.groups is None:
+            return hits, []
+        bs, n, found = self.block_size, len(hits), {}
+        i = n - 1
+        while i >= self.groups.first_block(n * bs, bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            row = [
+                self.pool.lookup(_window_hash(hashes[i], t), tokens, hits[i].serial)
+                for t in range(self.groups.num_window_tables)
+            ]
+            if None in row:
+                n = i  # a hit may end no later than a missing window block
+            else:
+                found[i] = row
+            i -= 1
+        first = self.groups.first_block(n * bs, bs)
+        return hits[:n], [[found[i][t] for i in range(first, n)] for t in range(self.groups.num_window_tables)]
+
+    def _chain(self, token_ids: Tokens[int], root_hash: bytes) -> list[bytes]:
+        hashes, chain, bs = [], root_hash, self.block_size
+        for i in range(len(token_ids) // bs):
+            chain = block_hash(chain, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(chain)
+        return hashes
 
     def _walk(self, token_ids: Tokens[int], root_hash: bytes, hashes: list[bytes] | None = None) -> list[Block]:
         """The cached blocks that hold the longest whole-block prefix of `token_ids`."""
@@ -311,11 +405,14 @@ class KVCacheManager:
         return hits
 
     def _indexed(self, block: Block) -> None:
+        if block.group:
+            return  # window blocks are not prefixes of their own: routers hear of full-attention blocks
         parent = self.pool.parent_block(block)  # indexed: the sequence that registers `block` holds it
         self.events.stored(block.hash, None if parent is None else parent.hash, block.token_ids)
 
     def _forgotten(self, block: Block) -> None:
-        self.events.removed(block.hash)
+        if not block.group:
+            self.events.removed(block.hash)
 
     def _release_held(self, seq: Sequence) -> None:
         for block_id in reversed(seq.held_blocks):
@@ -337,8 +434,42 @@ class KVCacheManager:
         return index < len(seq.block_table) and self.pool.blocks[seq.block_table[index]].ref_count > 1
 
     def _copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int]:
-        old = self.pool.blocks[seq.block_table[index]]
+        return self._split(seq.block_table, index)
+
+    def _split(self, table: list[int], index: int) -> tuple[int, int]:
+        old = self.pool.blocks[table[index]]
         new = self.pool.take()
         self.pool.release(old)
-        seq.block_table[index] = new.block_id
+        table[index] = new.block_id
         return old.block_id, new.block_id
+
+    def _shared(self, table: list[int], index: int) -> bool:
+        return index < len(table) and table[index] != GONE and self.pool.blocks[table[index]].ref_count > 1
+
+    def _window_to_add(self, seq: Sequence, num_new: int) -> int:
+        """Blocks each window table adds to hold `num_new` more tokens."""
+        have = len(seq.window_tables[0]) if seq.window_tables else 0
+        return max(0, blocks_for(seq.num_slots + num_new, self.block_size) - have)
+
+    def _window_growth(self, seq: Sequence, num_hits: int, budget: int | None) -> int:
+        """Fresh blocks all window tables of a sequence admitted with `num_hits` cached blocks take
+        for its first step of at most `budget` tokens."""
+        if self.groups is None:
+            return 0
+        bs = self.block_size
+        end = seq.num_tokens if budget is None else min(seq.num_tokens, num_hits * bs + budget)
+        return self.groups.num_window_tables * (blocks_for(end, bs) - num_hits)
+
+
+def _window_hash(chain_hash: bytes, table: int) -> bytes:
+    """Index key of window table `table`'s block after the chain `chain_hash` (no token id is negative)."""
+    return block_hash(chain_hash, (-1 - table,))
+
+
+def _flat(columns: list[list[Block]]) -> list[Block]:
+    return [block for column in columns for block in column]
+
+
+def _present(tables: list[list[int]]) -> list[int]:
+    """Every block id the window tables hold, table by table."""
+    return [block_id for table in tables for block_id in table if block_id != GONE]

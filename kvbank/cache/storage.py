@@ -13,7 +13,9 @@ from typing import Protocol
 import torch
 
 from kvbank.attention.metadata import AttentionMetadata
+from kvbank.cache.blocks import blocks_for
 from kvbank.cache.format import KVFormat
+from kvbank.cache.hybrid import KVGroups
 from kvbank.cache.layers import KINDS, KVKind, KVLayer, PoolSpec, StepSeq
 from kvbank.cache.quant import CodecPair
 from kvbank.cache.tiers.entry import Layout, dtype_name
@@ -40,18 +42,34 @@ class PoolPlan:
     reserved_seqs: int
     memory_bytes: int
     num_blocks: int
+    #: the hybrid layout of a model with sliding-window layers (a block holds `groups.slots` layers)
+    groups: KVGroups | None = None
 
     @property
     def bytes_per_token(self) -> float:
+        """Bytes one more token of a sequence takes (hybrid: in the full-attention layers only)."""
         return self.bytes_per_block / self.block_size
+
+    def bytes_per_token_at(self, context_len: int) -> float:
+        """Bytes per token of one sequence `context_len` tokens long (windows included)."""
+        return self.blocks_per_sequence(context_len) * self.bytes_per_block / max(1, context_len)
+
+    def blocks_per_sequence(self, context_len: int) -> int:
+        if self.groups is None:
+            return blocks_for(context_len, self.block_size)
+        return self.groups.blocks_per_sequence(context_len, self.block_size)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds for one sequence (hybrid: the longest one sequence can grow to)."""
+        if self.groups is None:
+            return self.num_blocks * self.block_size
+        windows = self.groups.num_window_tables * self.groups.window_blocks(self.block_size)
+        return max(0, self.num_blocks - windows) * self.block_size
 
     def sequences_that_fit(self, context_len: int) -> int:
         """Full-length sequences that fit together, counting each one's reserved memory outside the pool."""
-        blocks = -(-context_len // self.block_size)
+        blocks = self.blocks_per_sequence(context_len)
         return int(self.memory_bytes // (blocks * self.bytes_per_block + self.residual_bytes_per_seq))
 
 
@@ -69,8 +87,10 @@ def plan_pool(
     block_size: int = 16,
     kv_format: KVFormat = DEFAULT_FORMAT,
     reserved_seqs: int = 0,
+    groups: KVGroups | None = None,
 ) -> PoolPlan:
     """Blocks that fit in `memory_bytes` after reserving per-sequence memory for `reserved_seqs`."""
+    model = _physical(model, groups)
     codecs = kv_format.codecs(model.num_layers, model_dtype)
     shape = (block_size, model.num_kv_heads, model.head_dim)
     per_block = per_seq = 0
@@ -80,11 +100,31 @@ def plan_pool(
         per_seq += KINDS[name].bytes_per_seq(shape, pairs, model_dtype)
     reserved = reserved_seqs if per_seq else 0
     num_blocks = (memory_bytes - reserved * per_seq) // per_block
-    return PoolPlan(block_size, per_block, per_seq, reserved, memory_bytes, max(0, int(num_blocks)))
+    return PoolPlan(block_size, per_block, per_seq, reserved, memory_bytes, max(0, int(num_blocks)), groups)
+
+
+@dataclass(frozen=True)
+class _Places:
+    """A model's shape with its layer count replaced by the layer places of one block."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _physical(model: ModelShape, groups: KVGroups | None) -> ModelShape:
+    if groups is None:
+        return model
+    return _Places(groups.slots, model.num_heads, model.num_kv_heads, model.head_dim)
 
 
 class KVStorage:
-    """Every layer's KV blocks: `layers[i]` is layer i's storage, `kinds` the kinds that own them."""
+    """Every layer's KV blocks: `layers[i]` is layer i's storage, `kinds` the kinds that own them.
+
+    With a hybrid layout (`groups`), a block holds `groups.slots` layer places and `layers[i]` is the
+    place of layer i: layers of different tables share a place's tensors, each through its own
+    block ids."""
 
     def __init__(
         self,
@@ -96,7 +136,13 @@ class KVStorage:
         kv_format: KVFormat = DEFAULT_FORMAT,
         reserved_seqs: int = 0,
         batch_invariant: bool = False,
+        groups: KVGroups | None = None,
     ) -> None:
+        if groups is not None and set(kv_format.kinds(groups.slots, dtype)) != {"dense"}:
+            raise ValueError("the hybrid KV layout keeps K/V in the model dtype only (kv_cache_dtype='auto')")
+        self.groups = groups
+        num_layers = model.num_layers
+        model = _physical(model, groups)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
@@ -113,13 +159,16 @@ class KVStorage:
             batch_invariant,
         )
         codecs: list[CodecPair] = kv_format.codecs(model.num_layers, dtype)
-        self.layers: list[KVLayer] = [None] * model.num_layers  # type: ignore[list-item]
+        places: list[KVLayer] = [None] * model.num_layers  # type: ignore[list-item]
         self.kinds: list[KVKind] = []
         for name, indices in _by_kind(model, dtype, kv_format).items():
             kind = KINDS[name](spec, [codecs[i] for i in indices])
             self.kinds.append(kind)
             for i, layer in zip(indices, kind.layers):
-                self.layers[i] = layer
+                places[i] = layer
+        #: the layer places a block holds, each once
+        self.places = places
+        self.layers = places if groups is None else [places[groups.layer_slot[i]] for i in range(num_layers)]
 
     def kind(self, name: str) -> KVKind | None:
         """The kind called `name`, if any layer is stored that way."""
@@ -146,8 +195,8 @@ class KVStorage:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every pool tensor ([num_blocks, ...] each), layer by layer: the order of `layout` and entries."""
-        return [t for layer in self.layers for t in layer.tensors]
+        """Every pool tensor ([num_blocks, ...] each), place by place: the order of `layout` and entries."""
+        return [t for layer in self.places for t in layer.tensors]
 
     def layout(self) -> Layout:
         """(dtype, one block's shape) of every pool tensor: what a tier entry must match to be loaded."""

@@ -180,6 +180,10 @@ class Admission:
                 )
         peak = policy.peak_slots(prompt_len, params.max_tokens, self.limits)
         needed = blocks_for(peak, self.block_size) + policy.pristine_blocks(self.block_size)
+        groups = self.manager.groups
+        if groups is not None:  # and its window tables at their fullest: a prefill chunk and its window
+            widest = groups.chunk_blocks(self.limits.chunk_tokens, self.block_size)
+            needed += groups.num_window_tables * min(blocks_for(peak, self.block_size), widest)
         num_blocks = self.limits.num_blocks
         if needed > num_blocks:
             held = "" if isinstance(policy, Full) else f" (kv_policy={policy} holds up to {peak} tokens)"

@@ -9,6 +9,7 @@ import torch
 
 from kvbank.cache.editor import KVEditor
 from kvbank.cache.events import build_events
+from kvbank.cache.hybrid import KVGroups, kv_groups
 from kvbank.cache.limits import Limits
 from kvbank.cache.manager import KVCacheManager
 from kvbank.cache.offload import KVOffload, chunk_blocks_for
@@ -50,7 +51,10 @@ class CacheParts:
 def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -> CacheParts:
     """Size the pool, then build the storage, the manager, the tiers, swap and the policy editor."""
     model_config, dtype = built.config, config.torch_dtype
-    plan = _plan_pool(config, built)
+    groups = kv_groups(model_config.layer_windows, config.swa_full)
+    if groups is not None:
+        _check_hybrid(config, groups)
+    plan = _plan_pool(config, built, groups)
     num_blocks = config.num_gpu_blocks or plan.num_blocks
     storage = KVStorage(
         model_config,
@@ -61,6 +65,7 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         config.kv_format,
         config.max_num_seqs,
         config.batch_invariant,
+        groups,
     )
     # fmt: off
     events = build_events(
@@ -68,7 +73,8 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         device.type,
     )
     manager = KVCacheManager(
-        num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release, events
+        num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release,
+        events, groups,
     )
     # fmt: on
     try:  # a bound events socket must not outlive an engine that fails to start
@@ -88,7 +94,13 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
             namespace,
             entry_format,
             _build_offload(config, manager, storage, entry_format, namespace),
-            Swapper(storage, manager, config.preemption_mode, int(config.swap_space_gb * 2**30)),
+            # a hybrid layout recomputes what it preempts (swap moves full-attention blocks only)
+            Swapper(
+                storage,
+                manager,
+                "recompute" if groups is not None else config.preemption_mode,
+                int(config.swap_space_gb * 2**30),
+            ),
             limits,
             kv_policy,
             KVEditor(manager, storage, limits, model.rope_inv_freq, model.rope_cos.shape[0]),
@@ -143,7 +155,24 @@ def build_services(
     return Services(scheduler, runner, admission, streams_host, sessions, decoder)
 
 
-def _plan_pool(config: EngineConfig, built: BuiltModel) -> PoolPlan:
+def _check_hybrid(config: EngineConfig, groups: KVGroups) -> None:
+    """Refuse what the hybrid layout cannot do yet, naming the way out."""
+    refused = [
+        (config.preemption_mode == "swap", "preemption_mode='swap' (a hybrid cache recomputes preempted sequences)"),
+        (
+            bool(config.kv_host_gb or config.kv_disk_dir or config.kv_redis_url),
+            "KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url): tier entries hold every layer of a block",
+        ),
+    ]
+    for what, why in refused:
+        if what:
+            raise ValueError(
+                f"{why} is not supported with the hybrid sliding-window KV cache ({groups.window}-token windows); "
+                "use swa_full=True (--swa-full) to keep every token in every layer"
+            )
+
+
+def _plan_pool(config: EngineConfig, built: BuiltModel, groups: KVGroups | None = None) -> PoolPlan:
     gigabytes = config.kv_cache_memory_gb
     plan = plan_pool(
         built.config,
@@ -152,6 +181,7 @@ def _plan_pool(config: EngineConfig, built: BuiltModel) -> PoolPlan:
         config.block_size,
         config.kv_format,
         reserved_seqs=config.max_num_seqs,
+        groups=groups,
     )
     if plan.num_blocks < 1 and config.num_gpu_blocks is None:
         raise ValueError(

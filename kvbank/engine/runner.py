@@ -50,32 +50,49 @@ class ModelRunner:
         return StepLogits(logits, sample_rows, prompt_rows)
 
     def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        steps: list[StepSeq] = []
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             # Slots are places in the cache; they trail token positions once a policy has evicted.
             first = start - seq.num_evicted
-            end = first + n
-            table = seq.block_table
-            offset = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(first + seq.rope_offset, end + seq.rope_offset))
+            positions.extend(range(first + seq.rope_offset, first + n + seq.rope_offset))
+        meta = self._meta(batch, lambda seq: seq.block_table)
+        groups = self.storage.groups
+        if groups is not None:
+            # one view of the batch per table; each layer attends through its own table's
+            tables = [meta] + [
+                self._meta(batch, lambda seq, t=t: [max(0, b) for b in seq.window_tables[t]])
+                for t in range(groups.num_window_tables)
+            ]
+            meta.layer_metas = [tables[t] for t in groups.layer_table]
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _meta(self, batch: list[ScheduledSeq], table_of) -> AttentionMetadata:
+        """The batch's attention metadata through the block tables `table_of(seq)` gives."""
+        bs = self.block_size
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        steps: list[StepSeq] = []
+        offset = 0
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            first = seq.num_computed_tokens - seq.num_evicted
+            end = first + n
+            table = table_of(seq)
             slots.extend(table[c // bs] * bs + c % bs for c in range(first, end))
-            steps.append(self._step_seq(seq, first, end))
+            steps.append(self._step_seq(seq, first, end, table))
             num_blocks = -(-end // bs)
             if n == 1:
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillChunk(offset, offset + n, first, self._tensor(table[:num_blocks])))
+            offset += n
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode_tables),
@@ -90,7 +107,7 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
         self.storage.prepare(steps, meta)
-        return self._tensor(input_ids), self._tensor(positions), meta
+        return meta
 
     def _embeds(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, values) of the step's inputs given as embeddings rather than token ids, if any."""
@@ -107,15 +124,15 @@ class ModelRunner:
         return torch.cat(rows).to(self.device), torch.cat(values).to(self.device, self.dtype)
 
     @staticmethod
-    def _step_seq(seq, first: int, end: int) -> StepSeq:
+    def _step_seq(seq, first: int, end: int, table: list[int]) -> StepSeq:
         wanted = seq.kv_policy.score_range(seq) if seq.kv_state is not None else None
         if wanted is None:
-            return StepSeq(first, end, seq.block_table)
+            return StepSeq(first, end, table)
         lo = max(first, wanted[0] - seq.num_evicted)
         hi = min(end, wanted[1] - seq.num_evicted)
         if lo >= hi:
-            return StepSeq(first, end, seq.block_table)
-        return StepSeq(first, end, seq.block_table, seq.kv_state.scores, (lo, hi))
+            return StepSeq(first, end, table)
+        return StepSeq(first, end, table, seq.kv_state.scores, (lo, hi))
 
     def _logit_rows(self, batch: list[ScheduledSeq]):
         rows: list[int] = []

@@ -113,7 +113,7 @@ class Scheduler:
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 copies = self.manager.append_slots(seq, num_new)
             else:
-                self.manager.allocate(seq)
+                self.manager.allocate(seq, budget)
                 if self.swapper is not None and self.swapper.is_swapped(seq):
                     self.swapper.swap_in(seq)
                 num_new, copies = min(seq.num_tokens - seq.num_computed_tokens, budget), []
@@ -127,7 +127,7 @@ class Scheduler:
 
     def _fits(self, seq: Sequence, whole: bool, budget: int) -> bool:
         if not whole:
-            return self.manager.can_allocate(seq)
+            return self.manager.can_allocate(seq, budget)
         return self.manager.num_free_blocks >= self.swapper.blocks_to_resume(seq, budget)
 
     def park(self, seq: Sequence) -> None:

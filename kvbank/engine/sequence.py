@@ -41,6 +41,10 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.chain_serials: list[int | None] = []
         self.held_blocks: list[int] = []
+        # Window tables of a hybrid layout (kvbank/cache/hybrid.py), kept by the cache manager.
+        self.window_tables: list[list[int]] = []
+        self.window_first = 0
+        self.window_committed = 0
         # Long-context policies (kvbank/cache/policies.py): tokens gone from the cache, the RoPE
         # position of slot 0, unrotated copies of the kept leading blocks, and score buffers.
         self.num_evicted = 0

@@ -87,6 +87,11 @@ class SessionFiles:
         return list(session.token_ids)
 
     def _require(self) -> None:
+        if self.manager.groups is not None:
+            raise ValueError(
+                "session files are not supported with the hybrid sliding-window KV cache (a file holds every "
+                "layer of every block); load the model with swa_full=True (--swa-full)"
+            )
         if not self.enabled:
             raise ValueError(
                 "sessions need enable_prefix_caching=True: a loaded session is found through the prefix cache"

@@ -91,6 +91,11 @@ class StreamHost:
         system message, then a user turn that the frames fill; a text question closes that turn
         and opens the assistant's (only in the question's fork: the stream's turn stays open).
         """
+        if self.manager.groups is not None:
+            raise ValueError(
+                "streams are not supported with the hybrid sliding-window KV cache (frames are evicted and "
+                "recalled in every layer alike); load the model with swa_full=True (--swa-full)"
+            )
         admit = self.admission
         policy = parse_policy(policy, stream=True)
         admit.check_policy(policy)

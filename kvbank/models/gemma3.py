@@ -120,12 +120,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x, positions = self._embed(input_ids, positions, embeds)
         full = self.rope_cos[positions], self.rope_sin[positions]
         local = self.rope_local_cos[positions], self.rope_local_sin[positions]
-        windows: dict[int, WindowRows] = {}
+        windows: dict[int, dict[int, WindowRows]] = {}
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             window = layer.self_attn.window  # dense storage only: check_supported refuses the rest at build
             cos, sin = full if window is None else local
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, windows)
+            # a hybrid cache gives each layer its own tables; windows are shared by layers of one table
+            layer_meta = meta if meta.layer_metas is None else meta.layer_metas[i]
+            shared = windows.setdefault(id(layer_meta), {})
+            x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta, shared)
         return (x + residual)[:T]
 
     def _token_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
