@@ -62,9 +62,10 @@ class ModelRunner:
         meta = self._meta(batch, lambda seq: seq.block_table)
         groups = self.storage.groups
         if groups is not None:
-            # one view of the batch per table; each layer attends through its own table's
+            # one view of the batch per table; each layer attends through its own table's (blocks the
+            # window has passed are never read: block 0 stands in for them)
             tables = [meta] + [
-                self._meta(batch, lambda seq, t=t: [max(0, b) for b in seq.window_tables[t]])
+                self._meta(batch, lambda seq, t=t: [0] * seq.window_first + seq.window_tables[t][seq.window_first :])
                 for t in range(groups.num_window_tables)
             ]
             meta.layer_metas = [tables[t] for t in groups.layer_table]
