@@ -62,6 +62,8 @@ def row_tables(spans: list[tuple[int, int, list[int]]], block_size: int, device:
     tables = [table[: -(-end // block_size)] for _, end, table in spans]
     width = max(map(len, tables))
     per_seq = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    if all(end - start == 1 for start, end, _ in spans):  # decodes only: one row per sequence
+        return per_seq.to(device), torch.tensor([end for _, end, _ in spans], dtype=torch.long).to(device)
     owner = torch.repeat_interleave(torch.tensor([end - start for start, end, _ in spans]))
     lens = torch.cat([torch.arange(start + 1, end + 1) for start, end, _ in spans])
     return per_seq.index_select(0, owner).to(device), lens.to(device)
