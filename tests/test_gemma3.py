@@ -451,3 +451,60 @@ def test_kvbank_plan_counts_bytes_per_token_per_group(path):
     assert at32k["window_bytes_per_token"] == at8k["window_bytes_per_token"] / 4  # a constant total
     assert at8k["max_sequences"] >= 4 * at8k["swa_full_max_sequences"] > 0
     assert _kv_groups_plan(config, dataclasses.replace(engine, swa_full=True), 8192) is None
+
+
+# --- Hugging Face gemma3_text folders -----------------------------------------------------------------
+
+
+def test_a_hugging_face_gemma3_text_folder_gives_the_gguf_files_tokens(path, llm32, reference):
+    """transformers' own conversion of the file, saved as a folder (config.json in transformers 5.x's
+    spelling, float32 safetensors, tokenizer.json): the same tokens and greedy answers as the GGUF."""
+    folder = transformers_folder(path)
+    from_folder = LLM(str(folder), dtype="float32", num_gpu_blocks=256, enable_prefix_caching=False)
+    prompts = _encode(llm32, PROMPTS)
+    assert _encode(from_folder, PROMPTS) == prompts
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = [o.outputs[0].token_ids for o in llm32.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in from_folder.generate(prompts, params)] == expected
+    assert from_folder.engine.manager.groups.window == 512  # the hybrid cache, from layer_types
+
+
+def _folder_with(tmp_path, path, **changes):
+    """transformers' Gemma folder with its config.json changed (None deletes a key)."""
+    import json
+
+    folder = transformers_folder(path)
+    raw = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        raw.pop(key, None) if value is None else raw.__setitem__(key, value)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    return str(tmp_path)
+
+
+def test_a_transformers_4_gemma3_text_config_is_read_the_same(path, tmp_path):
+    """transformers 4.x writes the layer pattern and the local rotary base as their own keys."""
+    expected = describe_model(str(transformers_folder(path))).config
+    older = _folder_with(
+        tmp_path, path, layer_types=None, rope_parameters=None, sliding_window_pattern=6,
+        rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=None,
+    )  # fmt: skip
+    config = describe_model(older).config
+    for field in ("layer_windows", "rope_theta", "rope_local_theta", "query_pre_attn_scalar", "rope_scaling"):
+        assert getattr(config, field) == getattr(expected, field), field
+    assert expected.layer_windows == describe_model(path).config.layer_windows
+    assert expected.rope_local_theta == 1e4 and expected.rope_theta == 1e6
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"model_type": "gemma3"}, "image-text model; only its text models"),
+        ({"hidden_activation": "gelu"}, "hidden_activation='gelu'.*not supported"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"sliding_window": None}, "no sliding_window"),
+    ],
+)
+def test_a_gemma3_folder_with_what_kvbank_does_not_run_is_refused(path, tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        describe_model(_folder_with(tmp_path, path, **changes))

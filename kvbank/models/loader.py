@@ -359,7 +359,7 @@ def _unpermute_gguf(name: str, weight: torch.Tensor, config: ModelConfig) -> tor
 
 # --- Hugging Face folders ---------------------------------------------------------------------
 
-_HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
 def _load_folder(folder: Path, progress: ProgressFn | None) -> LoadedModel:
@@ -382,6 +382,11 @@ def _folder_config(folder: Path) -> ModelConfig:
         raise ValueError(f"model folder {str(folder)!r} has no config.json")
     raw = json.loads(config_path.read_text())
     model_type = raw.get("model_type")
+    if model_type == "gemma3":
+        raise ValueError(
+            f"model_type 'gemma3' in {config_path} is Gemma 3's image-text model; only its text models "
+            "(model_type 'gemma3_text', e.g. gemma-3-270m and gemma-3-1b) are supported"
+        )
     if model_type not in _HF_ARCHS:
         raise ValueError(
             f"model_type {model_type!r} in {config_path} is not supported; supported: {', '.join(_HF_ARCHS)}"
@@ -391,6 +396,9 @@ def _folder_config(folder: Path) -> ModelConfig:
         raise ValueError(f"model folder {str(folder)!r} has no *.safetensors files")
     num_heads = raw["num_attention_heads"]
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    gemma = _gemma3_folder_fields(raw, config_path) if model_type == "gemma3_text" else {}
+    if "full_attention" in rope:  # per layer type (Gemma 3): the full-attention layers' own
+        rope = rope["full_attention"]
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     max_pos = int(raw.get("max_position_embeddings", 2048))
     if raw.get("sliding_window") and raw.get("use_sliding_window", True) and model_type == "mistral":
@@ -409,8 +417,41 @@ def _folder_config(folder: Path) -> ModelConfig:
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
         rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
         name=str(raw.get("_name_or_path") or folder.name),
         fingerprint=_fingerprint("hf", [*files, folder / "config.json"]),
+        **gemma,
     )
+
+
+def _gemma3_folder_fields(raw: dict, config_path: Path) -> dict:
+    """Gemma 3's departures from Llama, from a Hugging Face `gemma3_text` config (transformers 4.x
+    and 5.x spell the layer pattern and the local rotary base differently: both are read)."""
+    refused = {
+        "hidden_activation": (raw.get("hidden_activation") or raw.get("hidden_act"), "gelu_pytorch_tanh"),
+        "attn_logit_softcapping": (raw.get("attn_logit_softcapping"), None),
+        "use_bidirectional_attention": (bool(raw.get("use_bidirectional_attention")), False),
+    }
+    for key, (value, supported) in refused.items():
+        if value != supported:
+            raise ValueError(f"{key}={value!r} in {config_path} is not supported for gemma3_text (only {supported!r})")
+    layers, window = int(raw["num_hidden_layers"]), raw.get("sliding_window")
+    if not window:
+        raise ValueError(f"{config_path} gives gemma3_text no sliding_window")
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or GEMMA3_LAYER_PATTERN)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"layer_types in {config_path} must name full_attention or sliding_attention per layer")
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling of the sliding-window layers ({local}) in {config_path} is not supported")
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    return {
+        "layer_windows": tuple(int(window) if t == "sliding_attention" else None for t in types),
+        "rope_local_theta": float(local.get("rope_theta") or raw.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_BASE),
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or head_dim),
+        "final_logit_softcapping": raw.get("final_logit_softcapping") or None,
+    }
