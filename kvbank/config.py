@@ -86,8 +86,8 @@ class EngineConfig:
     swa_full: bool = option(
         False,
         "keep every token in sliding-window layers too (as llama.cpp's --swa-full); by default a model "
-        "with such layers (Gemma 3) keeps only their windows, which KV tiers, session files, streams and "
-        "swap do not support",
+        "with such layers (Gemma 3) keeps only their windows, which KV tiers, session files and streams "
+        "do not support",
     )
     max_pinned_fraction: float = option(0.5, "most of the KV pool that pinned prefixes may hold", plan=False)
     weight_format: str = option(

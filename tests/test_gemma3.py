@@ -422,19 +422,22 @@ def test_windowed_layers_hold_only_their_window_while_a_long_prompt_runs(llm):
     assert engine.manager.num_free_blocks == engine.num_blocks
 
 
-def test_preempted_sequences_are_recomputed_to_the_same_bits(path, llm):
-    """A pool too small for every sequence's growth: the newest are preempted, their blocks in all
-    tables freed, and they come back to the tokens and logprobs they get alone."""
-    prompts = _encode(llm, [f"{STORY}Chapter {i}." for i in range(6)])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_sequences_come_back_to_the_same_bits(path, llm, mode):
+    """A pool too small for every sequence's growth: the newest are preempted (recomputed, or
+    swapped whole with their window tables), and come back to the tokens and logprobs they get
+    alone; the longer prompts (581 tokens) are past their first window."""
+    prompts = _encode(llm, [f"{STORY * (1 + i % 2 * 15)}Chapter {i}." for i in range(6)])
     params = SamplingParams(temperature=0, max_tokens=60, logprobs=0, ignore_eos=True)
-    alone = [_outputs(llm, [p], params)[0] for p in prompts]
-    small = LLM(path, num_gpu_blocks=200, max_num_batched_tokens=512)
+    alone = _outputs(llm, prompts, params)  # a pool with room for all: batch-invariant, as alone
+    small = LLM(path, num_gpu_blocks=360, max_num_batched_tokens=512, preemption_mode=mode)
     assert _outputs(small, prompts, params) == alone
     assert small.engine.scheduler.num_preemptions > 0
+    swaps = small.stats()["num_swaps_out"]
+    assert (swaps > 0) if mode == "swap" else (swaps == 0)
     assert small.engine.manager.num_free_blocks == small.engine.num_blocks
-    for option in ({"preemption_mode": "swap"}, {"kv_host_gb": 0.1}):
-        with pytest.raises(ValueError, match="not supported with the hybrid .*swa_full=True"):
-            LLM(path, num_gpu_blocks=64, **option)
+    with pytest.raises(ValueError, match="KV tiers .* not supported with the hybrid .*swa_full=True"):
+        LLM(path, num_gpu_blocks=64, kv_host_gb=0.1)
     prompt = llm.get_tokenizer().encode(STORY)
     with pytest.raises(ValueError, match="session files are not supported with the hybrid.*swa_full=True"):
         small.save_session(prompt, "unused.kvb")

@@ -220,7 +220,7 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent`; the first write to a shared block copies it."""
-        for block_id in parent.block_table + parent.pristine_blocks + _present(parent.window_tables):
+        for block_id in parent.block_table + parent.pristine_blocks + held_window_blocks(parent.window_tables):
             self.pool.share(self.pool.blocks[block_id])
         child.block_table = list(parent.block_table)
         child.pristine_blocks = list(parent.pristine_blocks)
@@ -230,8 +230,8 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first, so the LRU evicts tails before shared heads (pristine
         blocks are the heads as first computed, so they go last)."""
-        tables = [*reversed(_present(seq.window_tables)), *reversed(seq.block_table), *reversed(seq.pristine_blocks)]
-        for block_id in tables:
+        windows = held_window_blocks(seq.window_tables)
+        for block_id in [*reversed(windows), *reversed(seq.block_table), *reversed(seq.pristine_blocks)]:
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
         seq.pristine_blocks = []
@@ -470,6 +470,6 @@ def _flat(columns: list[list[Block]]) -> list[Block]:
     return [block for column in columns for block in column]
 
 
-def _present(tables: list[list[int]]) -> list[int]:
+def held_window_blocks(tables: list[list[int]]) -> list[int]:
     """Every block id the window tables hold, table by table."""
     return [block_id for table in tables for block_id in table if block_id != GONE]

@@ -13,6 +13,10 @@ buffers) cannot be recomputed exactly from its tokens: it is swapped whole inste
 its table, the open tail included, its unrotated leading copies, and its cache state (computed
 tokens, evictions, rotary offset, scores) — and comes back exactly as it left, into fresh blocks.
 Its pool kind must keep everything in blocks: the policies run on dense pools only.
+
+A sequence of a hybrid layout (cache/hybrid.py) is swapped whole too: its window tables hold only
+the blocks their window still reads, which a recompute from the prefix cache could not rebuild
+block for block; it comes back with the same tables, its windows' blocks included.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvbank.cache.manager import KVCacheManager, Sequence, blocks_for
+from kvbank.cache.manager import GONE, KVCacheManager, Sequence, blocks_for, held_window_blocks
 from kvbank.cache.storage import KVStorage
 
 #: Computed tokens from which `auto` swaps a victim instead of recomputing it: one block, the
@@ -45,6 +49,10 @@ class _Swapped:
     #: pristine copies), and its cache state (computed, evicted, rope offset, score buffers)
     table_blocks: int | None = None
     state: tuple[int, int, int, Any] | None = None
+    #: of a whole swap: unrotated copies after the table, then window tables' blocks: (window_first,
+    #: each window table's length)
+    pristine_blocks: int = 0
+    windows: tuple[int, list[int]] | None = None
 
 
 def edited(seq: Sequence) -> bool:
@@ -103,16 +111,21 @@ class Swapper:
         """Copy `seq`'s blocks to host memory (its pool blocks are still its own): its full computed
         blocks, or, for an edited sequence, every block and its cache state (restored by `swap_in`)."""
         assert seq not in self.swapped
-        whole = edited(seq)
-        table = seq.block_table + seq.pristine_blocks if whole else seq.block_table[: self._full_blocks(seq)]
+        whole = self._whole(seq)
+        if whole:
+            table = seq.block_table + seq.pristine_blocks + held_window_blocks(seq.window_tables)
+        else:
+            table = seq.block_table[: self._full_blocks(seq)]
         pin = torch.cuda.is_available() and self.storage.device.type == "cuda"
         tensors = [torch.empty((len(table), *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in self.storage.tensors]
         self.storage.read_blocks(table, tensors)
         nbytes = len(table) * self.bytes_per_block
         entry = _Swapped(tensors, len(table), nbytes)
         if whole:
-            entry.table_blocks = len(seq.block_table)
+            entry.table_blocks, entry.pristine_blocks = len(seq.block_table), len(seq.pristine_blocks)
             entry.state = (seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.kv_state)
+            if seq.window_tables:
+                entry.windows = (seq.window_first, [len(table) for table in seq.window_tables])
         self.swapped[seq] = entry
         self.bytes_used += nbytes
         self.num_swaps_out += 1
@@ -131,7 +144,10 @@ class Swapper:
         entry = self.swapped[seq]
         computed, evicted = entry.state[0], entry.state[1]
         num_new = min(seq.num_tokens - computed, budget)
-        grow = max(0, blocks_for(computed - evicted + num_new, self.manager.block_size) - entry.table_blocks)
+        after = blocks_for(computed - evicted + num_new, self.manager.block_size)
+        grow = max(0, after - entry.table_blocks)
+        if entry.windows is not None:
+            grow += sum(max(0, after - length) for length in entry.windows[1])
         return entry.num_blocks + grow
 
     def swap_in(self, seq: Sequence) -> None:
@@ -148,8 +164,17 @@ class Swapper:
             assert not seq.block_table and not seq.pristine_blocks
             blocks = self.manager.take_blocks(entry.num_blocks)
             self.storage.write_blocks(blocks, entry.tensors)
-            seq.block_table, seq.pristine_blocks = blocks[: entry.table_blocks], blocks[entry.table_blocks :]
+            table, pristine = entry.table_blocks, entry.table_blocks + entry.pristine_blocks
+            seq.block_table, seq.pristine_blocks = blocks[:table], blocks[table:pristine]
             seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.kv_state = entry.state
+            if entry.windows is not None:
+                first, lengths = entry.windows
+                rest = blocks[pristine:]
+                for length in lengths:
+                    seq.window_tables.append([GONE] * first + rest[: length - first])
+                    rest = rest[length - first :]
+                # its blocks are indexed again, as far as they can be, from its next commit on
+                seq.window_first, seq.window_committed = first, 0
             return
         assert len(seq.block_table) >= entry.num_blocks
         first = seq.num_computed_tokens // self.manager.block_size
@@ -171,5 +196,10 @@ class Swapper:
     def _full_blocks(self, seq: Sequence) -> int:
         return seq.num_computed_tokens // self.manager.block_size
 
+    def _whole(self, seq: Sequence) -> bool:
+        return edited(seq) or bool(seq.window_tables)
+
     def _blocks_to_swap(self, seq: Sequence) -> int:
-        return len(seq.block_table) + len(seq.pristine_blocks) if edited(seq) else self._full_blocks(seq)
+        if not self._whole(seq):
+            return self._full_blocks(seq)
+        return len(seq.block_table) + len(seq.pristine_blocks) + len(held_window_blocks(seq.window_tables))

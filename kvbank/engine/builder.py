@@ -94,13 +94,7 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
             namespace,
             entry_format,
             _build_offload(config, manager, storage, entry_format, namespace),
-            # a hybrid layout recomputes what it preempts (swap moves full-attention blocks only)
-            Swapper(
-                storage,
-                manager,
-                "recompute" if groups is not None else config.preemption_mode,
-                int(config.swap_space_gb * 2**30),
-            ),
+            Swapper(storage, manager, config.preemption_mode, int(config.swap_space_gb * 2**30)),
             limits,
             kv_policy,
             KVEditor(manager, storage, limits, model.rope_inv_freq, model.rope_cos.shape[0]),
@@ -157,19 +151,12 @@ def build_services(
 
 def _check_hybrid(config: EngineConfig, groups: KVGroups) -> None:
     """Refuse what the hybrid layout cannot do yet, naming the way out."""
-    refused = [
-        (config.preemption_mode == "swap", "preemption_mode='swap' (a hybrid cache recomputes preempted sequences)"),
-        (
-            bool(config.kv_host_gb or config.kv_disk_dir or config.kv_redis_url),
-            "KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url): tier entries hold every layer of a block",
-        ),
-    ]
-    for what, why in refused:
-        if what:
-            raise ValueError(
-                f"{why} is not supported with the hybrid sliding-window KV cache ({groups.window}-token windows); "
-                "use swa_full=True (--swa-full) to keep every token in every layer"
-            )
+    if config.kv_host_gb or config.kv_disk_dir or config.kv_redis_url:
+        raise ValueError(
+            "KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url) are not supported with the hybrid sliding-window "
+            f"KV cache ({groups.window}-token windows): a tier entry holds a prefix's full-attention blocks, not "
+            "its windows; use swa_full=True (--swa-full) to keep every token in every layer"
+        )
 
 
 def _plan_pool(config: EngineConfig, built: BuiltModel, groups: KVGroups | None = None) -> PoolPlan:
