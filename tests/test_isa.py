@@ -89,6 +89,39 @@ def test_the_mlp_gives_the_same_bits_at_every_level(native):
     assert all(torch.equal(out, first) for out in outputs.values()), list(outputs)
 
 
+def test_geglu_gives_the_same_bits_at_every_level_and_the_functions_values_within_its_roundings(native):
+    """Gemma's gelu(gate) * up (tanh approximation, as g / (1 + e^-2y)): one formula in plain
+    multiplies and adds and one e^x polynomial in every variant, so the bits agree across levels
+    (tails, signed zeros, gates past both ends of the exponential's clamps included). Against the
+    function in float64: our float32 gelu may round to the neighbouring bfloat16 (2**-7 relative)
+    and the product rounds once more (2**-8): within 2**-6 relative. torch's own bfloat16 ops lose
+    gates below about -5, where 1 + tanh(y) cancels to 0."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 2 * 1043, generator=generator) * 4).to(torch.bfloat16)  # 1,043: not a multiple of 16
+    x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -50.0, 50.0, 88.0, -100.0, 5.0])
+    outputs = {}
+    for level in cpu_levels():
+        with isa.capped(native, level):
+            outputs[level] = native.geglu(x)
+    first = next(iter(outputs.values()))
+    assert all(torch.equal(out.view(torch.int16), first.view(torch.int16)) for out in outputs.values()), list(outputs)
+    gate, up = x.double().chunk(2, dim=-1)
+    gelu = gate / (1 + torch.exp(-2 * (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+    expected = gelu.to(torch.bfloat16).double() * up
+    ours = first.double()
+    tiny = expected.abs() < 1e-30  # past float32's normal range: absolute
+    assert torch.all((ours - expected).abs()[~tiny] <= expected.abs()[~tiny] * 2**-6)
+    assert torch.all((ours - expected).abs()[tiny] <= 1e-30)
+    # torch's ops lose every gate below about -5 (1 + tanh cancels); ours keep them
+    torch_ops = F.gelu(x[:, :1043], approximate="tanh") * x[:, 1043:]
+    lost = (torch_ops == 0) & (expected.abs() > 1e-30)
+    assert lost.any() and torch.all(ours[lost] != 0)
+    rows = native.geglu(x[:, : 2 * 16])  # a strided view: each row's gate then up
+    assert torch.equal(rows, native.geglu(x[:, :32].contiguous()))
+
+
 def test_the_registry_is_in_stats_metrics_and_the_log_line(native):
     report = isa.report(native)
     lines = render_isa(report)

@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, nogil, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         "RMSNorm of x, or of residual += x when a residual is given (updated in place); returns the normed rows");
   m.def("rope_", &rope_, nogil, "Rotary embedding in place on the first `heads` heads of x [rows, heads * dim]; cos/sin [rows, dim]");
+  m.def("geglu", &geglu, nogil, py::arg("gate_up"),
+        "gelu(gate) * up (tanh approximation, each op rounded to bfloat16) of bfloat16 rows [gate | up]");
   m.def("qmatmul_isa", &qmatmul_isa, "The variant the integer GGUF matmuls run now: avx512_vnni, avx2 or scalar");
   m.def("qlinear", &qlinear, nogil, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
         py::arg("isa") = "auto",

@@ -69,6 +69,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads)
 
 // qmatmul.cpp
 std::string qmatmul_isa();
+torch::Tensor geglu(torch::Tensor gate_up);
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float_out, std::string isa);
 torch::Tensor qlayer_attn_in(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor norm_w, double eps,
                              std::vector<torch::Tensor> qkv_w, std::vector<int64_t> kind, torch::Tensor cos,

@@ -1036,6 +1036,75 @@ void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   for (; k < n; ++k) out[k] = silu_mul_one<T>(gate[k], up[k]);
 }
 
+// GeGLU (Gemma): gelu(gate) * up with gelu's tanh approximation, as torch's approximate="tanh",
+// 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + e^-2y) (the same
+// function; 1 + tanh(y) itself would cancel to nothing for gates below about -4) through
+// silu_exp's polynomial; gelu rounds to bfloat16, then the product, as the unfused ops do. Plain
+// multiplies and adds in a fixed order in every variant (no fused multiply-add outside the
+// polynomial), so the scalar, 8-lane and 16-lane variants give the same bits.
+inline float gelu_tanh(float g) {
+  const float y = 0.7978845608028654f * (g + 0.044715f * ((g * g) * g));
+  return g / (1.0f + silu_exp(-2.0f * y));
+}
+
+inline c10::BFloat16 geglu_one(c10::BFloat16 gate, c10::BFloat16 up) {
+  return c10::BFloat16(round_as<c10::BFloat16>(gelu_tanh(static_cast<float>(gate))) * static_cast<float>(up));
+}
+
+#ifdef KVBANK_X86
+KVBANK_AVX512_F int64_t geglu_bf16_avx512(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out,
+                                          int64_t n) {
+  int64_t k = 0;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; k + 16 <= n; k += 16) {
+    const __m512 g = widen16(gate + k);
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                   _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
+    // scalef saturates to inf past the top of the range, as silu_exp's clamp to 89 does
+    const __m512 e = exp_neg_v(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y));
+    const __m512 gelu = round_bf16_v(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), narrow16(_mm512_mul_ps(gelu, widen16(up + k))));
+  }
+  return k;
+}
+
+KVBANK_AVX2 inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+KVBANK_AVX2 int64_t geglu_bf16_avx2(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out,
+                                    int64_t n) {
+  int64_t k = 0;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  alignas(32) float product[8];
+  for (; k + 8 <= n; k += 8) {
+    const __m256 g = widen8(gate + k);
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                   _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
+    const __m256 e = exp_neg8(_mm256_min_ps(_mm256_mul_ps(_mm256_set1_ps(-2.0f), y), _mm256_set1_ps(89.0f)));
+    const __m256 gelu = round_bf16_8(_mm256_div_ps(g, _mm256_add_ps(one, e)));
+    _mm256_store_ps(product, _mm256_mul_ps(gelu, widen8(up + k)));
+    for (int i = 0; i < 8; ++i) out[k + i] = c10::BFloat16(product[i]);
+  }
+  return k;
+}
+#endif
+
+// out[k] = gelu(gate[k]) * up[k] for bfloat16 rows; the same bits from every variant.
+void geglu_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t n) {
+  int64_t k = 0;
+#ifdef KVBANK_X86
+  Isa variant = Isa::Scalar;
+  kvbank::family_variant(kvbank::Family::Activation, &variant);
+  if (variant == Isa::Avx512) k = geglu_bf16_avx512(gate, up, out, n);
+  if (variant == Isa::Avx2) k = geglu_bf16_avx2(gate, up, out, n);
+#endif
+  for (; k < n; ++k) out[k] = geglu_one(gate[k], up[k]);
+}
+
 // The stack's elementwise loops: 16 lanes where the activation family runs its avx512 variant,
 // else one value at a time; the same operations in the same order, so the same bits.
 inline bool elementwise16() {
@@ -1141,6 +1210,20 @@ void check_rows(const torch::Tensor& x, int64_t cols, const char* what) {
 }  // namespace
 
 std::string qmatmul_isa() { return kvbank::isa_name(best_isa()); }
+
+torch::Tensor geglu(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.device().is_cpu(),
+              "geglu takes a bfloat16 CPU matrix [rows, 2 * n]");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1, "geglu: rows of gate then up, contiguous");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const auto* x = gate_up.data_ptr<at::BFloat16>();
+  auto* y = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) geglu_row(x + r * stride, x + r * stride + n, y + r * n, n);
+  });
+  return out;
+}
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float_out, std::string isa_name) {
   const PackedWeight pw = check_weight(w, kind);

@@ -56,8 +56,13 @@ class Gemma3Attention(Attention):
 
 
 class GeGLU(MLP):
+    native = None  # kvbank's native module: gelu(gate) * up in one bfloat16 pass
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
+            return self.down_proj(self.native.geglu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -130,6 +135,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             shared = windows.setdefault(id(layer_meta), {})
             x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta, shared)
         return (x + residual)[:T]
+
+    def use_native(self, module) -> None:
+        """As LlamaForCausalLM's, and GeGLU's activation too."""
+        super().use_native(module)
+        for m in self.modules():
+            if isinstance(m, GeGLU):
+                m.native = module
 
     def _token_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
