@@ -300,6 +300,18 @@ def _plan_row(model_config, config: EngineConfig, kv: str, context: int) -> dict
     }
 
 
+def _windows_note(engine) -> str:
+    """What a hybrid cache's windows add to the bytes per token of its full-attention layers."""
+    groups = engine.manager.groups
+    if groups is None:
+        return ""
+    held = groups.num_window_tables * groups.window_blocks(engine.block_size)
+    return (
+        f" in the full-attention layers; the {groups.window}-token windows of the others take at most {held} "
+        f"blocks ({held * engine.pool_plan.bytes_per_block / 2**20:.1f} MiB) per decoding sequence"
+    )
+
+
 def _kv_groups_plan(model_config, config: EngineConfig, context: int) -> dict[str, Any] | None:
     """The hybrid layout's bytes per token at `context`, per group, against keeping every token."""
     groups = kv_groups(model_config.layer_windows, config.swa_full)
@@ -389,7 +401,7 @@ def _load(args: argparse.Namespace) -> LLM:
     engine = llm.engine
     print(
         f"KV cache: {engine.num_blocks} blocks of {engine.block_size} tokens, {args.kv_cache_dtype}, "
-        f"{engine.kv_bytes_per_token:.0f} bytes per token",
+        f"{engine.kv_bytes_per_token:.0f} bytes per token{_windows_note(engine)}",
         file=sys.stderr,
     )
     print("\n".join(f"memory: {line}" for line in engine.memory.lines()), file=sys.stderr, flush=True)

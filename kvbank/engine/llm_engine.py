@@ -75,7 +75,8 @@ class LLMEngine:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """Pool bytes per token across all layers, scales and zero points included."""
+        """Pool bytes per token across all layers, scales and zero points included (a hybrid
+        cache: its full-attention layers; the windowed layers hold a bounded number of blocks)."""
         return self.pool_plan.bytes_per_token
 
     @property
