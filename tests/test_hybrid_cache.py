@@ -34,6 +34,14 @@ def _held(seq):
     return [sum(1 for b in table if b != GONE) for table in seq.window_tables]
 
 
+def _computed(tokens):
+    """A 64-block hybrid pool and a sequence of `tokens` tokens computed in it."""
+    manager = KVCacheManager(64, BS, groups=kv_groups(LAYER_WINDOWS))
+    seq = _seq(range(tokens))
+    _decode(manager, seq, steps=0)
+    return manager, seq
+
+
 def _evict_oldest(manager, count):
     """Drop the `count` least recently used cached blocks (their blocks go back empty)."""
     taken = manager.take_blocks(len(manager.pool.empty) + count)
@@ -111,9 +119,7 @@ def test_gemma3_memory_is_bounded_by_the_window_at_8k_and_32k(tokens):
 
 
 def test_a_prefix_hit_needs_every_window_tables_blocks_before_its_first_computed_token():
-    manager = KVCacheManager(64, BS, groups=kv_groups(LAYER_WINDOWS))
-    first = _seq(range(40))
-    _decode(manager, first, steps=0)
+    manager, first = _computed(40)
     manager.free(first)
     again = _seq(range(41))
     assert manager.can_allocate(again)
@@ -141,9 +147,7 @@ def test_a_prefix_hit_needs_every_window_tables_blocks_before_its_first_computed
 
 
 def test_a_pinned_prefix_keeps_its_windows_blocks():
-    manager = KVCacheManager(64, BS, groups=kv_groups(LAYER_WINDOWS))
-    first = _seq(range(40))
-    _decode(manager, first, steps=0)
+    manager, first = _computed(40)
     manager.free(first)
     assert manager.pin(list(range(40)), first.root_hash) == 40
     lo = manager.groups.first_block(40, BS)
@@ -155,9 +159,7 @@ def test_a_pinned_prefix_keeps_its_windows_blocks():
 
 
 def test_forks_share_window_blocks_and_split_the_one_they_write():
-    manager = KVCacheManager(64, BS, groups=kv_groups(LAYER_WINDOWS))
-    parent = _seq(range(14))
-    _decode(manager, parent, steps=0)
+    manager, parent = _computed(14)
     child = parent.fork(1, None)
     manager.fork(parent, child)
     assert child.window_tables == parent.window_tables
