@@ -144,6 +144,12 @@ class EngineConfig:
         0, "prefix-cache hits a chunk needs before it is offloaded (0: every chunk)", plan=False
     )
     kv_tier_chunk_tokens: int = option(256, "tokens per tier entry (a multiple of --block-size)", plan=False)
+    kv_tier_load_timeout: float | None = option(
+        None,
+        "seconds a prompt waits for its blocks from the tiers before it is computed instead",
+        default_text="as long as computing it would take, at least 0.1",
+        plan=False,
+    )
     kv_tier_key: str | None = field(
         default=None,
         repr=False,  # a secret: never in a log line or a traceback
@@ -222,6 +228,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name}={value!r} must be a number >= 0")
+        if self.kv_tier_load_timeout is not None and not (
+            isinstance(self.kv_tier_load_timeout, (int, float)) and self.kv_tier_load_timeout > 0
+        ):
+            raise ValueError(f"kv_tier_load_timeout={self.kv_tier_load_timeout!r} must be > 0 seconds")
         if self.kv_redis_ttl is not None and not self.kv_redis_ttl > 0:
             raise ValueError(f"kv_redis_ttl={self.kv_redis_ttl!r} must be > 0 seconds")
         if self.kv_tier_write_policy not in WRITE_POLICIES:

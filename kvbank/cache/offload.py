@@ -97,6 +97,7 @@ class KVOffload:
         write_policy: str = "write_through",
         min_hits: int = 0,
         queue_size: int = 16,
+        load_timeout: float | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"kv_tier_write_policy={write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
@@ -111,6 +112,8 @@ class KVOffload:
         self.min_hits = min_hits
         self.counters = OffloadCounters()
         self.seconds_per_token = 1e-3  # refined from the engine's measured prefill speed
+        #: a fixed bound on a load's wait; None: the time computing the prompt is estimated to take
+        self.load_timeout = load_timeout
         self.pin = storage.device.type == "cuda"
         self._jobs: list[LoadJob] = []
         self._loads: queue.Queue[LoadJob | None] = queue.Queue(maxsize=queue_size)
@@ -275,7 +278,7 @@ class KVOffload:
             seq.root_hash,
             first,
             usable,
-            deadline=time.monotonic() + max(MIN_LOAD_SECONDS, tokens * self.seconds_per_token),
+            deadline=time.monotonic() + self._load_seconds(tokens),
         )
         try:
             self._loads.put_nowait(job)
@@ -284,6 +287,11 @@ class KVOffload:
         seq.loading = True
         self._jobs.append(job)
         return True
+
+    def _load_seconds(self, tokens: int) -> float:
+        if self.load_timeout is not None:
+            return self.load_timeout
+        return max(MIN_LOAD_SECONDS, tokens * self.seconds_per_token)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Learn how fast this engine computes prompts, which bounds how long a load may take."""

@@ -83,7 +83,7 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         max_model_len = model_config.max_position_embeddings
         kv_policy = parse_policy(config.kv_policy)
         chunk = config.prefill_chunk(max_model_len, kv_policy.chunk_room(config.block_size, max_model_len))
-        limits = Limits(config.block_size, num_blocks, max_model_len, chunk, storage.all_dense)
+        limits = Limits(config.block_size, num_blocks, max_model_len, chunk, storage.edits, config.kv_cache_dtype)
         kv_policy.check(limits)
         model = built.model
         return CacheParts(
@@ -196,4 +196,5 @@ def _build_offload(
         chunk_blocks_for(config.kv_tier_chunk_tokens, config.block_size),
         config.kv_tier_write_policy,
         config.kv_offload_min_hits,
+        load_timeout=config.kv_tier_load_timeout,
     )
