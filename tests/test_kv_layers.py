@@ -6,10 +6,12 @@ from tiny_models import tiny_config
 
 from kvbank import LLM, SamplingParams
 from kvbank.attention import quantized
+from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache import layers, quant
 from kvbank.cache.format import KVFormat
 from kvbank.cache.layers.kivi import ResidualSlots
 from kvbank.cache.layers.token import TokenKind, TokenLayer
+from kvbank.cache.limits import EDITS, TOKEN_EDITS
 from kvbank.cache.storage import KVStorage, plan_pool
 
 SMALL = tiny_config()  # 4 layers of 4 heads over 2 KV heads of 64 dims
@@ -112,3 +114,107 @@ def test_quantized_prefill_calls_the_kernel_with_padded_shapes(monkeypatch):
         llm.generate([list(range(200, 200 + n))], SamplingParams(max_tokens=1))
     prefill = {shape for shape in seen if shape[0] > 3}
     assert prefill == {(64, 64)}, prefill
+
+
+# --- edits a long-context policy makes, per layout -----------------------------------------------
+
+LAYOUTS = ["auto", "int8", "fp8_e4m3", "int4", "int2"]
+
+
+def _edit_storage(dtype: str) -> KVStorage:
+    return KVStorage(SMALL, 12, 16, torch.bfloat16, torch.device("cpu"), KVFormat(dtype), reserved_seqs=2)
+
+
+def _fill(storage: KVStorage, blocks: list[int], seed: int) -> None:
+    """Random K/V written into whole blocks of every layer as each layout stores them."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(blocks)
+    for layer in storage.layers:
+        for side in range(2):
+            x = torch.randn(len(blocks), 16, 2, 64, generator=generator).to(torch.bfloat16)
+            if not hasattr(layer, "codecs"):
+                layer.tensors[side][ids] = x
+                continue
+            for name, value in layer.codecs[side].quantize(x).items():
+                layer.sides[side][name][ids] = value
+
+
+def _read(storage: KVStorage, blocks: list[int], side: int = 0) -> list[torch.Tensor]:
+    """Every layer's keys (side 0) or values of `blocks`, dequantized: [blocks, 16, heads, dim] each."""
+    ids = torch.tensor(blocks)
+    if not hasattr(storage.layers[0], "codecs"):
+        return [layer.tensors[side][ids].float() for layer in storage.layers]
+    return [
+        layer.codecs[side].dequantize({n: t[ids] for n, t in layer.sides[side].items()}, torch.float32)
+        for layer in storage.layers
+    ]
+
+
+def _roundtrip(storage: KVStorage, x: torch.Tensor) -> torch.Tensor:
+    layer = storage.layers[0]
+    if not hasattr(layer, "codecs"):
+        return x.to(torch.bfloat16).float()
+    return layer.codecs[0].dequantize(layer.codecs[0].quantize(x.to(torch.bfloat16)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", LAYOUTS)
+def test_rotating_whole_blocks_of_keys_is_a_rotation_up_to_one_requantization(dtype):
+    storage = _edit_storage(dtype)
+    _fill(storage, [0, 1], seed=1)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).double() / 64))
+    cos, sin = rotation_tables(torch.tensor([37]), inv_freq)
+    before, values = _read(storage, [0, 1]), _read(storage, [0, 1], side=1)
+    storage.copy_blocks([(0, 2), (1, 3)])
+    storage.rotate_keys([0, 1], [2, 3], (cos[0], sin[0]))
+    for was, got in zip(before, _read(storage, [2, 3])):
+        exact = apply_rope(was.double(), cos[0].double(), sin[0].double()).float()
+        # The only loss allowed is storing the rotated keys once more (a code may round the other way)
+        bound = 3 * (_roundtrip(storage, exact) - exact).abs().max()
+        assert (got - exact).abs().max() <= bound
+        assert (got - was).abs().max() > 10 * bound or dtype == "int2"  # the keys did turn
+    assert all(torch.equal(a, b) for a, b in zip(_read(storage, [2, 3], side=1), values))  # values stay
+    assert all(torch.equal(a, b) for a, b in zip(_read(storage, [0, 1]), before))  # the source stays
+
+
+def test_an_open_int4_block_rotates_its_keys_in_its_residual_slot():
+    storage = _edit_storage("int4")
+    residual = storage.kinds[0].residual
+    keys = torch.randn(4, 16, 2, 64).to(torch.bfloat16)
+    for i, layer_keys in enumerate(keys):
+        residual.k[i][residual.slot(5)] = layer_keys
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).double() / 64))
+    cos, sin = rotation_tables(torch.tensor([-11]), inv_freq)
+    storage.copy_blocks([(5, 6)])
+    storage.rotate_keys([5, 6], [5, 6], (cos[0], sin[0]))  # in place, as a rebase does
+    for i, layer_keys in enumerate(keys):
+        exact = apply_rope(layer_keys.double(), cos[0].double(), sin[0].double())
+        for block in (5, 6):
+            torch.testing.assert_close(residual.k[i][residual.of_block[block]].double(), exact, atol=0.02, rtol=0.01)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "fp8_e4m3"])
+def test_moving_tokens_and_single_slots_copies_them_exactly(dtype):
+    storage = _edit_storage(dtype)
+    _fill(storage, [0, 1, 2], seed=2)
+    keys, values = _read(storage, [0, 1, 2]), _read(storage, [0, 1, 2], side=1)
+    flat = lambda blocks: [x.reshape(-1, 2, 64) for x in blocks]
+    src, dst = torch.tensor([3, 17, 40]), torch.tensor([64, 65, 66])  # slots of blocks 0-2 -> block 4
+    storage.move_tokens(src, dst)
+    for was, now in zip(flat(keys) + flat(values), flat(_read(storage, [4])) + flat(_read(storage, [4], side=1))):
+        assert torch.equal(now[:3], was[src])
+    # move_slots: per layer and head its own slots (as compaction does)
+    per_head = torch.stack([torch.stack([src + h + layer for h in range(2)]) for layer in range(4)])
+    storage.move_slots(per_head, torch.tensor([80, 81, 82]).expand(4, 2, 3))
+    for layer, (was, now) in enumerate(zip(flat(keys), flat(_read(storage, [5])))):
+        for h in range(2):
+            assert torch.equal(now[:3, h], was[src + h + layer, h])
+
+
+def test_each_layout_names_the_edits_it_takes():
+    assert _edit_storage("auto").edits == frozenset(EDITS)
+    assert _edit_storage("int8").edits == _edit_storage("fp8_e5m2").edits == TOKEN_EDITS
+    assert _edit_storage("int4").edits == _edit_storage("int2").edits == {"rotate"}
+    mixed = KVStorage(SMALL, 4, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int4", skip_layers=(0,)))
+    assert mixed.edits == {"rotate"}
+    with pytest.raises(NotImplementedError, match="the kivi KV layout cannot move tokens between blocks"):
+        mixed.kind("kivi").move_tokens(torch.tensor([0]), torch.tensor([1]))

@@ -1,6 +1,7 @@
 """Long-context KV policies: spelling, limits, exactness against a reference, bounded memory."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from policy_reference import Recorder, attention_weights, reference_logits
 from tiny_models import tiny_llama_config
 
 from kvbank import LLM, SamplingParams
-from kvbank.cache.policies import H2O, ContextShift, Limits, SinkWindow, SnapKV, parse_policy
+from kvbank.cache.limits import EDITS, TOKEN_EDITS
+from kvbank.cache.policies import H2O, ContextShift, FrameWindow, Limits, SinkWindow, SnapKV, parse_policy
 
 BS = 16
 
@@ -105,12 +107,28 @@ def test_engine_refuses_policies_it_cannot_hold(llm, text_ids):
     _assert_all_free(llm)
 
 
-@pytest.mark.parametrize("spec", ["sink_window(window=64)", "h2o", "snapkv", "context_shift"])
-def test_quantized_kv_refuses_policies_other_than_full(spec):
-    quantized = Limits(block_size=BS, num_blocks=4096, max_model_len=8192, chunk_tokens=256, dense_pool=False)
-    with pytest.raises(ValueError, match="quantized KV runs only with kv_policy='full'"):
-        parse_policy(spec).check(quantized)
-    parse_policy("full").check(quantized)
+#: which policies each KV layout runs (the rest are refused, naming the policy and the dtype)
+RUNS_ON = {
+    "auto": {"sink_window", "context_shift", "h2o", "snapkv", "frame_window"},
+    "int8": {"sink_window", "context_shift", "h2o", "snapkv"},
+    "int4": {"sink_window", "context_shift"},
+}
+EDITS_OF = {"auto": frozenset(EDITS), "int8": TOKEN_EDITS, "int4": frozenset({"rotate"})}
+
+
+@pytest.mark.parametrize("dtype", sorted(RUNS_ON))
+@pytest.mark.parametrize("spec", ["sink_window(window=64)", "context_shift", "h2o", "snapkv", "frame_window"])
+def test_each_kv_layout_runs_the_policies_its_edits_allow_and_refuses_the_rest(spec, dtype):
+    limits = Limits(BS, 4096, 8192, 256, kv_edits=EDITS_OF[dtype], kv_cache_dtype=dtype)
+    policy = FrameWindow() if spec == "frame_window" else parse_policy(spec)  # a stream's, not a request's
+    if policy.name in RUNS_ON[dtype]:
+        policy.check(limits)
+    else:
+        with pytest.raises(
+            ValueError, match=rf"kv_policy={re.escape(str(policy))} cannot run with kv_cache_dtype='{dtype}'"
+        ):
+            policy.check(limits)
+    parse_policy("full").check(limits)
 
 
 # --- exactness ---------------------------------------------------------------------------------

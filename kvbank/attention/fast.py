@@ -85,10 +85,10 @@ class ScoreJob:
 SCORE_ROWS = 256
 
 
-def accumulate_scores(q: torch.Tensor, k_cache: torch.Tensor, job: ScoreJob, layer: int, scale: float) -> None:
-    """Add one layer's attention probabilities for `job` (computed in float32, causal by slot)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, job.key_slots).float()
+def accumulate_scores(q: torch.Tensor, keys: torch.Tensor, job: ScoreJob, layer: int, scale: float) -> None:
+    """Add one layer's attention probabilities for `job` (computed in float32, causal by slot);
+    `keys` are the float32 keys of `job.key_slots`, [slots, kv_heads, head_dim]."""
+    num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
     positions = torch.arange(keys.shape[0], device=keys.device)
     total = torch.zeros(num_kv_heads, keys.shape[0], device=keys.device)
     for i in range(0, job.rows.numel(), SCORE_ROWS):

@@ -103,6 +103,8 @@ class QuantizedView:
     #: for the native kernel, each attended row's scratch block row (int4/int2): every token's
     #: when row_tables is set, else the decodes'
     own_rows: torch.Tensor | None = None
+    #: attention accumulated for policies that rank tokens (attention/fast.py ScoreJob)
+    score_jobs: list = field(default_factory=list)
 
 
 def native_rows(

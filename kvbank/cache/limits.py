@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: What a long-context policy or a stream may need done to a sequence's cache, and which KV
+#: layouts can (`KVKind.edits` in cache/layers; a policy names its needs in `KVPolicy.needs`).
+EDITS = {
+    "rotate": "re-rotate the keys of whole blocks",
+    "slots": "move single tokens of one layer and KV head",
+    "tokens": "move tokens between blocks",
+    "scores": "keep per-token attention scores",
+    "gather": "read and write tokens in the model dtype",
+}
+#: what per-token quantized layouts (int8, fp8) can do: all but hand tokens out in the model dtype
+TOKEN_EDITS = frozenset(EDITS) - {"gather"}
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -14,5 +26,7 @@ class Limits:
     max_model_len: int
     #: most tokens one step computes for a sequence (a prefill chunk)
     chunk_tokens: int
-    #: the pool stores every layer dense in the model dtype
-    dense_pool: bool
+    #: the edits of `EDITS` every layer of the pool can take
+    kv_edits: frozenset[str]
+    #: the pool's KV cache dtype, as configured (named in refusals)
+    kv_cache_dtype: str = "auto"

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvbank.cache.limits import Limits
+from kvbank.cache.limits import EDITS, TOKEN_EDITS, Limits
 from kvbank.cache.manager import blocks_for
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ class KVPolicy(ABC):
     unbounded: ClassVar[bool] = False
     #: the policy ranks tokens by accumulated attention (its sequences carry score buffers)
     scored: ClassVar[bool] = False
+    #: what the policy does to a sequence's cache (cache/limits.py EDITS): the pool must be able to
+    needs: ClassVar[frozenset[str]] = frozenset()
 
     def __str__(self) -> str:
         args = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
@@ -55,10 +57,14 @@ class KVPolicy(ABC):
 
     def check(self, limits: Limits) -> None:
         """Raise ValueError if the policy cannot run in this engine."""
-        if not limits.dense_pool:
+        missing = sorted(self.needs - limits.kv_edits)
+        if missing:
             raise ValueError(
-                f"kv_policy={self} needs the KV pool in the model dtype (kv_cache_dtype='auto' and no skipped layers);"
-                " quantized KV runs only with kv_policy='full'"
+                f"kv_policy={self} cannot run with kv_cache_dtype={limits.kv_cache_dtype!r}: the policy needs to "
+                + " and to ".join(EDITS[edit] for edit in missing)
+                + ", which that KV layout cannot (kv_cache_dtype='auto' can"
+                + (", and so can int8 and fp8" if self.needs <= TOKEN_EDITS else "")
+                + ")"
             )
 
     @abstractmethod
@@ -93,6 +99,7 @@ class ShiftingPolicy(KVPolicy):
     """Keeps leading whole blocks and the most recent ones; positions are assigned in the cache."""
 
     unbounded = True
+    needs = frozenset({"rotate"})
 
     @abstractmethod
     def keep_tokens(self) -> int:
@@ -249,6 +256,8 @@ class FrameWindow(KVPolicy):
 
     name: ClassVar[str] = "frame_window"
     unbounded: ClassVar[bool] = True
+    #: frames leave from the middle of the sequence and recall brings them back in the model dtype
+    needs: ClassVar[frozenset[str]] = frozenset({"rotate", "tokens", "gather"})
     frames: int = 64
     sinks: int = 4
 
@@ -288,6 +297,7 @@ class ScoredPolicy(KVPolicy):
     """Ranks tokens per layer and KV head by attention and compacts the kept ones."""
 
     scored = True
+    needs = frozenset({"slots", "scores"})
 
     def prefix_limit(self, prompt_len: int, limits: Limits) -> int:
         return 0  # scores need every prompt token's attention

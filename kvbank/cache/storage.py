@@ -8,7 +8,7 @@ and `kvbank plan` both use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -161,9 +161,12 @@ class KVStorage:
         codecs: list[CodecPair] = kv_format.codecs(model.num_layers, dtype)
         places: list[KVLayer] = [None] * model.num_layers  # type: ignore[list-item]
         self.kinds: list[KVKind] = []
+        #: the layer places of each kind, in the order of `kinds`
+        self._kind_layers: list[torch.Tensor] = []
         for name, indices in _by_kind(model, dtype, kv_format).items():
             kind = KINDS[name](spec, [codecs[i] for i in indices])
             self.kinds.append(kind)
+            self._kind_layers.append(torch.tensor(indices, dtype=torch.long))
             for i, layer in zip(indices, kind.layers):
                 places[i] = layer
         #: the layer places a block holds, each once
@@ -225,35 +228,50 @@ class KVStorage:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def save_open(self, block_ids: list[int]) -> list[Any]:
+        """What the kinds hold of `block_ids` outside the pool (open KIVI blocks), for a whole swap."""
+        return [kind.save_open(block_ids) for kind in self.kinds]
+
+    def restore_open(self, block_ids: list[int], saved: list[Any]) -> None:
+        """Put back what `save_open` returned, for the same blocks now at `block_ids`."""
+        for kind, part in zip(self.kinds, saved):
+            kind.restore_open(block_ids, part)
+
     @property
-    def all_dense(self) -> bool:
-        """Every layer is stored in the model dtype (what long-context policies edit)."""
-        return [kind.name for kind in self.kinds] == ["dense"]
+    def edits(self) -> frozenset[str]:
+        """The edits (cache/limits.py EDITS) every layer of the pool can take."""
+        return frozenset.intersection(*(kind.edits for kind in self.kinds))
+
+    def _check(self, edit: str) -> None:
+        assert edit in self.edits and self.groups is None, f"the pool cannot {edit}"
 
     def rotate_keys(self, src: list[int], dst: list[int], rotation: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Keys of blocks `dst` = keys of blocks `src` rotated by (cos, sin) rows of one position delta."""
-        assert self.all_dense
-        self.kinds[0].rotate_keys(src, dst, *rotation)
+        self._check("rotate")
+        for kind in self.kinds:
+            kind.rotate_keys(src, dst, *rotation)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per layer l and KV head h, K/V of pool slots `src[l, h]` -> slots `dst[l, h]` (flat slot ids)."""
-        assert self.all_dense
-        self.kinds[0].move_slots(src, dst)
+        self._check("slots")
+        for kind, layers in zip(self.kinds, self._kind_layers):
+            kind.move_slots(src[layers], dst[layers])
 
     def gather_tokens(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, n, kv_heads, head_dim] of pool slots `slots` ([n] flat ids)."""
-        assert self.all_dense
+        self._check("gather")
         return self.kinds[0].gather_tokens(slots)
 
     def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write K and V shaped as `gather_tokens` returns them into pool slots `slots`."""
-        assert self.all_dense
+        self._check("gather")
         self.kinds[0].scatter_tokens(slots, keys, values)
 
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """K/V of pool slots `src` -> slots `dst` ([n] flat slot ids), the same in every layer and head."""
-        assert self.all_dense
-        self.kinds[0].move_tokens(src, dst)
+        self._check("tokens")
+        for kind in self.kinds:
+            kind.move_tokens(src, dst)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V, anything a kind keeps beside them) from source to destination."""

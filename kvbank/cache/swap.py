@@ -12,7 +12,8 @@ A sequence a long-context policy has edited (evicted tokens, moved slots, re-rot
 buffers) cannot be recomputed exactly from its tokens: it is swapped whole instead — every block of
 its table, the open tail included, its unrotated leading copies, and its cache state (computed
 tokens, evictions, rotary offset, scores) — and comes back exactly as it left, into fresh blocks.
-Its pool kind must keep everything in blocks: the policies run on dense pools only.
+What a storage kind keeps of those blocks outside the pool (KIVI's open block in its residual
+slot) goes with it (`KVStorage.save_open`).
 
 A sequence of a hybrid layout (cache/hybrid.py) is swapped whole too: its window tables hold only
 the blocks their window still reads, which a recompute from the prefix cache could not rebuild
@@ -53,6 +54,8 @@ class _Swapped:
     #: each window table's length)
     pristine_blocks: int = 0
     windows: tuple[int, list[int]] | None = None
+    #: of a whole swap: what the storage kinds keep of the blocks outside the pool (KIVI's open block)
+    open: list[Any] | None = None
 
 
 def edited(seq: Sequence) -> bool:
@@ -124,6 +127,7 @@ class Swapper:
         if whole:
             entry.table_blocks, entry.pristine_blocks = len(seq.block_table), len(seq.pristine_blocks)
             entry.state = (seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.kv_state)
+            entry.open = self.storage.save_open(table)
             if seq.window_tables:
                 entry.windows = (seq.window_first, [len(table) for table in seq.window_tables])
         self.swapped[seq] = entry
@@ -164,6 +168,7 @@ class Swapper:
             assert not seq.block_table and not seq.pristine_blocks
             blocks = self.manager.take_blocks(entry.num_blocks)
             self.storage.write_blocks(blocks, entry.tensors)
+            self.storage.restore_open(blocks, entry.open)
             table, pristine = entry.table_blocks, entry.table_blocks + entry.pristine_blocks
             seq.block_table, seq.pristine_blocks = blocks[:table], blocks[table:pristine]
             seq.num_computed_tokens, seq.num_evicted, seq.rope_offset, seq.kv_state = entry.state

@@ -18,7 +18,9 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
+from kvbank.attention.fast import ScoreJob
 from kvbank.attention.metadata import AttentionMetadata
+from kvbank.cache.limits import EDITS
 from kvbank.cache.quant import CodecPair
 
 
@@ -51,6 +53,26 @@ class StepSeq:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+
+def score_jobs(steps: list[StepSeq], block_size: int, device: torch.device) -> list[ScoreJob]:
+    """The attention each scoring sequence of the step accumulates (rows in batch order)."""
+    jobs, offset = [], 0
+    for s in steps:
+        if s.scores is not None:
+            first, last = s.score_slots
+            table = torch.tensor(s.block_table, dtype=torch.long)
+            keys = torch.arange(last)
+            jobs.append(
+                ScoreJob(
+                    rows=torch.arange(offset + first - s.start, offset + last - s.start, device=device),
+                    row_slots=torch.arange(first, last, device=device),
+                    key_slots=(table[keys // block_size] * block_size + keys % block_size).to(device),
+                    buffer=s.scores,
+                )
+            )
+        offset += s.num_tokens
+    return jobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +129,14 @@ class KVLayer(Protocol):
 
 
 class KVKind(ABC):
-    """Every layer of one storage kind, built from each layer's (key, value) codecs."""
+    """Every layer of one storage kind, built from each layer's (key, value) codecs.
+
+    Edits (`EDITS`) work on every layer of the kind: block and slot ids are the pool's.
+    """
 
     name: ClassVar[str]
+    #: the edits of `EDITS` this kind carries out
+    edits: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         self.spec = spec
@@ -147,3 +174,23 @@ class KVKind(ABC):
 
     def release_block(self, block_id: int) -> None:  # noqa: B027 -- most kinds keep nothing per block outside the pool
         """A block went back to the free list without being indexed."""
+
+    def save_open(self, block_ids: list[int]) -> Any:
+        """What the kind holds of `block_ids` outside the pool (KIVI: open blocks' residual slots),
+        for a sequence swapped whole; None when nothing."""
+        return None
+
+    def restore_open(self, block_ids: list[int], saved: Any) -> None:  # noqa: B027 -- nothing saved by default
+        """Put back what `save_open` returned, for the same blocks now at `block_ids`."""
+
+    def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Keys of blocks `dst` = keys of blocks `src` rotated by one position delta (edit "rotate")."""
+        raise NotImplementedError(f"the {self.name} KV layout cannot {EDITS['rotate']}")
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per layer l of the kind and KV head h, K/V of slots `src[l, h]` -> `dst[l, h]` (edit "slots")."""
+        raise NotImplementedError(f"the {self.name} KV layout cannot {EDITS['slots']}")
+
+    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's and head's K/V of slots `src` -> slots `dst` ([n] flat ids; edit "tokens")."""
+        raise NotImplementedError(f"the {self.name} KV layout cannot {EDITS['tokens']}")

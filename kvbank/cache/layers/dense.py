@@ -12,7 +12,6 @@ import torch
 from kvbank.attention.cascade import share_prefixes
 from kvbank.attention.fast import (
     DenseStep,
-    ScoreJob,
     accumulate_scores,
     attend_window_rows,
     cascade_available,
@@ -23,7 +22,8 @@ from kvbank.attention.fast import (
 )
 from kvbank.attention.metadata import AttentionMetadata, additive_mask, write_kv
 from kvbank.attention.rope import apply_rope
-from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, zeroed
+from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, score_jobs, zeroed
+from kvbank.cache.limits import EDITS
 from kvbank.cache.quant import CodecPair
 
 
@@ -69,7 +69,8 @@ class DenseLayer:
         step = meta.kinds[self.kind]
         out = paged_attention(q, *written, self.k, self.v, meta, step, scale)
         for job in step.score_jobs:
-            accumulate_scores(q, self.k, job, self.index, scale)
+            keys = self.k.view(-1, *self.k.shape[2:]).index_select(0, job.key_slots).float()
+            accumulate_scores(q, keys, job, self.index, scale)
         return out
 
 
@@ -77,6 +78,7 @@ class DenseKind(KVKind):
     """The layers kept as the model computes them."""
 
     name = "dense"
+    edits = frozenset(EDITS)
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
@@ -90,7 +92,7 @@ class DenseKind(KVKind):
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> DenseStep:
         step = self._row_step(steps) if self.attend_rows else self._batched_step(steps)
-        step.score_jobs = self._score_jobs(steps)
+        step.score_jobs = score_jobs(steps, self.spec.block_size, self.spec.device)
         return step
 
     def _batched_step(self, steps: list[StepSeq]) -> DenseStep:
@@ -106,24 +108,6 @@ class DenseKind(KVKind):
             tables = [s.block_table[: -(-s.end // bs)] for s in decodes]
             share_prefixes(step, tables, [s.end for s in decodes], bs, dtype, device)
         return step
-
-    def _score_jobs(self, steps: list[StepSeq]) -> list[ScoreJob]:
-        jobs, offset, bs, device = [], 0, self.spec.block_size, self.spec.device
-        for s in steps:
-            if s.scores is not None:
-                first, last = s.score_slots
-                table = torch.tensor(s.block_table, dtype=torch.long)
-                keys = torch.arange(last)
-                jobs.append(
-                    ScoreJob(
-                        rows=torch.arange(offset + first - s.start, offset + last - s.start, device=device),
-                        row_slots=torch.arange(first, last, device=device),
-                        key_slots=(table[keys // bs] * bs + keys % bs).to(device),
-                        buffer=s.scores,
-                    )
-                )
-            offset += s.num_tokens
-        return jobs
 
     def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
         device = self.spec.device

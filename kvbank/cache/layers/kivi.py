@@ -15,6 +15,7 @@ import torch
 from kvbank.attention.fast import row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
 from kvbank.attention.quantized import QuantizedView, attend_quantized, pad_visibility
+from kvbank.attention.rope import apply_rope
 from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
 from kvbank.cache.layers.token import CodecLayer
 from kvbank.cache.quant import CodecPair, FullPrecision
@@ -126,8 +127,8 @@ class KiviLayer(CodecLayer):
     """A layer quantized a whole block at a time, its open blocks in residual slots."""
 
     def __init__(self, spec: PoolSpec, codecs: CodecPair, kind: str, residual: ResidualSlots, index: int) -> None:
-        super().__init__(spec, codecs, kind)
-        self.residual, self.index = residual, index
+        super().__init__(spec, codecs, kind, index)
+        self.residual = residual
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([T, heads, dim]); returns this step's scratch blocks (K, V)."""
@@ -216,6 +217,8 @@ class KiviKind(KVKind):
     """The layers stored through KIVI codecs, and the residual slots they share."""
 
     name = "kivi"
+    #: keys are quantized per channel over a whole block: single tokens cannot move between blocks
+    edits = frozenset({"rotate"})
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
@@ -240,6 +243,40 @@ class KiviKind(KVKind):
 
     def release_block(self, block_id: int) -> None:
         self.residual.release(block_id)
+
+    def save_open(self, block_ids: list[int]) -> list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
+        """Each open block's place in `block_ids` and its residual K and V in every layer."""
+        r = self.residual
+        return [
+            (i, [k[r.of_block[b]].clone() for k in r.k], [v[r.of_block[b]].clone() for v in r.v])
+            for i, b in enumerate(block_ids)
+            if b in r.of_block
+        ]
+
+    def restore_open(
+        self, block_ids: list[int], saved: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]
+    ) -> None:
+        r = self.residual
+        for i, keys, values in saved:
+            slot = r.slot(block_ids[i])  # before reading the lists: taking a slot may grow them
+            for store, x in zip(r.k + r.v, keys + values):
+                store[slot] = x
+
+    def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Whole blocks are dequantized, rotated and quantized again per channel; an open block's
+        keys are rotated in its residual slot, in full precision."""
+        device, residual = self.spec.device, self.residual
+        cos, sin = cos.to(device), sin.to(device)
+        whole = [(s, d) for s, d in zip(src, dst) if s not in residual.of_block]
+        opened = [(residual.of_block[s], residual.slot(d)) for s, d in zip(src, dst) if s in residual.of_block]
+        src_ids = torch.tensor([s for s, _ in whole], dtype=torch.long, device=device)
+        dst_ids = torch.tensor([d for _, d in whole], dtype=torch.long, device=device)
+        for layer in self.layers:
+            if whole:
+                layer.rotate_keys(src_ids, dst_ids, cos, sin)
+            store = residual.k[layer.index]  # read after residual.slot above, which may grow the table
+            for s, d in opened:
+                store[d] = apply_rope(store[s].float(), cos, sin).to(store.dtype)
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> KiviStep:
         """Masks over [quantized blocks ; scratch blocks] and the residual plan."""

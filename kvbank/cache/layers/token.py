@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbank.attention.fast import row_tables
+from kvbank.attention.fast import accumulate_scores, row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
 from kvbank.attention.quantized import (
     NATIVE_FORMATS,
@@ -14,7 +14,9 @@ from kvbank.attention.quantized import (
     native_quant_kernel,
     pad_visibility,
 )
-from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, zeroed
+from kvbank.attention.rope import apply_rope
+from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, score_jobs, zeroed
+from kvbank.cache.limits import TOKEN_EDITS
 from kvbank.cache.quant import CodecPair
 
 #: the formats whose writes are native too (per-token int8 and fp8)
@@ -24,9 +26,11 @@ NATIVE_WRITES = (NATIVE_FORMATS["int8"], NATIVE_FORMATS["fp8_e4m3"], NATIVE_FORM
 class CodecLayer:
     """K and V stored through codecs: a dict of tensors per side, each [num_blocks, *component]."""
 
-    def __init__(self, spec: PoolSpec, codecs: CodecPair, kind: str) -> None:
+    def __init__(self, spec: PoolSpec, codecs: CodecPair, kind: str, index: int) -> None:
         #: the name of the kind that owns the layer: its step state is meta.kinds[kind]
         self.kind = kind
+        #: the layer's place among the kind's layers (its row in score buffers)
+        self.index = index
         self.codecs = codecs
         self.dtype = spec.dtype
         self.block_size = spec.block_size
@@ -65,9 +69,36 @@ class CodecLayer:
             out.append(x.view(batch, -1, *x.shape[2:]))
         return out[0], out[1]
 
+    def rotate_keys(self, src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Keys of blocks `dst` = keys of blocks `src` rotated: dequantized, rotated in float32,
+        rounded to the model dtype and quantized again, as a key the model computed there would be."""
+        codec, side = self.codecs[0], self.sides[0]
+        keys = codec.dequantize({name: t.index_select(0, src) for name, t in side.items()}, torch.float32)
+        for name, value in codec.quantize(apply_rope(keys, cos, sin).to(self.dtype)).items():
+            side[name].index_copy_(0, dst, value)
+
 
 class TokenLayer(CodecLayer):
     """A layer whose tokens are quantized one by one at their slots."""
+
+    def token_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """The float32 keys of pool slots `slots` ([n] flat ids): [n, kv_heads, head_dim]."""
+        codec, side = self.codecs[0], self.sides[0]
+        stored = {name: t.view(-1, *t.shape[2:]).index_select(0, slots) for name, t in side.items()}
+        return codec.dequantize(stored, torch.float32)
+
+    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Codes and scales of slots `src` -> slots `dst` ([n] flat ids), every head."""
+        for t in self.tensors:
+            flat = t.view(t.shape[0] * t.shape[1], -1)
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per KV head h, codes and scales of slots `src[h]` -> `dst[h]`."""
+        heads = torch.arange(self.heads, device=src.device).unsqueeze(1)
+        for t in self.tensors:
+            flat = t.view(t.shape[0] * t.shape[1], self.heads, -1)
+            flat[dst, heads] = flat[src, heads]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         if self.native_format in NATIVE_WRITES:
@@ -85,6 +116,8 @@ class TokenLayer(CodecLayer):
         view = meta.kinds[self.kind]
         if view.row_tables is None or self.native_format not in NATIVE_WRITES or self.dtype != torch.bfloat16:
             return None  # the fused step is bfloat16
+        if view.score_jobs:
+            return None  # scores are taken layer by layer
         return {"block_tables": view.row_tables, "context_lens": view.row_lens}
 
     def stack_caches(self) -> StackCache | None:
@@ -95,30 +128,52 @@ class TokenLayer(CodecLayer):
         return StackCache(self.native_format, k["codes"], v["codes"], k["scale"], v["scale"])
 
     def attend(self, q: torch.Tensor, written: None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return attend_quantized(q, self, TokenKind.name, meta.kinds[self.kind], meta, scale)
+        view = meta.kinds[self.kind]
+        out = attend_quantized(q, self, TokenKind.name, view, meta, scale)
+        for job in view.score_jobs:
+            accumulate_scores(q, self.token_keys(job.key_slots), job, self.index, scale)
+        return out
 
 
 class TokenKind(KVKind):
     """The layers stored through a per-token codec."""
 
     name = "token"
+    edits = TOKEN_EDITS
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
-        self.layers = [TokenLayer(spec, pair, self.name) for pair in codecs]
+        self.layers = [TokenLayer(spec, pair, self.name, i) for i, pair in enumerate(codecs)]
         #: every token, prefill or decode, is attended by the native kernel (batch invariance)
         self.attend_rows = spec.batch_invariant and all(layer.native is not None for layer in self.layers)
 
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> QuantizedView:
         # Every token, new ones included, is read back from the quantized pool.
-        bs = self.spec.block_size
+        bs, device = self.spec.block_size, self.spec.device
+        jobs = score_jobs(steps, bs, device)
         if self.attend_rows:
-            tables, lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, self.spec.device)
-            return QuantizedView([], row_tables=tables, row_lens=lens)
+            tables, lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, device)
+            return QuantizedView([], row_tables=tables, row_lens=lens, score_jobs=jobs)
         masks = []
         for s in steps:
             if s.num_tokens > 1:
                 width = -(-s.end // bs) * bs
                 visible = torch.arange(width).unsqueeze(0) <= torch.arange(s.start, s.end).unsqueeze(1)
-                masks.append(additive_mask(pad_visibility(visible).to(self.spec.device), self.spec.dtype))
-        return QuantizedView(masks)
+                masks.append(additive_mask(pad_visibility(visible).to(device), self.spec.dtype))
+        return QuantizedView(masks, score_jobs=jobs)
+
+    def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        device = self.spec.device
+        src_ids, dst_ids = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for layer in self.layers:
+            layer.rotate_keys(src_ids, dst_ids, cos.to(device), sin.to(device))
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        device = self.spec.device
+        for layer, s, d in zip(self.layers, src.to(device), dst.to(device)):
+            layer.move_slots(s, d)
+
+    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        device = self.spec.device
+        for layer in self.layers:
+            layer.move_tokens(src.to(device), dst.to(device))
