@@ -228,12 +228,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name}={value!r} must be a number >= 0")
-        if self.kv_tier_load_timeout is not None and not (
-            isinstance(self.kv_tier_load_timeout, (int, float)) and self.kv_tier_load_timeout > 0
-        ):
-            raise ValueError(f"kv_tier_load_timeout={self.kv_tier_load_timeout!r} must be > 0 seconds")
-        if self.kv_redis_ttl is not None and not self.kv_redis_ttl > 0:
-            raise ValueError(f"kv_redis_ttl={self.kv_redis_ttl!r} must be > 0 seconds")
+        for name in ("kv_redis_ttl", "kv_tier_load_timeout"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name}={value!r} must be > 0 seconds")
         if self.kv_tier_write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"kv_tier_write_policy={self.kv_tier_write_policy!r} is not one of {', '.join(WRITE_POLICIES)}"

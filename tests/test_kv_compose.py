@@ -22,9 +22,7 @@ RUNS = {"int8": SHIFTING + SCORED, "fp8_e4m3": SHIFTING + SCORED, "int4": SHIFTI
 def llm(request):
     # The default configuration (bfloat16, packed weights, batch-invariant) with a quantized pool;
     # a small context so that context_shift shifts and every policy evicts within 250 tokens.
-    engine = LLM(kv_cache_dtype=request.param, max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
-    engine.kv_cache_dtype = request.param
-    return engine
+    return LLM(kv_cache_dtype=request.param, max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def _params(policy: str, max_tokens: int = 48) -> SamplingParams:
 
 @pytest.mark.parametrize("policy", SHIFTING + SCORED)
 def test_each_policy_runs_on_quantized_kv_or_is_refused_naming_both(llm, text_ids, policy):
-    dtype, name = llm.kv_cache_dtype, parse_policy(policy).name
+    dtype, name = llm.engine.config.kv_cache_dtype, parse_policy(policy).name
     prompt = {"prompt_token_ids": text_ids[: 250 if name == "context_shift" else 180]}
     if policy not in RUNS[dtype]:
         with pytest.raises(ValueError, match=rf"kv_policy={name}\(.*\) cannot run with kv_cache_dtype='{dtype}'"):
@@ -60,7 +58,7 @@ def test_each_policy_runs_on_quantized_kv_or_is_refused_naming_both(llm, text_id
 
 @pytest.mark.parametrize("which", [0, -1], ids=["sink_window", "last_that_runs"])
 def test_a_preempted_policy_sequence_on_quantized_kv_is_swapped_whole_and_keeps_its_tokens(llm, text_ids, which):
-    policy = RUNS[llm.kv_cache_dtype][which]  # sink_window, and snapkv or context_shift
+    policy = RUNS[llm.engine.config.kv_cache_dtype][which]  # sink_window, and snapkv or context_shift
     # Both runs compute the prompt in the same chunks (no prefix hits): a policy's evictions follow them.
     ids = text_ids[: 250 if policy.startswith("context_shift") else 180]
     engine = llm.engine
@@ -87,7 +85,7 @@ def test_a_preempted_policy_sequence_on_quantized_kv_is_swapped_whole_and_keeps_
 
 
 def test_streams_are_refused_on_quantized_kv_naming_both(llm):
-    dtype = llm.kv_cache_dtype
+    dtype = llm.engine.config.kv_cache_dtype
     with pytest.raises(ValueError, match=rf"kv_policy=frame_window\(.*\) cannot run with kv_cache_dtype='{dtype}'"):
         llm.open_stream("You watch a stream of notes.")
     assert _all_free(llm)

@@ -165,8 +165,9 @@ class TokenKind(KVKind):
     def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
         device = self.spec.device
         src_ids, dst_ids = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        cos, sin = cos.to(device), sin.to(device)
         for layer in self.layers:
-            layer.rotate_keys(src_ids, dst_ids, cos.to(device), sin.to(device))
+            layer.rotate_keys(src_ids, dst_ids, cos, sin)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         device = self.spec.device
@@ -174,6 +175,6 @@ class TokenKind(KVKind):
             layer.move_slots(s, d)
 
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        device = self.spec.device
+        src, dst = src.to(self.spec.device), dst.to(self.spec.device)
         for layer in self.layers:
-            layer.move_tokens(src.to(device), dst.to(device))
+            layer.move_tokens(src, dst)
