@@ -142,10 +142,10 @@ def _fill(storage: KVStorage, blocks: list[int], seed: int) -> None:
 def _read(storage: KVStorage, blocks: list[int], side: int = 0) -> list[torch.Tensor]:
     """Every layer's keys (side 0) or values of `blocks`, dequantized: [blocks, 16, heads, dim] each."""
     ids = torch.tensor(blocks)
-    if not hasattr(storage.layers[0], "codecs"):
-        return [layer.tensors[side][ids].float() for layer in storage.layers]
     return [
         layer.codecs[side].dequantize({n: t[ids] for n, t in layer.sides[side].items()}, torch.float32)
+        if hasattr(layer, "codecs")
+        else layer.tensors[side][ids].float()
         for layer in storage.layers
     ]
 
@@ -208,6 +208,24 @@ def test_moving_tokens_and_single_slots_copies_them_exactly(dtype):
     for layer, (was, now) in enumerate(zip(flat(keys), flat(_read(storage, [5])))):
         for h in range(2):
             assert torch.equal(now[:3, h], was[src + h + layer, h])
+
+
+@pytest.mark.parametrize("skip", [(), (1,)], ids=["int8", "int8_dense_layer_1"])
+def test_gathered_tokens_are_the_pool_dequantized_and_scattered_ones_read_back_the_same(skip):
+    """What recall reads and writes: tokens of one layout (or a mixed pool, layer by layer) handed
+    out in the model dtype, equal to each layer's stored tokens; written back, they store the same."""
+    storage = KVStorage(SMALL, 12, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int8", skip), reserved_seqs=2)
+    _fill(storage, [0, 1, 2], seed=3)
+    slots = torch.tensor([5, 16, 17, 47])
+    keys, values = storage.gather_tokens(slots)
+    assert keys.shape == values.shape == (4, 4, 2, 64) and keys.dtype == torch.bfloat16
+    for side, got in ((0, keys), (1, values)):
+        for layer, stored in enumerate(_read(storage, [0, 1, 2], side)):
+            want = stored.reshape(-1, 2, 64)[slots].to(torch.bfloat16)  # dequantized, in the model dtype
+            assert torch.equal(got[layer], want)
+    storage.scatter_tokens(torch.tensor([64, 65, 66, 67]), keys, values)
+    again = storage.gather_tokens(torch.tensor([64, 65, 66, 67]))
+    assert torch.equal(again[0], keys) and torch.equal(again[1], values)  # a stored token re-stores exactly
 
 
 def test_each_layout_names_the_edits_it_takes():

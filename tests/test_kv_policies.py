@@ -110,7 +110,7 @@ def test_engine_refuses_policies_it_cannot_hold(llm, text_ids):
 #: which policies each KV layout runs (the rest are refused, naming the policy and the dtype)
 RUNS_ON = {
     "auto": {"sink_window", "context_shift", "h2o", "snapkv", "frame_window"},
-    "int8": {"sink_window", "context_shift", "h2o", "snapkv"},
+    "int8": {"sink_window", "context_shift", "h2o", "snapkv", "frame_window"},
     "int4": {"sink_window", "context_shift"},
 }
 EDITS_OF = {"auto": frozenset(EDITS), "int8": TOKEN_EDITS, "int4": frozenset({"rotate"})}

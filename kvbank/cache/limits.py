@@ -11,10 +11,11 @@ EDITS = {
     "slots": "move single tokens of one layer and KV head",
     "tokens": "move tokens between blocks",
     "scores": "keep per-token attention scores",
-    "gather": "read and write tokens in the model dtype",
+    "gather": "read and write single tokens in the model dtype",
 }
-#: what per-token quantized layouts (int8, fp8) can do: all but hand tokens out in the model dtype
-TOKEN_EDITS = frozenset(EDITS) - {"gather"}
+#: what per-token quantized layouts (int8, fp8) can do: every edit (gathered tokens are dequantized,
+#: scattered ones quantized as a write would)
+TOKEN_EDITS = frozenset(EDITS)
 
 
 @dataclass(frozen=True, slots=True)

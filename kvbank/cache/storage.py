@@ -258,14 +258,24 @@ class KVStorage:
             kind.move_slots(src[layers], dst[layers])
 
     def gather_tokens(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [layers, n, kv_heads, head_dim] of pool slots `slots` ([n] flat ids)."""
+        """K and V [layers, n, kv_heads, head_dim] of pool slots `slots` ([n] flat ids), in the
+        model dtype (a quantized layer's tokens dequantized)."""
         self._check("gather")
-        return self.kinds[0].gather_tokens(slots)
+        if len(self.kinds) == 1:
+            return self.kinds[0].gather_tokens(slots)
+        parts = [kind.gather_tokens(slots) for kind in self.kinds]
+        keys = torch.empty((len(self.places), *parts[0][0].shape[1:]), dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        for (k, v), layers in zip(parts, self._kind_layers):
+            keys[layers.to(self.device)], values[layers.to(self.device)] = k.to(self.dtype), v.to(self.dtype)
+        return keys, values
 
     def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write K and V shaped as `gather_tokens` returns them into pool slots `slots`."""
         self._check("gather")
-        self.kinds[0].scatter_tokens(slots, keys, values)
+        for kind, layers in zip(self.kinds, self._kind_layers):
+            index = layers.to(keys.device)
+            kind.scatter_tokens(slots, keys.index_select(0, index), values.index_select(0, index))
 
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """K/V of pool slots `src` -> slots `dst` ([n] flat slot ids), the same in every layer and head."""

@@ -87,6 +87,21 @@ class TokenLayer(CodecLayer):
         stored = {name: t.view(-1, *t.shape[2:]).index_select(0, slots) for name, t in side.items()}
         return codec.dequantize(stored, torch.float32)
 
+    def token_values(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of pool slots `slots` ([n] flat ids), dequantized in float32 and rounded
+        once to `dtype`: [n, kv_heads, head_dim] each."""
+        out = []
+        for codec, side in zip(self.codecs, self.sides):
+            stored = {name: t.view(-1, *t.shape[2:]).index_select(0, slots) for name, t in side.items()}
+            out.append(codec.dequantize(stored, torch.float32).to(dtype))
+        return out[0], out[1]
+
+    def put_tokens(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize K and V [n, kv_heads, head_dim] (model dtype) into pool slots `slots`, as a write would."""
+        for codec, side, x in zip(self.codecs, self.sides, (k, v)):
+            for name, value in codec.quantize(x.to(self.dtype)).items():
+                side[name].view(-1, *side[name].shape[2:]).index_copy_(0, slots, value)
+
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Codes and scales of slots `src` -> slots `dst` ([n] flat ids), every head."""
         for t in self.tensors:
@@ -178,3 +193,17 @@ class TokenKind(KVKind):
         src, dst = src.to(self.spec.device), dst.to(self.spec.device)
         for layer in self.layers:
             layer.move_tokens(src, dst)
+
+    def gather_tokens(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of pool slots `slots` in every layer, dequantized to the model dtype:
+        [layers, n, kv_heads, head_dim] each (what a dense pool would hand out for the same tokens,
+        within the codec's error)."""
+        slots = slots.to(self.spec.device)
+        pairs = [layer.token_values(slots, self.spec.dtype) for layer in self.layers]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+
+    def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize `gather_tokens`-shaped K and V into pool slots `slots`."""
+        slots = slots.to(self.spec.device)
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.put_tokens(slots, k, v)
