@@ -135,3 +135,36 @@ def _reference_logits(recorder: Recorder, checks: list[tuple[int, torch.Tensor, 
         x = x + attn.o_proj(out.view(len(checks), -1).to(x.dtype)).float()
         x = x + layer.mlp(layer.post_attention_layernorm(x)).float()
     return recorder.compute_logits(x)
+
+
+@torch.inference_mode()
+def cache_reference_logits(recorder: Recorder, checks: list[tuple[int, int, list, list]]) -> torch.Tensor:
+    """Logits, one row per check `(token, position, cache, own)`: `token` at RoPE `position`, in
+    layer l attending over `cache[l]` = (keys, values) [n, kv_heads, dim] exactly as a pool holds
+    them (keys already rotated), then over `own[l]` = its own (key, value) [kv_heads, dim] as the
+    engine stored them. Plain PyTorch, float32, every check its own single-token forward."""
+    recorder.recording = False
+    try:
+        model, c = recorder.model, recorder.config
+        group = c.num_heads // c.num_kv_heads
+        q_size = c.num_heads * c.head_dim
+        x = model.embed_tokens(torch.tensor([token for token, _, _, _ in checks])).float()
+        for index, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            qkv = attn.qkv_proj(layer.input_layernorm(x)).float()
+            out = torch.empty(len(checks), c.num_heads, c.head_dim)
+            for i, (_, position, cache, own) in enumerate(checks):
+                q = _rotate(
+                    qkv[i, :q_size].view(c.num_heads, c.head_dim), torch.tensor([position]), model.rope_inv_freq
+                )
+                keys = torch.cat((cache[index][0].float(), own[index][0].float().unsqueeze(0)))
+                values = torch.cat((cache[index][1].float(), own[index][1].float().unsqueeze(0)))
+                for h in range(c.num_kv_heads):
+                    heads = slice(h * group, (h + 1) * group)
+                    weights = (q[heads] @ keys[:, h].T * attn.scale).softmax(dim=-1)
+                    out[i, heads] = weights @ values[:, h]
+            x = x + attn.o_proj(out.view(len(checks), -1).to(x.dtype)).float()
+            x = x + layer.mlp(layer.post_attention_layernorm(x)).float()
+        return recorder.compute_logits(x)
+    finally:
+        recorder.recording = True

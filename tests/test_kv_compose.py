@@ -1,5 +1,6 @@
 """Cache features together: long-context policies on quantized KV (run, swapped whole, or refused
-naming both features), and streams where their layout cannot hold them.
+naming both features) with a host tier behind the pool, and streams with recall on every layout
+that can hold them (the rest refused naming both).
 
 The matrix is policy x kv_cache_dtype (x swap). Dense pools are covered by tests/test_kv_policies.py;
 the edits themselves (rotation, slot and token moves) per layout by tests/test_kv_layers.py.
@@ -8,21 +9,29 @@ the edits themselves (rotation, slot and token moves) per layout by tests/test_k
 from pathlib import Path
 
 import pytest
+import torch
+from policy_reference import Recorder, cache_reference_logits
 
 from kvbank import LLM, SamplingParams
+from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache.policies import parse_policy
 
 SHIFTING = ["sink_window(sinks=4,window=64)", "context_shift(keep=16)"]
 SCORED = ["h2o(heavy=40,recent=40)", "snapkv(budget=96,window=16)"]
 #: the policies each quantized layout runs; the rest are refused
 RUNS = {"int8": SHIFTING + SCORED, "fp8_e4m3": SHIFTING + SCORED, "int4": SHIFTING, "int2": SHIFTING}
+#: the layouts streams run on (frames leave from the middle: tokens move between blocks)
+STREAMS = ("int8", "fp8_e4m3")
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def llm(request):
     # The default configuration (bfloat16, packed weights, batch-invariant) with a quantized pool;
-    # a small context so that context_shift shifts and every policy evicts within 250 tokens.
-    return LLM(kv_cache_dtype=request.param, max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
+    # a small context so that context_shift shifts and every policy evicts within 250 tokens; a host
+    # tier takes what the policies' sequences share and what streams evict.
+    return LLM(
+        kv_cache_dtype=request.param, max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64, kv_host_gb=0.05
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +93,151 @@ def test_a_preempted_policy_sequence_on_quantized_kv_is_swapped_whole_and_keeps_
     assert _all_free(llm)
 
 
-def test_streams_are_refused_on_quantized_kv_naming_both(llm):
+NOTES = [
+    ("Maria", "locker code", "4417"),
+    ("the red truck", "parking spot", "B12"),
+    ("Professor Okafor", "office", "room 305"),
+    ("the bakery", "opening hour", "six in the morning"),
+    ("the cat", "favourite toy", "a blue feather"),
+    ("the train to Lyon", "platform", "platform nine"),
+    ("the volcano", "height", "3,200 metres"),
+]
+
+
+def test_streams_run_with_recall_on_quantized_kv_or_are_refused_naming_both(llm):
     dtype = llm.engine.config.kv_cache_dtype
-    with pytest.raises(ValueError, match=rf"kv_policy=frame_window\(.*\) cannot run with kv_cache_dtype='{dtype}'"):
-        llm.open_stream("You watch a stream of notes.")
+    system = "You read notes one at a time and answer questions about them briefly."
+    if dtype not in STREAMS:
+        with pytest.raises(ValueError, match=rf"kv_policy=frame_window\(.*\) cannot run with kv_cache_dtype='{dtype}'"):
+            llm.open_stream(system)
+        assert _all_free(llm)
+        return
+    with llm.open_stream(system, policy="frame_window(frames=2,sinks=4)") as session:
+        blocks = []
+        for i, (who, what, value) in enumerate(NOTES):
+            session.append(f"Note {i}: the {what} of {who} is {value}.")
+            blocks.append(session.stats()["blocks"])
+        assert session.stats()["evicted_frames"] == 5 and session.stats()["recallable_frames"] == 5
+        assert max(blocks[2:]) <= blocks[2] + 1, blocks  # the window's blocks, not the stream's
+        answer = session.ask("What is the height of the volcano?", SamplingParams(temperature=0, max_tokens=12))
+        assert "3,200" in answer.outputs[0].text  # a kept frame, read from the quantized pool
+        recalled = session.ask(
+            "What is the locker code of Maria?", SamplingParams(temperature=0, max_tokens=4), recall=2
+        )
+        assert len(recalled.recalled_frames) == 2 and session.stats()["recall_recalled"] == 2
+        assert session.stats()["recall_corrupt"] == session.stats()["recall_missing"] == 0
+        assert len(recalled.outputs[0].token_ids) == 4
     assert _all_free(llm)
+
+
+# --- logits on a quantized cache after evictions, against a plain forward over what it holds --------
+
+
+def _pool_contents(engine, seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (keys, values) [slots, kv_heads, dim] the pool holds for `seq`'s slots, in
+    float32: per-token layers' codes dequantized; KIVI's full blocks dequantized, its open block
+    from its residual slot."""
+    bs, n = engine.block_size, seq.num_slots
+    table = torch.tensor(seq.block_table[: -(-n // bs)])
+    out = []
+    for layer in engine.storage.layers:
+        if hasattr(layer, "residual"):
+            keys, values = (x[0].float() for x in layer.read(table.unsqueeze(0)))
+            if n % bs:
+                slot = layer.residual.of_block[seq.block_table[n // bs]]
+                start = n // bs * bs
+                keys[start:] = layer.residual.k[layer.index][slot].float()[: keys.shape[0] - start]
+                values[start:] = layer.residual.v[layer.index][slot].float()[: values.shape[0] - start]
+        else:
+            slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+            keys, values = layer.token_values(slots, torch.float32)
+        out.append((keys[:n], values[:n]))
+    return out
+
+
+def _rotated(recorder, engine, seq, layer: int) -> torch.Tensor:
+    """The keys [slots, kv_heads, dim] the policy's semantics put in `seq`'s slots of `layer`: each
+    held token's recorded key rotated (float64 tables) to position slot + rope_offset."""
+    held = engine.editor.held_tokens(seq, len(engine.storage.layers), engine.model_config.num_kv_heads)[layer, 0]
+    keys, _ = recorder.kv(layer)
+    positions = torch.arange(held.shape[0]) + seq.rope_offset
+    cos, sin = rotation_tables(positions, recorder.model.rope_inv_freq)
+    return apply_rope(keys[held].double(), cos[:, None].double(), sin[:, None].double()).float()
+
+
+def _codec_step(layer, exact: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The largest error of storing `exact` keys [slots, kv_heads, dim] once in `layer`'s format
+    (KIVI: its whole blocks; an open block stays in full precision)."""
+    codec = layer.codecs[0]
+    if hasattr(layer, "residual"):
+        exact = exact[: exact.shape[0] // block_size * block_size].reshape(-1, block_size, *exact.shape[1:])
+    return (codec.dequantize(codec.quantize(exact), torch.float32) - exact).abs().max()
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def float32_llm(request):
+    return LLM(
+        dtype="float32", kv_cache_dtype=request.param, max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64
+    )
+
+
+@pytest.mark.parametrize("policy", SHIFTING)
+def test_logits_after_evictions_on_quantized_kv_equal_a_forward_over_the_dequantized_cache(float32_llm, policy):
+    """Decode steps after the policy evicted (block moves, sink re-rotation in quantized form,
+    rebases): the pool holds each kept token's key rotated to its slot's position within a few
+    codec steps, and the engine's logits equal a plain float32 forward whose attention reads
+    exactly the pool's dequantized K/V of the kept slots at RoPE positions slot + rope_offset, then
+    the token's own K/V as the engine stored it. Float32 (the reference's dtype); the bfloat16
+    default runs the same edits in the matrix tests above."""
+    engine = float32_llm.engine
+    engine.reset_prefix_cache()  # the recorder must see every token computed
+    text = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
+    ids = float32_llm.get_tokenizer().encode(text)[: 250 if policy.startswith("context_shift") else 180]
+    layers = engine.storage.layers
+    recorder, own = Recorder(engine), {}
+    for index, layer in enumerate(layers):
+
+        def write(k, v, meta, layer=layer, index=index, original=layer.write):
+            own[index] = (k[-1].clone(), v[-1].clone())
+            return original(k, v, meta)
+
+        layer.write = write
+    try:
+        request = engine.add_request(ids, _params(policy, 40))
+        seq = request.seqs[0]
+        checks, logits, owners, eligible = [], [], [], 0
+        while engine.requests:
+            check = seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_pending == 1 and seq.num_evicted
+            check = check and (eligible := eligible + 1) % 3 == 1  # every third step: the reference is slow
+            if check:
+                cache = _pool_contents(engine, seq)
+                for index in (0, len(layers) // 2, len(layers) - 1):
+                    exact = _rotated(recorder, engine, seq, index)
+                    bound = 3 * _codec_step(layers[index], exact, engine.block_size)
+                    assert (cache[index][0] - exact).abs().max() <= bound, f"layer {index}: keys off their positions"
+                position = seq.num_slots + seq.rope_offset
+                checks.append([seq.token_ids[seq.num_computed_tokens], position, cache, None])
+            engine.step()
+            if check:
+                logits.append(recorder.logits[-1][0])
+                owners.append(dict(own))
+        assert len(checks) >= 10, "the policy evicted too late for the check to mean anything"
+        for check, stored in zip(checks, owners):
+            if hasattr(layers[0], "residual"):
+                check[3] = [stored[i] for i in range(len(layers))]  # KIVI attends a step's own K/V unquantized
+            else:
+                check[3] = [
+                    tuple(
+                        codec.dequantize(codec.quantize(x.unsqueeze(0)), torch.float32)[0]
+                        for codec, x in zip(layers[i].codecs, stored[i])
+                    )
+                    for i in range(len(layers))
+                ]
+        expected = cache_reference_logits(recorder, [tuple(c) for c in checks])
+        for i, got in enumerate(logits):
+            torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
+    finally:
+        recorder.remove()
+        for layer in layers:
+            del layer.write
+    assert engine.stats()[f"evicted_tokens_{parse_policy(policy).name}"] > 0
