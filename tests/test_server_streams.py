@@ -232,6 +232,15 @@ def test_bad_stream_requests_get_400s_naming_the_field(server):
     status, body, _ = request(f"{server}/v1/streams/{stream_id}/ask", {"question": "?", "prompt_logprobs": 1})
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
     assert _delete(server, stream_id) == 200
+    status, body, _ = request(f"{server}/v1/streams", {"system": SYSTEM, "reserve_tokens": 10**6})
+    assert status == 400 and "reserve_tokens=1000000 exceeds max_model_len" in body["error"]["message"]
+    status, opened, _ = request(f"{server}/v1/streams", {"system": SYSTEM, "reserve_tokens": 200})
+    assert status == 200, opened
+    status, stats, _ = request(f"{server}/v1/streams/{opened['id']}")
+    assert status == 200 and stats["reserved_blocks"] > 200 // 16
+    status, body, _ = request(f"{server}/v1/streams/{opened['id']}/frames", {"token_ids": list(range(100, 300))})
+    assert status == 400 and "over its reserve_tokens=200" in body["error"]["message"]
+    assert _delete(server, opened["id"]) == 200
 
 
 def test_prompt_embeds_over_http_equal_the_text_path(server, llm):

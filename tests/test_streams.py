@@ -238,6 +238,42 @@ def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(defaul
     _assert_all_free(default_llm)
 
 
+def test_streams_that_reserve_their_window_are_refused_at_open_never_frame_by_frame(default_llm):
+    """Each stream reserves 144 tokens: the 96-block pool promises that to a few of them, refuses
+    the next at open, and every promised stream then fills its window without a PoolFull, however
+    the others grow; a frame beyond a stream's own reservation is refused naming it."""
+    engine = default_llm.engine
+    sessions, refused = [], None
+    for _ in range(16):
+        try:
+            policy = "frame_window(frames=4,sinks=4)"
+            sessions.append(default_llm.open_stream(SYSTEM, policy=policy, reserve_tokens=144))
+        except PoolFull as error:
+            refused = str(error)
+            break
+    assert refused is not None and 2 <= len(sessions) < 16
+    assert "a stream reserving 144 tokens needs" in refused and "reserved by other streams" in refused
+    stats = sessions[0].stats()
+    reserved = stats["reserved_blocks"]
+    # 144 tokens, a scratch block, the unrotated copies of the system prompt and sinks
+    assert reserved == 9 + 1 + -(-(stats["system_tokens"] + 4) // 16)
+    for i in range(12):  # every stream's window fills, then slides
+        for s, session in enumerate(sessions):
+            session.append(list(range(100 + i * 20 + s, 120 + i * 20 + s)))
+            assert session.stats()["blocks"] <= reserved
+    assert all(session.stats()["evicted_frames"] == 8 for session in sessions)
+    with pytest.raises(ValueError, match="over its reserve_tokens=144"):
+        sessions[0].append(list(range(100, 190)))
+    with pytest.raises(ValueError, match=r"reserve_tokens=10 must be an integer above the system prompt's"):
+        default_llm.open_stream(SYSTEM, reserve_tokens=10)
+    with pytest.raises(ValueError, match="reserve_tokens=9999 exceeds max_model_len=256"):
+        default_llm.open_stream(SYSTEM, reserve_tokens=9999)
+    for session in sessions:
+        session.close()
+    assert engine.streams_host.promised() == 0
+    _assert_all_free(default_llm)
+
+
 # --- prompt_embeds -------------------------------------------------------------------------------
 
 

@@ -201,16 +201,19 @@ class Admission:
             )
         return params
 
-    def ensure_room(self, blocks: int, what: str) -> None:
+    def ensure_room(self, blocks: int, what: str, held_back: int = 0) -> None:
         """Refuse (PoolFull) work of streams, which is never preempted, that the pool could not hold
-        even by preempting every other sequence: it would wait forever."""
+        even by preempting every other sequence: it would wait forever. `held_back` blocks are
+        promised to other streams (their reservations) and count as taken."""
         running = self.scheduler.running
         available = self.manager.num_free_blocks + sum(len(s.block_table) for s in running if s.preemptible)
+        available -= held_back
         if blocks > available:
+            promised = f", {held_back} are reserved by other streams" if held_back else ""
             raise PoolFull(
-                f"{what} needs {blocks} more KV blocks, but only {available} of the pool's "
+                f"{what} needs {blocks} more KV blocks, but only {max(available, 0)} of the pool's "
                 f"{self.limits.num_blocks} can be freed for it (streams and their questions hold the "
-                "rest and are never preempted): close a stream or retry once questions finish"
+                f"rest and are never preempted{promised}): close a stream or retry once questions finish"
             )
 
     def in_flight_blocks(self, requests) -> int:

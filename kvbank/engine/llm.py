@@ -91,6 +91,7 @@ class LLM:
         policy: str = DEFAULT_STREAM_POLICY,
         separator: str = "\n",
         chat: bool = True,
+        reserve_tokens: int | None = None,
     ) -> StreamSession:
         """Open a streaming session: compute `system` (text, token ids, or a dict with "cache_salt")
         once, then `append` frames and `ask` questions of what the cache holds.
@@ -99,8 +100,13 @@ class LLM:
         tokens in all, and the last N frames are kept; frames are evicted whole. `separator` is
         appended to every text frame. With `chat` (and a text system prompt) the chat template frames
         the stream: frames fill a user turn and a text question ends it and opens the answer.
+
+        `reserve_tokens` bounds what the stream holds at once (system prompt, kept leading frames,
+        window and the frame being computed) and promises it that room in the KV pool now: its
+        frames are never refused for room, and a stream the pool cannot promise it to is refused
+        here (PoolFull). Without it, each frame is checked against the pool as it comes.
         """
-        request = self.engine.open_stream(system, policy, separator, chat=chat)
+        request = self.engine.open_stream(system, policy, separator, chat=chat, reserve_tokens=reserve_tokens)
         try:
             self.run_until(request.request_id)
         except BaseException:

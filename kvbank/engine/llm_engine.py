@@ -156,9 +156,11 @@ class LLMEngine:
         stream_id: str | None = None,
         request_id: str | None = None,
         chat: bool = True,
+        reserve_tokens: int | None = None,
     ) -> FrameRequest:
-        """Start a stream: queue its system prompt; the returned request finishes once it is computed."""
-        return self.streams_host.open(system, policy, separator, stream_id, request_id, chat)
+        """Start a stream: queue its system prompt; the returned request finishes once it is computed.
+        `reserve_tokens`: see StreamHost.open."""
+        return self.streams_host.open(system, policy, separator, stream_id, request_id, chat, reserve_tokens)
 
     def stream(self, stream_id: str) -> Stream:
         """The open stream `stream_id`; KeyError naming it otherwise."""

@@ -16,7 +16,7 @@ from kvbank.cache.editor import KVEditor
 from kvbank.cache.frames import FrameLog, frame_digest
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
-from kvbank.cache.policies import KVPolicy, parse_policy
+from kvbank.cache.policies import FrameWindow, KVPolicy, parse_policy
 from kvbank.cache.prefix import root_hash
 from kvbank.cache.recall import FrameArchive, splice_recalled
 from kvbank.cache.storage import KVStorage
@@ -83,9 +83,15 @@ class StreamHost:
         stream_id: str | None,
         request_id: str | None,
         chat: bool,
+        reserve_tokens: int | None = None,
     ) -> FrameRequest:
         """Start a stream: queue its system prompt (text, ids, or a dict with "cache_salt"), which
         may come from the prefix cache. The returned request finishes once it is computed.
+
+        With `reserve_tokens`, the stream may hold at most that many tokens at once (system prompt,
+        kept leading frames, window and the frame being computed), and the KV blocks for that are
+        promised to it now: other streams and questions cannot take them, so its frames are never
+        refused for room, and a stream the pool cannot promise that to is refused here (PoolFull).
 
         With `chat` and a text system prompt, the model's chat template frames the stream: the
         system message, then a user turn that the frames fill; a text question closes that turn
@@ -120,7 +126,11 @@ class StreamHost:
             raise ValueError(
                 f"the system prompt needs {needed} KV blocks but the pool has only {admit.limits.num_blocks}"
             )
-        admit.ensure_room(blocks_for(system_len, self.block_size), "a stream's system prompt")
+        reserved = self._reservation(reserve_tokens, system_len, policy)
+        if reserved:
+            admit.ensure_room(reserved, f"a stream reserving {reserve_tokens} tokens", self.promised())
+        else:
+            admit.ensure_room(blocks_for(system_len, self.block_size), "a stream's system prompt", self.promised())
         root = root_hash(self.namespace, parsed.salt)
         now = time.time()
         request = Request(stream_id, parsed.text, parsed.token_ids, SamplingParams(max_tokens=1), root, now, policy)
@@ -129,6 +139,7 @@ class StreamHost:
         seq.frames = FrameLog(system_len, policy.sinks)
         request.seqs.append(seq)
         stream = Stream(stream_id, seq, policy, separator, suffix, archive=self._archive_for(stream_id))
+        stream.reserve_tokens, stream.reserved_blocks = reserve_tokens, reserved
         self.streams[stream_id] = stream
         opened = FrameRequest(request_id, stream, None, parsed.text, parsed.token_ids, RequestMetrics(now))
         stream.pending.append(opened)
@@ -137,6 +148,31 @@ class StreamHost:
         if self.offload is not None:
             self.offload.request_load(seq)
         return opened
+
+    def _reservation(self, reserve_tokens: int | None, system_len: int, policy: FrameWindow) -> int:
+        """KV blocks a stream holding at most `reserve_tokens` tokens can need at once: those
+        tokens' blocks, a scratch block, and the unrotated copies of its kept leading tokens (the
+        system prompt and up to `sinks` tokens of leading frames). 0 without a reservation."""
+        if reserve_tokens is None:
+            return 0
+        if not isinstance(reserve_tokens, int) or isinstance(reserve_tokens, bool) or reserve_tokens <= system_len:
+            raise ValueError(
+                f"reserve_tokens={reserve_tokens!r} must be an integer above the system prompt's {system_len} tokens"
+            )
+        if reserve_tokens > self.max_model_len:
+            raise ValueError(f"reserve_tokens={reserve_tokens} exceeds max_model_len={self.max_model_len}")
+        bs = self.block_size
+        blocks = blocks_for(reserve_tokens, bs) + 1 + blocks_for(min(system_len + policy.sinks, reserve_tokens), bs)
+        if blocks > self.admission.limits.num_blocks:
+            raise ValueError(
+                f"reserve_tokens={reserve_tokens} needs {blocks} KV blocks but the pool has only "
+                f"{self.admission.limits.num_blocks}"
+            )
+        return blocks
+
+    def promised(self, besides: Stream | None = None) -> int:
+        """Blocks reserved by open streams (but `besides`) that they do not hold yet."""
+        return sum(s.outstanding_blocks for s in self.streams.values() if s is not besides)
 
     def fork(self, stream_id: str, new_id: str | None) -> Stream:
         """A new stream sharing every block of `stream_id` (copy-on-write) from here on."""
@@ -260,16 +296,26 @@ class StreamHost:
                 f"over max_model_len={self.max_model_len} less one for a question: send shorter frames "
                 "or open the stream with fewer frames"
             )
+        seq = stream.seq
+        if stream.reserve_tokens is not None:
+            # The stream's own promise: what it holds until the window evicts stays within it.
+            holding = seq.num_tokens + num_tokens
+            if holding > stream.reserve_tokens:
+                raise ValueError(
+                    f"a frame of {num_tokens} tokens would make the stream hold {holding} tokens before its "
+                    f"window evicts, over its reserve_tokens={stream.reserve_tokens}: send shorter frames "
+                    "or open the stream with a larger reservation or fewer frames"
+                )
+            return  # its blocks were promised when it opened
         needed, num_blocks = 2 * blocks_for(held, self.block_size), self.admission.limits.num_blocks
         if needed > num_blocks:
             raise ValueError(f"the stream would need {needed} KV blocks but the pool has only {num_blocks}")
-        seq = stream.seq
         # Until the window evicts, the frame's blocks come on top of what the stream holds, plus a
         # scratch block and, at the first eviction, the unrotated copies of the kept leading blocks.
         growth = blocks_for(seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + 1
         if not seq.pristine_blocks:
             growth += blocks_for(log.keep_tokens, self.block_size)
-        self.admission.ensure_room(growth, f"a frame of {num_tokens} tokens")
+        self.admission.ensure_room(growth, f"a frame of {num_tokens} tokens", self.promised(stream))
 
     # --- questions ------------------------------------------------------------------------------
 
@@ -309,7 +355,9 @@ class StreamHost:
                 f"max_tokens={params.max_tokens} exceeds max_model_len={self.max_model_len}"
             )
         total = kept + len(parsed.token_ids) + params.max_tokens
-        admit.ensure_room(blocks_for(total, self.block_size) - len(stream.seq.block_table) + 1, "the question")
+        admit.ensure_room(
+            blocks_for(total, self.block_size) - len(stream.seq.block_table) + 1, "the question", self.promised()
+        )
         request_id = admit.request_id(request_id)
         request = Request(
             request_id, parsed.text, parsed.token_ids, params, stream.seq.root_hash, time.time(), stream.policy

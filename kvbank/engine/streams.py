@@ -108,6 +108,20 @@ class Stream:
     #: queries of a question that asks nothing in particular (computed at the first recall)
     archive: FrameArchive | None = None
     neutral_queries: torch.Tensor | None = None
+    #: the most tokens the stream may hold at once (None: no reservation, frames are checked one by
+    #: one against the pool), and the KV blocks reserved for that when it opened
+    reserve_tokens: int | None = None
+    reserved_blocks: int = 0
+
+    @property
+    def held_blocks(self) -> int:
+        """KV blocks the stream's own sequence holds (its window and the unrotated leading copies)."""
+        return len(self.seq.block_table) + len(self.seq.pristine_blocks)
+
+    @property
+    def outstanding_blocks(self) -> int:
+        """Reserved blocks the stream does not hold yet: promised to it, so not to other streams' work."""
+        return max(0, self.reserved_blocks - self.held_blocks)
 
     def stats(self) -> dict[str, int]:
         """Frames appended, kept and evicted, tokens kept, and the KV blocks the stream holds."""
@@ -119,7 +133,8 @@ class Stream:
             "kept_tokens": self.seq.num_computed_tokens,
             "system_tokens": log.system_len,
             "sink_tokens": log.keep_tokens,
-            "blocks": len(self.seq.block_table) + len(self.seq.pristine_blocks),
+            "blocks": self.held_blocks,
+            "reserved_blocks": self.reserved_blocks,
             "rope_offset": self.seq.rope_offset,
             **({f"recall_{k}": v for k, v in vars(self.archive.stats).items()} if self.archive else {}),
             "recallable_frames": len(self.archive.frames) if self.archive else 0,

@@ -383,6 +383,8 @@ class StreamOpenRequest(BaseModel):
     cache_salt: str | None = None
     separator: str = "\n"
     chat: bool = True
+    #: the most tokens the stream holds at once, promised to it in the KV pool when it opens
+    reserve_tokens: int | None = None
 
 
 class FrameRequestBody(BaseModel):

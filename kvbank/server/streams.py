@@ -1,6 +1,7 @@
 """Streaming sessions over HTTP: a cached system prompt, frames appended to it, questions asked of it.
 
-    POST   /v1/streams               {"system", "policy", "cache_salt", "separator", "chat"} -> the stream
+    POST   /v1/streams               {"system", "policy", "cache_salt", "separator", "chat",
+                                      "reserve_tokens"} -> the stream
     POST   /v1/streams/{id}/frames   {"text" | "token_ids" | "prompt_embeds", "skip_repeat"} -> what it keeps
     POST   /v1/streams/{id}/ask      {"question", sampling fields, "stream"} -> a text completion (or SSE)
     GET    /v1/streams/{id}          what it holds;  GET /v1/streams lists them
@@ -109,6 +110,7 @@ class Streams:
                 stream_id=stream_id,
                 request_id=f"{stream_id}-open",
                 chat=body.chat,
+                reserve_tokens=body.reserve_tokens,
                 **policy,
             )
 
