@@ -16,8 +16,12 @@ Three parts, each in the default configuration (bfloat16, packed GGUF weights, b
   every cached key at attention time, re-rotating the window at every eviction, and kvbank's
   re-rotation of the sink block alone; against a decode step.
 
+--kv-cache-dtype auto,int8,int4 repeats ppl (the shifting policies) and decode on each quantized KV
+pool in the same run, each row against the same policy on the model-dtype pool (`auto`).
+
     python bench/long_context.py --corpus ../shared/data/austen_all.txt
     python bench/long_context.py --only decode --histories 1024,32768
+    python bench/long_context.py --only ppl --only decode --kv-cache-dtype auto,int8,int4 --histories 1024,32768
 
 Results go to bench/results/long_context.json, plots to bench/results/long_context_*.png.
 """
@@ -82,19 +86,46 @@ def bucket_ppl(logprobs: list[float], bucket: int) -> list[float]:
     ]
 
 
+def dtype_label(label: str, kv: str) -> str:
+    return label if kv == "auto" else f"{label} [{kv}]"
+
+
 def run_ppl(args, corpus: Path) -> dict:
-    llm = LLM(max_num_batched_tokens=args.chunk, enable_prefix_caching=False)
-    context = llm.engine.max_model_len
-    tokens = corpus_tokens(llm, corpus, args.tokens)
     results = {}
-    for label, policy in PPL_POLICIES.items():
+    for kv in args.kv_cache_dtype:
+        llm = LLM(max_num_batched_tokens=args.chunk, enable_prefix_caching=False, kv_cache_dtype=kv)
+        context = llm.engine.max_model_len
+        tokens = corpus_tokens(llm, corpus, args.tokens)
+        # On a quantized pool, the policies that keep the model's positions: `full` is kv_quant's table.
+        policies = PPL_POLICIES if kv == "auto" else {k: v for k, v in PPL_POLICIES.items() if v != "full"}
+        results.update(ppl_rows(llm, tokens, context, policies, kv, args.bucket))
+        del llm
+    if "full" in results:
+        full = results["full"]["bucket_ppl"]
+        for row in results.values():
+            shared = min(len(full), len(row["bucket_ppl"]))
+            row["vs_full_within_context"] = [row["bucket_ppl"][i] / full[i] for i in range(shared)]
+    for label, row in results.items():
+        base = results.get(row["base"]) if row["kv_cache_dtype"] != "auto" else None
+        if base is not None:
+            row["ppl_change_vs_auto"] = row["ppl"] / base["ppl"] - 1
+            print(f"  {label:40s} ppl {row['ppl_change_vs_auto']:+.3%} against {row['base']}")
+    return {"bucket_tokens": args.bucket, "chunk_tokens": args.chunk, "context": context, "policies": results}
+
+
+def ppl_rows(llm: LLM, tokens: list[int], context: int, policies: dict, kv: str, bucket: int) -> dict:
+    results = {}
+    for base_label, policy in policies.items():
+        label = dtype_label(base_label, kv)
         scored = tokens[: context - 1] if policy == "full" else tokens
         started = time.perf_counter()
         logprobs = scored_logprobs(llm, scored, policy)
         seconds = time.perf_counter() - started
-        buckets = bucket_ppl(logprobs, args.bucket)
+        buckets = bucket_ppl(logprobs, bucket)
         results[label] = {
             "policy": policy,
+            "kv_cache_dtype": kv,
+            "base": base_label,
             "tokens": len(scored),
             "bucket_ppl": buckets,
             "ppl": math.exp(-statistics.fmean(logprobs)),
@@ -102,16 +133,12 @@ def run_ppl(args, corpus: Path) -> dict:
             "tokens_per_s": len(scored) / seconds,
         }
         print(
-            f"  {label:30s} {len(scored):6d} tokens  ppl {results[label]['ppl']:8.3f}  "
+            f"  {label:40s} {len(scored):6d} tokens  ppl {results[label]['ppl']:8.4f}  "
             f"first 8k {results[label]['ppl_within_context']:8.3f}  last bucket {buckets[-1]:8.3f}  "
             f"({len(scored) / seconds:.0f} tok/s)",
             flush=True,
         )
-    full = results["full"]["bucket_ppl"]
-    for row in results.values():
-        shared = min(len(full), len(row["bucket_ppl"]))
-        row["vs_full_within_context"] = [row["bucket_ppl"][i] / full[i] for i in range(shared)]
-    return {"bucket_tokens": args.bucket, "chunk_tokens": args.chunk, "context": context, "policies": results}
+    return results
 
 
 # --- compressed prompts: teacher-forced perplexity and agreement ---------------------------------
@@ -220,35 +247,56 @@ def decode_rates(llm: LLM, history: list[int], policy: str, rounds: int, steps: 
 
 
 def run_decode(args, corpus: Path) -> dict:
-    llm = LLM(enable_prefix_caching=False)
-    context = llm.engine.max_model_len
+    # One engine per KV dtype, all loaded up front so that the sweeps alternate between them.
+    llms = {kv: LLM(enable_prefix_caching=False, kv_cache_dtype=kv) for kv in args.kv_cache_dtype}
+    first = next(iter(llms.values()))
+    context = first.engine.max_model_len
     histories = [int(h) for h in args.histories.split(",")]
-    longest = corpus_tokens(llm, corpus, max(histories))
-    bytes_per_block = llm.engine.kv_bytes_per_token * llm.engine.block_size
+    longest = corpus_tokens(first, corpus, max(histories))
     runs: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    block_bytes: dict[str, int] = {}
     # Two sweeps, ascending then descending, so that drift over the run does not read as a trend.
     for sweep in (histories, histories[::-1]):
         for history in sweep:
-            for label, policy in DECODE_POLICIES.items():
-                if policy == "full" and history > context:
-                    continue
-                length = min(history, context - args.rounds * args.steps - 8) if policy == "full" else history
-                rate, blocks = decode_rates(llm, longest[:length], policy, args.rounds, args.steps)
-                runs.setdefault((label, history), []).append((rate, blocks))
-                print(f"  {label:24s} history {history:6d}  {rate:6.1f} tok/s", flush=True)
-    results: dict[str, list[dict]] = {label: [] for label in DECODE_POLICIES}
+            for kv, llm in llms.items():
+                for base_label, policy in DECODE_POLICIES.items():
+                    if policy == "full" and (history > context or kv != "auto"):
+                        continue
+                    label = dtype_label(base_label, kv)
+                    block_bytes[label] = llm.engine.kv_bytes_per_token * llm.engine.block_size
+                    length = min(history, context - args.rounds * args.steps - 8) if policy == "full" else history
+                    rate, blocks = decode_rates(llm, longest[:length], policy, args.rounds, args.steps)
+                    runs.setdefault((label, history), []).append((rate, blocks))
+                    print(f"  {label:34s} history {history:6d}  {rate:6.1f} tok/s", flush=True)
+    results: dict[str, list[dict]] = {label: [] for label, _ in runs}
     for (label, history), measured in sorted(runs.items(), key=lambda item: item[0][1]):
         rate = statistics.median(r for r, _ in measured)
-        mib = max(b for _, b in measured) * bytes_per_block / 2**20
+        mib = max(b for _, b in measured) * block_bytes[label] / 2**20
         results[label].append(
             {"history": history, "tok_s": rate, "tok_s_runs": [r for r, _ in measured], "kv_mib": mib}
         )
-        print(f"  median: {label:24s} history {history:6d}  {rate:6.1f} tok/s  KV {mib:7.1f} MiB", flush=True)
-    sink = results["sink_window (4 + 1020)"]
-    ratio = sink[-1]["tok_s"] / sink[0]["tok_s"] if len(sink) > 1 else None
-    if ratio is not None:
-        print(f"  sink_window tok/s at {sink[-1]['history']} / at {sink[0]['history']}: {ratio:.2f}x")
-    return {"rounds": args.rounds, "steps": args.steps, "policies": results, "sink_ratio_last_first": ratio}
+        print(f"  median: {label:34s} history {history:6d}  {rate:6.1f} tok/s  KV {mib:7.1f} MiB", flush=True)
+    ratios: dict[str, dict[str, float]] = {}
+    auto_sink = results.get("sink_window (4 + 1020)")
+    for kv in llms:
+        sink = results.get(dtype_label("sink_window (4 + 1020)", kv), [])
+        if len(sink) < 2:
+            continue
+        ratios[kv] = {"last_over_first": sink[-1]["tok_s"] / sink[0]["tok_s"]}
+        line = f"  sink_window [{kv}] tok/s at {sink[-1]['history']} / at {sink[0]['history']}: "
+        line += f"{ratios[kv]['last_over_first']:.2f}x"
+        if auto_sink and kv != "auto":
+            ratios[kv]["last_over_auto"] = sink[-1]["tok_s"] / auto_sink[-1]["tok_s"]
+            line += f"; against the model-dtype pool at {sink[-1]['history']}: {ratios[kv]['last_over_auto']:.2f}x"
+        print(line)
+    ratio = ratios.get("auto", {}).get("last_over_first")
+    return {
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "policies": results,
+        "sink_ratio_last_first": ratio,
+        "sink_ratios": ratios,
+    }
 
 
 # --- where RoPE goes: rotate at attention time, re-rotate the window, or re-rotate the sinks -------
@@ -365,7 +413,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="comma-separated KV pool dtypes for ppl and decode (e.g. auto,int8,int4); auto comes first",
+    )
     args = parser.parse_args()
+    kvs = [kv.strip() for kv in args.kv_cache_dtype.split(",") if kv.strip()]
+    args.kv_cache_dtype = ["auto"] + [kv for kv in kvs if kv != "auto"]
     torch.set_num_threads(torch.get_num_threads())
     parts = args.only or ["ppl", "compress", "decode", "rope"]
     args.out.mkdir(parents=True, exist_ok=True)
