@@ -93,6 +93,38 @@ def test_a_preempted_policy_sequence_on_quantized_kv_is_swapped_whole_and_keeps_
     assert _all_free(llm)
 
 
+@pytest.mark.parametrize("policy", SHIFTING)
+def test_the_prefix_an_evicting_sequence_computed_before_evicting_reaches_the_tier_and_is_served(llm, text_ids, policy):
+    """What an evicting sequence can still share (its blocks computed before the first eviction)
+    goes to the host tier from a quantized pool, and nothing computed after it; once the pool has
+    dropped it, another request with that prefix loads exactly that from the tier."""
+    engine = llm.engine
+    ids = text_ids[300:550] if policy.startswith("context_shift") else text_ids[300:480]
+    engine.reset_prefix_cache()
+    request = engine.add_request(ids, _params(policy, 8))
+    seq = request.seqs[0]
+    while engine.requests:
+        engine.step()
+    assert seq.num_evicted
+    published = len(seq.chain_serials)  # indexed before the first eviction, never after
+    assert published > 0
+    assert engine.offload.flush()
+    assert llm.reset_prefix_cache() > 0  # the pool forgets; the tier keeps
+    loads = llm.tier_stats()["offload"]["loads"]
+    again = llm.generate([{"prompt_token_ids": ids + [13, 14, 15]}], _params("full", 2))[0]
+    bs = engine.block_size
+    if policy.startswith("sink_window"):
+        # the window evicted during the prompt: its later blocks were never published
+        assert published < len(ids) // bs and again.num_cached_tokens == published * bs
+    else:
+        # context_shift shifts once the context is full, after the prompt: the whole prompt was
+        # published, and the tier serves whole stored chunks of it
+        assert published >= len(ids) // bs and 0 < again.num_cached_tokens <= (len(ids) + 2) // bs * bs
+        assert again.num_cached_tokens % bs == 0
+    assert llm.tier_stats()["offload"]["loads"] == loads + 1
+    assert _all_free(llm)
+
+
 NOTES = [
     ("Maria", "locker code", "4417"),
     ("the red truck", "parking spot", "B12"),
