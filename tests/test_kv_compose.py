@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from policy_reference import Recorder, cache_reference_logits
+from stream_notes import NOTES
 
 from kvbank import LLM, SamplingParams
 from kvbank.attention.rope import apply_rope, rotation_tables
@@ -125,15 +126,8 @@ def test_the_prefix_an_evicting_sequence_computed_before_evicting_reaches_the_ti
     assert _all_free(llm)
 
 
-NOTES = [
-    ("Maria", "locker code", "4417"),
-    ("the red truck", "parking spot", "B12"),
-    ("Professor Okafor", "office", "room 305"),
-    ("the bakery", "opening hour", "six in the morning"),
-    ("the cat", "favourite toy", "a blue feather"),
-    ("the train to Lyon", "platform", "platform nine"),
-    ("the volcano", "height", "3,200 metres"),
-]
+#: six notes that leave the window, then one it keeps
+KEPT = NOTES[:6] + NOTES[-1:]
 
 
 def test_streams_run_with_recall_on_quantized_kv_or_are_refused_naming_both(llm):
@@ -146,7 +140,7 @@ def test_streams_run_with_recall_on_quantized_kv_or_are_refused_naming_both(llm)
         return
     with llm.open_stream(system, policy="frame_window(frames=2,sinks=4)") as session:
         blocks = []
-        for i, (who, what, value) in enumerate(NOTES):
+        for i, (who, what, value) in enumerate(KEPT):
             session.append(f"Note {i}: the {what} of {who} is {value}.")
             blocks.append(session.stats()["blocks"])
         assert session.stats()["evicted_frames"] == 5 and session.stats()["recallable_frames"] == 5

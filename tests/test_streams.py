@@ -3,6 +3,7 @@
 import pytest
 import torch
 from policy_reference import Recorder, reference_logits
+from stream_notes import NOTES
 
 from kvbank import LLM, SamplingParams
 from kvbank.cache.policies import FrameWindow, parse_policy
@@ -403,23 +404,6 @@ def test_recalled_frames_sit_between_the_sinks_and_the_kept_frames_exactly(tiere
     finally:
         recorder.remove()
     _assert_all_free(tiered)
-
-
-#: distinct facts, one per frame: each question names exactly one of them
-NOTES = [
-    ("Maria", "locker code", "4417"),
-    ("the red truck", "parking spot", "B12"),
-    ("Professor Okafor", "office", "room 305"),
-    ("the bakery", "opening hour", "six in the morning"),
-    ("the cat", "favourite toy", "a blue feather"),
-    ("the train to Lyon", "platform", "platform nine"),
-    ("Jonas", "password hint", "his first dog"),
-    ("the museum", "ticket price", "twelve euros"),
-    ("the ship Aurora", "captain", "Elena Vasquez"),
-    ("the garden", "rarest flower", "a black tulip"),
-    ("the orchestra", "conductor", "Hiro Tanaka"),
-    ("the volcano", "height", "3,200 metres"),
-]
 
 
 def test_recall_brings_back_the_frame_the_question_is_about(tiered):
