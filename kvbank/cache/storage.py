@@ -267,7 +267,8 @@ class KVStorage:
         keys = torch.empty((len(self.places), *parts[0][0].shape[1:]), dtype=self.dtype, device=self.device)
         values = torch.empty_like(keys)
         for (k, v), layers in zip(parts, self._kind_layers):
-            keys[layers.to(self.device)], values[layers.to(self.device)] = k.to(self.dtype), v.to(self.dtype)
+            index = layers.to(self.device)
+            keys[index], values[index] = k, v
         return keys, values
 
     def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -81,20 +81,19 @@ class CodecLayer:
 class TokenLayer(CodecLayer):
     """A layer whose tokens are quantized one by one at their slots."""
 
+    def _dequantized(self, side: int, slots: torch.Tensor) -> torch.Tensor:
+        """Keys (side 0) or values of pool slots `slots` ([n] flat ids) in float32: [n, kv_heads, head_dim]."""
+        stored = {name: t.view(-1, *t.shape[2:]).index_select(0, slots) for name, t in self.sides[side].items()}
+        return self.codecs[side].dequantize(stored, torch.float32)
+
     def token_keys(self, slots: torch.Tensor) -> torch.Tensor:
         """The float32 keys of pool slots `slots` ([n] flat ids): [n, kv_heads, head_dim]."""
-        codec, side = self.codecs[0], self.sides[0]
-        stored = {name: t.view(-1, *t.shape[2:]).index_select(0, slots) for name, t in side.items()}
-        return codec.dequantize(stored, torch.float32)
+        return self._dequantized(0, slots)
 
     def token_values(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of pool slots `slots` ([n] flat ids), dequantized in float32 and rounded
         once to `dtype`: [n, kv_heads, head_dim] each."""
-        out = []
-        for codec, side in zip(self.codecs, self.sides):
-            stored = {name: t.view(-1, *t.shape[2:]).index_select(0, slots) for name, t in side.items()}
-            out.append(codec.dequantize(stored, torch.float32).to(dtype))
-        return out[0], out[1]
+        return self._dequantized(0, slots).to(dtype), self._dequantized(1, slots).to(dtype)
 
     def put_tokens(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize K and V [n, kv_heads, head_dim] (model dtype) into pool slots `slots`, as a write would."""
