@@ -250,7 +250,7 @@ def test_decodes_use_the_native_kernel_where_it_has_a_vector_variant(native, isa
     assert (kernel is not None) == (isa_level != "scalar")
     if kernel is None:
         return  # the scalar variant is the others' reference (test_native_decode_kernel_matches_reference)
-    assert native.dense_attention_isa() == {"avx512_vnni": "avx512"}.get(isa_level, isa_level)
+    assert native.dense_attention_isa() == {"avx512_vnni": "avx512", "amx": "avx512_bf16"}.get(isa_level, isa_level)
     assert fast.native_decode_kernel(cpu, torch.float32, 9, 3, 64, 16) is None  # float32 keeps PyTorch's path
     assert fast.native_decode_kernel(cpu, torch.bfloat16, 9, 3, 48, 16) is None  # no fast path for this head size
     q, k, v, k_cache, v_cache, meta, _ = _step([(40, 1), (70, 1)])

@@ -13,7 +13,7 @@ from kvbank.server.metrics import render_isa
 
 # every family and the levels it has a variant for (isa.h)
 VARIANTS = {
-    "matmul": ["scalar", "avx2", "avx512_vnni"],
+    "matmul": ["scalar", "avx2", "avx512_vnni", "amx"],
     "dense_attention": ["scalar", "avx2", "avx512", "avx512_bf16"],
     "quant_attention": ["scalar", "avx2", "avx512", "avx512_bf16"],
     "quant_write": ["scalar", "avx2"],
@@ -42,7 +42,7 @@ def test_a_cap_picks_each_familys_best_variant_at_or_below_it(native, level):
 
 def test_a_cap_above_the_cpu_runs_at_the_cpus_level(native):
     cpu = native.isa_report()["cpu"]
-    with isa.capped(native, "avx512_bf16"):
+    with isa.capped(native, isa.LEVELS[-1]):
         assert native.isa_report()["active"] == cpu
     with pytest.raises(RuntimeError, match="unknown instruction-set level avx9"):
         native.set_isa_cap("avx9")
@@ -75,8 +75,9 @@ def test_the_mlp_gives_the_same_bits_at_every_level(native):
     o_w, o_kind, _ = _weights("Q4_1", 64, 64, seed=1)
     gate_up_w, gate_up_kind, _ = _weights("Q4_1", 2 * 1600, 64, seed=2)
     down_w, down_kind, _ = _weights("Q8_0", 64, 1600, seed=3)
-    attn = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
-    residual = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    # 21 rows: a whole tile of 16 for amx, and 5 more
+    attn = torch.randn(21, 64, generator=generator).to(torch.bfloat16)
+    residual = torch.randn(21, 64, generator=generator).to(torch.bfloat16)
     norm = torch.full((64,), 30.0, dtype=torch.bfloat16)  # gates of a few hundred: e^-g past both clamps
     outputs = {}
     for level in cpu_levels():  # activations quantized, multiplied and gated by each level's variants

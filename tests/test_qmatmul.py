@@ -18,7 +18,7 @@ native = kernels.native()
 if native is None and os.environ.get("CI"):
     raise RuntimeError(f"CI must build the native kernels: {kernels.failure()}")
 pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels unavailable: {kernels.failure()}")
-ISAS = ["scalar", "avx2", "avx512_vnni"]  # the matmul family's variants (kvbank/kernels/isa.h)
+ISAS = ["scalar", "avx2", "avx512_vnni", "amx"]  # the matmul family's variants (kvbank/kernels/isa.h)
 
 
 def _isas() -> list[str]:
@@ -78,7 +78,8 @@ TYPES = [*INT4_TYPES, *INT8_TYPES]
 def test_every_instruction_set_gives_the_exact_product_of_the_quantized_operands(type_name):
     cols = 512 if type_name.endswith("_K") else 224  # K-quants come in super-blocks of 256
     records, kind, dense = _weights(type_name, 48, cols, seed=1)
-    x = torch.randn(7, cols) * torch.logspace(-3, 2, 7)[:, None]  # rows of very different scales
+    # rows of very different scales; 37 of them: two whole tiles of 16 for amx, and 5 more
+    x = torch.randn(37, cols) * torch.logspace(-3, 2, 37)[:, None]
     reference = _quantized(x) @ dense.T
     results = {isa: native.qlinear(x, records, kind, True, isa) for isa in _isas()}
     for isa, out in results.items():

@@ -43,7 +43,7 @@ py::dict isa_report() {
 void set_isa_cap(const std::string& name) {
   kvbank::Isa cap;
   TORCH_CHECK(kvbank::isa_from_name(name, &cap), "unknown instruction-set level ", name,
-              "; the levels are scalar, avx2, avx512, avx512_vnni, avx512_bf16");
+              "; the levels are scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx");
   kvbank::set_isa_cap(cap);
 }
 
@@ -69,7 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, nogil, "Rotary embedding in place on the first `heads` heads of x [rows, heads * dim]; cos/sin [rows, dim]");
   m.def("geglu", &geglu, nogil, py::arg("gate_up"),
         "gelu(gate) * up (tanh approximation, each op rounded to bfloat16) of bfloat16 rows [gate | up]");
-  m.def("qmatmul_isa", &qmatmul_isa, "The variant the integer GGUF matmuls run now: avx512_vnni, avx2 or scalar");
+  m.def("qmatmul_isa", &qmatmul_isa, "The variant the integer GGUF matmuls run now: amx, avx512_vnni, avx2 or scalar");
   m.def("qlinear", &qlinear, nogil, py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("float_out") = false,
         py::arg("isa") = "auto",
         "x [rows, in] times packed GGUF weights (kind 4: Q4 records, 5: Q5, 8: Q8, 41/51: Q4/Q5 with float32 scales, 81: Q8 with "

@@ -6,6 +6,7 @@
 //   avx512       + AVX-512 F/BW/DQ/VL                             (Skylake-SP)
 //   avx512_vnni  + AVX-512 VNNI                                   (Cascade Lake, Ice Lake)
 //   avx512_bf16  + AVX-512 BF16 and VBMI                          (Sapphire Rapids, Zen 4)
+//   amx          + AMX-TILE and AMX-INT8, granted by the OS          (Sapphire Rapids and later)
 // Every kernel family lists the levels it has a variant for; a call runs the family's best variant
 // at or below the active level: the CPU's own, capped by KVBANK_ISA (set_isa_cap), never above what
 // the CPU has. So every variant can be run and tested on a machine that has its features, and the
@@ -17,13 +18,25 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+// Compilers that know AMX's tile instructions (GCC 11, clang 12 and later) build the amx variants.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define KVBANK_AMX_BUILD 1
+#endif
+#endif
+
 namespace kvbank {
 
-enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx512Bf16 = 4 };
-constexpr int kIsaLevels = 5;
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx512Bf16 = 4, Amx = 5 };
+constexpr int kIsaLevels = 6;
 
 inline const char* isa_name(Isa isa) {
-  static const char* const names[kIsaLevels] = {"scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16"};
+  static const char* const names[kIsaLevels] = {"scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"};
   return names[static_cast<int>(isa)];
 }
 
@@ -38,6 +51,25 @@ inline bool isa_from_name(const std::string& name, Isa* out) {
   return false;
 }
 
+// Whether AMX's int8 tiles can run here: the CPU has AMX-TILE and AMX-INT8, the OS saves tile state
+// (XCR0 bits 17 and 18) and, on Linux, grants this process the tile data (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; without it the first tile instruction faults).
+inline bool amx_usable() {
+#if defined(KVBANK_AMX_BUILD) && defined(__linux__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;  // AMX-TILE, AMX-INT8
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1u)) return false;  // OSXSAVE
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 // The highest level this CPU runs, detected once.
 inline Isa cpu_isa() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -50,7 +82,8 @@ inline Isa cpu_isa() {
     if (!KVBANK_HAS("avx512vnni")) return Isa::Avx512;
     if (!(KVBANK_HAS("avx512bf16") && KVBANK_HAS("avx512vbmi"))) return Isa::Avx512Vnni;
 #undef KVBANK_HAS
-    return Isa::Avx512Bf16;
+    if (!amx_usable()) return Isa::Avx512Bf16;
+    return Isa::Amx;
   }();
   return level;
 #else
@@ -83,8 +116,9 @@ struct FamilyInfo {
 
 inline const FamilyInfo& family_info(Family family) {
   static const FamilyInfo families[kFamilies] = {
-      // integer GGUF matmuls, and the one-call decoder stack built on them (qmatmul.cpp)
-      {"matmul", {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni}},
+      // integer GGUF matmuls, and the one-call decoder stack built on them (qmatmul.cpp; amx: int8
+      // tiles for 16 rows at a time, the avx512_vnni kernels for the rest, the same bits)
+      {"matmul", {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni, Isa::Amx}},
       // decode and row attention over a bfloat16 paged cache (dense_decode.h)
       {"dense_attention", {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
       // attention read in place from int8/fp8/int4/int2 caches (quant_decode.h)

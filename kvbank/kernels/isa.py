@@ -1,10 +1,10 @@
 """The instruction-set registry's Python face (kvbank/kernels/isa.h).
 
 Levels, each holding the features of the ones before it: scalar, avx2 (AVX2, FMA, F16C), avx512
-(AVX-512 F/BW/DQ/VL), avx512_vnni (+ VNNI), avx512_bf16 (+ BF16, VBMI). Every native kernel family
-runs its best variant at or below the active level: the CPU's own, capped by `KVBANK_ISA` (or
-`capped()`), never above what the CPU has. The cap is process-wide and read by every kernel call,
-so an engine should be built and run under one cap.
+(AVX-512 F/BW/DQ/VL), avx512_vnni (+ VNNI), avx512_bf16 (+ BF16, VBMI), amx (+ AMX-TILE,
+AMX-INT8). Every native kernel family runs its best variant at or below the active level: the
+CPU's own, capped by `KVBANK_ISA` (or `capped()`), never above what the CPU has. The cap is
+process-wide and read by every kernel call, so an engine should be built and run under one cap.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 logger = logging.getLogger("kvbank.kernels")
 
-LEVELS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
+LEVELS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 #: the environment variable that caps the level (unset, empty or "auto": no cap)
 ENV = "KVBANK_ISA"
 

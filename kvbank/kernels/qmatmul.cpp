@@ -76,12 +76,15 @@ using kvbank::Isa;
 #define KVBANK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
-// The matmul family's variant at the active level (isa.h): scalar, avx2 or avx512_vnni.
+// The matmul family's variant at the active level (isa.h): scalar, avx2, avx512_vnni or amx.
 Isa best_isa() {
   Isa variant = Isa::Scalar;
   kvbank::family_variant(kvbank::Family::Matmul, &variant);
   return variant;
 }
+
+// Whether `isa` runs the avx512_vnni kernels (amx runs them for what its tiles do not take).
+inline bool vnni(Isa isa) { return static_cast<int>(isa) >= static_cast<int>(Isa::Avx512Vnni); }
 
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -126,7 +129,7 @@ struct QuantRows {
   // Row `r` from float32 values: amax / 127 scales, round to nearest even.
   void quantize_row(int64_t r, const float* x) {
 #ifdef KVBANK_X86
-    if (best_isa() == Isa::Avx512Vnni) {
+    if (vnni(best_isa())) {
       quantize_row_avx512(r, x);
     } else if (best_isa() == Isa::Avx2) {
       quantize_row_avx2(r, x);
@@ -569,6 +572,177 @@ KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
 }
 
 
+// --- AMX: int8 tiles (the amx level) ---------------------------------------------------------------
+// One tile product multiplies 16 activation rows by one block (32 inputs) of a group's 16 output
+// rows: tdpbsud takes the activations (signed) as A, 16 rows x 32 bytes straight from the
+// quantized rows, and the weights (unsigned) as B, 8 rows of [16 outputs][4 inputs] bytes, which is
+// a record's own chunk layout (Q8: the record's first 512 bytes; 4- and 5-bit records are widened
+// to bytes once per group). Each block's 16 x 16 int32 products are exact, stored and scaled into
+// the float32 sums by the avx512_vnni kernels' own fused multiply-adds in block order: the same
+// bits. Tiles are used for whole 16-row tiles of Q4, Q4F, Q5, Q5F and Q8 records; other rows and
+// kinds run the avx512_vnni kernels.
+#if defined(KVBANK_X86) && defined(KVBANK_AMX_BUILD)
+#define KVBANK_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8")))
+#define KVBANK_HAS_AMX 1
+
+constexpr int64_t AMX_ROWS = 16;
+// Tile products issued ahead of the float sums that read them: this many blocks per stage.
+constexpr int64_t AMX_CHUNK = 6;
+constexpr int64_t AMX_B_BYTES = 512;
+
+bool amx_kind(Rec kind) { return kind == Rec::Q4 || kind == Rec::Q4F || kind == Rec::Q5 || kind == Rec::Q5F || kind == Rec::Q8; }
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tmm0, tmm1: activations (16 rows x 32 bytes); tmm2, tmm3: weights (8 x 64 bytes); tmm4, tmm5:
+// products (16 x 16 int32). Loaded at every call: tile configuration is per thread, and other
+// libraries in the process (oneDNN) configure tiles of their own.
+KVBANK_AMX void amx_configure() {
+  TileConfig config;
+  std::memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 2; ++t) config.rows[t] = AMX_ROWS, config.colsb[t] = QK;
+  for (int t = 2; t < 4; ++t) config.rows[t] = QK / 4, config.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) config.rows[t] = AMX_ROWS, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// A 4- or 5-bit record's weights as bytes in B's layout: rows 0-3 the low nibbles (inputs 4k..4k+3),
+// rows 4-7 the high ones (inputs 16 + 4k..), each plus 16 where its fifth bit is set (Q5, Q5F).
+template <Rec K>
+KVBANK_AMX inline void amx_widen(const uint8_t* rec, uint8_t* dst) {
+  const __m512i low = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(rec + 64 * j);
+    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if (K == Rec::Q5 || K == Rec::Q5F) {
+      lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(load_u64(rec + 256 + 8 * j)), lo, five);
+      hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(load_u64(rec + 288 + 8 * j)), hi, five);
+    }
+    _mm512_store_si512(dst + 64 * j, lo);
+    _mm512_store_si512(dst + 256 + 64 * j, hi);
+  }
+}
+
+// Blocks [b0, b0 + n) of 16 activation rows (`x`, row stride `cols`) times weights whose block b is
+// B at `w + b * step`: products[k] = block b0 + k's 16 x 16 int32 dot products.
+KVBANK_AMX void amx_products(const int8_t* x, int64_t cols, const uint8_t* w, int64_t step, int64_t b0, int64_t n,
+                             int32_t (*products)[AMX_ROWS * GROUP_ROWS]) {
+  int64_t k = 0;
+  for (; k + 1 < n; k += 2) {
+    _tile_loadd(0, x + (b0 + k) * QK, cols);
+    _tile_loadd(2, w + (b0 + k) * step, 64);
+    _tile_zero(4);
+    _tile_dpbsud(4, 0, 2);
+    _tile_loadd(1, x + (b0 + k + 1) * QK, cols);
+    _tile_loadd(3, w + (b0 + k + 1) * step, 64);
+    _tile_zero(5);
+    _tile_dpbsud(5, 1, 3);
+    _tile_stored(4, products[k], 64);
+    _tile_stored(5, products[k + 1], 64);
+  }
+  if (k < n) {
+    _tile_loadd(0, x + (b0 + k) * QK, cols);
+    _tile_loadd(2, w + (b0 + k) * step, 64);
+    _tile_zero(4);
+    _tile_dpbsud(4, 0, 2);
+    _tile_stored(4, products[k], 64);
+  }
+}
+
+// Block b's products added to the 16 rows' sums as the avx512_vnni kernels add them.
+template <Rec K>
+KVBANK_AMX inline void amx_scale(const int32_t* products, const uint8_t* rec, const QuantRows& a, int64_t r0, int64_t b,
+                                 __m512* acc) {
+  constexpr bool F32 = K == Rec::Q4F || K == Rec::Q5F;
+  constexpr int64_t d_at = K == Rec::Q8 ? 512 : (K == Rec::Q5 || K == Rec::Q5F) ? 320 : 256;
+  constexpr int64_t m_at = K == Rec::Q4F ? 320 : K == Rec::Q5F ? 384 : 288;
+  constexpr bool minimum = K == Rec::Q4 || K == Rec::Q4F || K == Rec::Q5F;
+  const __m512 dw = record_values16<F32>(rec, d_at);
+  const __m512 mw = minimum ? record_values16<F32>(rec, m_at) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < AMX_ROWS; ++i) {
+    const int64_t ab = (r0 + i) * a.blocks + b;
+    __m512i dot = _mm512_load_si512(products + GROUP_ROWS * i);
+    if (K == Rec::Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.sum[ab]));
+    if (K == Rec::Q5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * a.sum[ab]));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[i]);
+    if (minimum) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc[i]);
+  }
+}
+
+// One group's outputs for activation rows [r0, r0 + 16): out[i * out_stride + lane]. The products of
+// the next stage's blocks are issued before the sums of this stage's, so tiles and vectors overlap;
+// the `ahead_bytes` at `ahead` are prefetched along the way.
+template <Rec K>
+KVBANK_AMX void amx_group_rows(const uint8_t* rec0, const uint8_t* w, int64_t step, const QuantRows& a, int64_t r0,
+                               float* out, int64_t out_stride, const uint8_t* ahead, int64_t ahead_bytes) {
+  constexpr int64_t record = record_bytes(K);
+  alignas(64) int32_t products[2][AMX_CHUNK][AMX_ROWS * GROUP_ROWS];
+  __m512 acc[AMX_ROWS];
+  for (int64_t i = 0; i < AMX_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+  const int8_t* x = a.q.data() + r0 * a.cols;
+  const int64_t blocks = a.blocks;
+  amx_products(x, a.cols, w, step, 0, std::min(AMX_CHUNK, blocks), products[0]);
+  for (int64_t b0 = 0, stage = 0; b0 < blocks; b0 += AMX_CHUNK, stage ^= 1) {
+    if (b0 + AMX_CHUNK < blocks)
+      amx_products(x, a.cols, w, step, b0 + AMX_CHUNK, std::min(AMX_CHUNK, blocks - b0 - AMX_CHUNK), products[stage ^ 1]);
+    const int64_t n = std::min(AMX_CHUNK, blocks - b0);
+    const int64_t lo = ahead_bytes * b0 / blocks, hi = ahead_bytes * (b0 + n) / blocks;
+    for (int64_t line = lo & ~int64_t{63}; line < hi; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    for (int64_t k = 0; k < n; ++k) amx_scale<K>(products[stage][k], rec0 + (b0 + k) * record, a, r0, b0 + k, acc);
+  }
+  for (int64_t i = 0; i < AMX_ROWS; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
+}
+
+// Groups [begin, end) for the activation rows [0, rows) (a multiple of 16).
+template <Rec K>
+KVBANK_AMX void amx_groups(const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, int64_t rows,
+                           float* out, int64_t out_stride) {
+  constexpr int64_t record = record_bytes(K);
+  const int64_t group_bytes = a.blocks * record;
+  thread_local std::vector<uint8_t> storage;
+  uint8_t* widened = nullptr;
+  if (K != Rec::Q8) {
+    storage.resize(a.blocks * AMX_B_BYTES + 64);
+    widened = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  }
+  amx_configure();
+  for (int64_t g = begin; g < end; ++g) {
+    const uint8_t* w = weights + g * group_bytes;
+    const uint8_t* b_data = w;
+    int64_t step = record;
+    if (K != Rec::Q8) {
+      for (int64_t b = 0; b < a.blocks; ++b) amx_widen<K>(w + b * record, widened + b * AMX_B_BYTES);
+      b_data = widened, step = AMX_B_BYTES;
+    }
+    // the weights stream from memory once: the next group's are asked for a share per row tile,
+    // spread over its blocks, while this group's are multiplied
+    const int64_t tiles = rows / AMX_ROWS, share = (group_bytes + tiles - 1) / tiles;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t from = std::min(group_bytes, t * share), to = g + 1 < end ? std::min(group_bytes, from + share) : from;
+      amx_group_rows<K>(w, b_data, step, a, t * AMX_ROWS, out + t * AMX_ROWS * out_stride + g * GROUP_ROWS, out_stride,
+                        w + group_bytes + from, to - from);
+    }
+  }
+  _tile_release();
+}
+
+void amx_dispatch(Rec kind, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, int64_t rows,
+                  float* out, int64_t out_stride) {
+  switch (kind) {
+    case Rec::Q4: return amx_groups<Rec::Q4>(weights, begin, end, a, rows, out, out_stride);
+    case Rec::Q4F: return amx_groups<Rec::Q4F>(weights, begin, end, a, rows, out, out_stride);
+    case Rec::Q5: return amx_groups<Rec::Q5>(weights, begin, end, a, rows, out, out_stride);
+    case Rec::Q5F: return amx_groups<Rec::Q5F>(weights, begin, end, a, rows, out, out_stride);
+    default: return amx_groups<Rec::Q8>(weights, begin, end, a, rows, out, out_stride);
+  }
+}
+#endif
+
 // AVX2: each record is two halves of 8 rows (bytes 32h.. of every 64-byte chunk); maddubs + madd
 // give the same exact integer dot products (no pair can saturate: |u8 x s8 x 2| < 2^15 here).
 KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -731,7 +905,7 @@ KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
 template <int R>
 void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
 #ifdef KVBANK_X86
-  if (isa == Isa::Avx512Vnni) {
+  if (vnni(isa)) {
     switch (kind) {
       case Rec::Q4: return q4_group_avx512<R, false>(w, a, r0, out);
       case Rec::Q4F: return q4_group_avx512<R, true>(w, a, r0, out);
@@ -789,13 +963,21 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
                     int64_t out_stride) {
   const int64_t group_bytes = a.blocks * record_bytes(kind);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
+  int64_t first = 0;  // the rows the kernels below start at
+#ifdef KVBANK_HAS_AMX
+  if (isa == Isa::Amx && amx_kind(kind) && a.rows >= AMX_ROWS) {
+    first = a.rows / AMX_ROWS * AMX_ROWS;
+    amx_dispatch(kind, weights, begin, end, a, first, out, out_stride);
+    if (first == a.rows) return;
+  }
+#endif
 #ifdef KVBANK_X86
-  if (isa == Isa::Avx512Vnni && (kind == Rec::Q4 || kind == Rec::Q4F || kind == Rec::Q8)) {
+  if (vnni(isa) && (kind == Rec::Q4 || kind == Rec::Q4F || kind == Rec::Q8)) {
     // on VNNI: groups two at a time (q4_pair_avx512, q8_pair_avx512), the odd one below
     alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
     for (; begin + 1 < end; begin += 2) {
       const uint8_t* w = weights + begin * group_bytes;
-      for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
+      for (int64_t r0 = first; r0 < a.rows; r0 += ROW_TILE) {
         const int64_t tile = std::min(ROW_TILE, a.rows - r0);
         switch (tile) {
           case 4: pair_tile<4>(kind, w, w + group_bytes, a, r0, pair_out[0], pair_out[1]); break;
@@ -814,7 +996,7 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
 #endif
   for (int64_t g = begin; g < end; ++g) {
     const uint8_t* w = weights + g * group_bytes;
-    for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_TILE) {
+    for (int64_t r0 = first; r0 < a.rows; r0 += ROW_TILE) {
       const int64_t tile = std::min(ROW_TILE, a.rows - r0);
       group_kernel(kind, isa, w, a, r0, tile, tile_out);
       for (int64_t i = 0; i < tile; ++i) {
@@ -829,8 +1011,8 @@ Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
   Isa wanted = Isa::Scalar;
   TORCH_CHECK(kvbank::isa_from_name(name, &wanted) &&
-                  (wanted == Isa::Scalar || wanted == Isa::Avx2 || wanted == Isa::Avx512Vnni),
-              "isa must be auto, avx512_vnni, avx2 or scalar, not ", name);
+                  (wanted == Isa::Scalar || wanted == Isa::Avx2 || wanted == Isa::Avx512Vnni || wanted == Isa::Amx),
+              "isa must be auto, amx, avx512_vnni, avx2 or scalar, not ", name);
   TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best_isa()), "this CPU (capped at ",
               kvbank::isa_name(kvbank::active_isa()), ") cannot run the ", name, " path");
   return wanted;
