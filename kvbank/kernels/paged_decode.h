@@ -54,8 +54,28 @@ inline float exp_neg(float x) {
 
 #ifdef KVBANK_X86
 
+// Lane t of the result: the sum of the lanes of the vector of token t, for 16 tokens (the dense
+// and quantized attention kernels' scores). The tree
+// leaves token 4i + k in lane 4k + i, so the inputs go in that (self-inverse) order.
+__attribute__((target("avx512f"))) inline __m512 transpose_sums16(const __m512* part) {
+  __m512 t[8], u[4], s[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = part[4 * ((2 * i) % 4) + (2 * i) / 4], b = part[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)
+    s[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // bfloat16 q and cache, G query heads per KV head, head dim D (a multiple of 32): q.k by
-// bfloat16 pair dot products into float32, softmax and the value sum in float32 registers.
+// bfloat16 pair dot products into float32, 16 tokens' sums by one transpose tree, softmax and the
+// value sum in float32 registers.
 template <int G, int D>
 KVBANK_AVX512 void attend_range_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                                      const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
@@ -91,14 +111,20 @@ KVBANK_AVX512 void attend_range_bf16(const uint16_t* q, const uint16_t* k_cache,
         }
       }
     }
-    for (int t = 0; t < count; ++t) {
-      const uint16_t* kp = k_cache + base + t * token_stride;
-      __m512bh kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + c * 32);
-      for (int g = 0; g < G; ++g) {
-        __m512 s = _mm512_setzero_ps();
-        for (int c = 0; c < C; ++c) s = _mm512_dpbf16_ps(s, qv[g][c], kv[c]);
-        scores[g][t] = _mm512_reduce_add_ps(s) * scale;
+    // Each head's scores 16 tokens at a time: 16 vectors of pair dot products, summed across lanes
+    // together by one transpose tree (a token's sum never meets another token's lanes).
+    for (int g = 0; g < G; ++g) {
+      for (int t0 = 0; t0 < count; t0 += 16) {
+        __m512 part[16];
+        for (int t = 0; t < 16; ++t) {
+          __m512 s = _mm512_setzero_ps();
+          if (t0 + t < count) {
+            const uint16_t* kp = k_cache + base + (t0 + t) * token_stride;
+            for (int c = 0; c < C; ++c) s = _mm512_dpbf16_ps(s, qv[g][c], (__m512bh)_mm512_loadu_si512(kp + c * 32));
+          }
+          part[t] = s;
+        }
+        _mm512_store_ps(scores[g] + t0, _mm512_mul_ps(transpose_sums16(part), _mm512_set1_ps(scale)));
       }
     }
     for (int g = 0; g < G; ++g) {

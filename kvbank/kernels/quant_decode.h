@@ -712,24 +712,6 @@ KVBANK_AVX512_Q inline void decode16(const uint8_t* p, __m512* out) {
   }
 }
 
-// Lane t of the result: the sum of the lanes of the vector of token t, for 16 tokens. The tree
-// leaves token 4i + k in lane 4k + i, so the inputs go in that (self-inverse) order.
-KVBANK_AVX512_Q inline __m512 transpose_sums16(const __m512* part) {
-  __m512 t[8], u[4], s[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = part[4 * ((2 * i) % 4) + (2 * i) / 4], b = part[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int j = 0; j < 4; ++j)
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-  for (int m = 0; m < 2; ++m)
-    s[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 constexpr int kMaxQuantBlock = 64;  // tokens per block the kernels take
 
 KVBANK_AVX512_Q inline __mmask16 first16(int n) {
