@@ -19,7 +19,8 @@ from serving import start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams, cli
 from kvbank.cache.frames import Frame
-from kvbank.cache.recall import FrameArchive
+from kvbank.cache.quant import FullPrecision, PerTokenInt8, codecs_for
+from kvbank.cache.recall import FrameArchive, rotate
 from kvbank.cache.tiers.entry import KEYED, MAGIC, PREFIX_BYTES, VERSION, EntryFormat, digest, pack, tier_key, unpack
 from kvbank.cache.tiers.host import HostTier
 from kvbank.config import EngineConfig
@@ -247,20 +248,25 @@ def test_hostile_headers_with_a_valid_checksum_are_deleted_and_counted(cold, tmp
     assert "loading KV blocks from the tiers failed" not in caplog.text  # no traceback: a bad entry
 
 
+def _frame_archive(host: HostTier, key: str | None, codecs) -> FrameArchive:
+    """A FrameArchive on `host` with tier key `key`, storing layers through `codecs`."""
+    fmt = EntryFormat("m", "float32", "auto", 16, (), key=tier_key(key))
+    offload = types.SimpleNamespace(
+        tiers=[host],
+        format=fmt,
+        store_later=lambda tier, k, data: tier.put([(k, data)]) == 1,
+        delete_later=lambda tier, keys: tier.delete(keys),
+        flush=lambda: True,
+    )
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    return FrameArchive(offload, b"namespace", inv_freq, limit=8, codecs=codecs)
+
+
 def test_archived_frames_are_signed_with_the_tier_key():
     host = HostTier(2**20)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
 
     def archive(key: str | None) -> FrameArchive:
-        fmt = EntryFormat("m", "float32", "auto", 16, (), key=tier_key(key))
-        offload = types.SimpleNamespace(
-            tiers=[host],
-            format=fmt,
-            store_later=lambda tier, k, data: tier.put([(k, data)]) == 1,
-            delete_later=lambda tier, keys: tier.delete(keys),
-            flush=lambda: True,
-        )
-        return FrameArchive(offload, b"namespace", inv_freq, limit=8)
+        return _frame_archive(host, key, [(FullPrecision(torch.float32), FullPrecision(torch.float32))] * 2)
 
     keys, values = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
     frame = Frame(index=0, start=0, length=3, digest=bytes(16), embeds=None, sink=False)
@@ -275,6 +281,39 @@ def test_archived_frames_are_signed_with_the_tier_key():
 
     assert [stored(TIER_KEY, TIER_KEY), stored(None, None)] == [1, 1]
     assert [stored(None, TIER_KEY), stored(OTHER_KEY, TIER_KEY), stored(TIER_KEY, None)] == [0, 0, 0]
+
+
+def test_archived_frames_take_the_pools_format_and_another_format_never_reads_them():
+    """On an int8 pool a frame is archived as the pool holds it, int8 codes and a float16 scale per
+    token and head (a bfloat16 copy's bytes about halved), and loads back as those codes' values;
+    an archive of another format refuses it (the format is part of the namespace its header holds)."""
+    host = HostTier(2**20)
+    layers, tokens, heads, dim = 2, 5, 3, 8
+    keys = torch.randn(layers, tokens, heads, dim).to(torch.bfloat16)
+    values = torch.randn(layers, tokens, heads, dim).to(torch.bfloat16)
+    frame = Frame(index=0, start=0, length=tokens, digest=bytes(16), embeds=None, sink=False)
+    sizes = {}
+    for name in ("auto", "int8"):
+        host.delete(list(host._entries))
+        archive = _frame_archive(host, None, [codecs_for(name, torch.bfloat16)] * layers)
+        archive.store(frame, list(range(tokens)), keys, values, first=0)
+        sizes[name] = sum(len(blob) for blob in host._entries.values())
+        ((_, k, v),) = archive.load(list(archive.frames), (layers, heads, dim), torch.bfloat16)
+        assert archive.stats.recalled == 1 and archive.stats.corrupt == 0
+        plain = rotate(keys, -torch.arange(tokens), archive.inv_freq).to(torch.bfloat16)  # keys at no position
+        if name == "int8":
+            codec = PerTokenInt8()
+            for got, wanted in ((k, plain), (v, values)):
+                assert torch.equal(got, codec.dequantize(codec.quantize(wanted), torch.float32).to(torch.bfloat16))
+                assert not torch.equal(got, wanted)  # really stored as codes
+        else:
+            assert torch.equal(k, plain) and torch.equal(v, values)
+        other = _frame_archive(host, None, [codecs_for("fp8_e4m3" if name == "int8" else "int8", torch.bfloat16)] * 2)
+        other.frames.extend(archive.frames)
+        assert other.load(list(other.frames), (layers, heads, dim), torch.bfloat16) == []
+        assert other.stats.corrupt == 1  # the entry is another format's: refused, never served
+    payload = layers * tokens * heads * 2  # [layers, tokens, heads] per side
+    assert sizes["auto"] - sizes["int8"] == payload * (2 * dim - (dim + 2))
 
 
 def test_the_tier_key_flag_defaults_to_the_environment_and_is_never_shown(monkeypatch, capsys):

@@ -1,11 +1,12 @@
 """Recall of a stream's evicted frames by relevance (ReKV's idea), from a KV tier.
 
 When a stream with a tier evicts frames, each frame's K/V leaves the pool for the tier, with its
-keys rotated back to no position, and the stream keeps a summary of it in RAM: the mean of its
-keys per layer and KV head. A question may then recall the `k` frames whose mean keys best match
-the question's mean queries (see `FrameArchive.choose`); they are loaded,
-rotated to the places they take, and put back between the sinks and the kept frames of the
-question's own copy of the cache. The stream itself never changes.
+keys rotated back to no position, in the pool's own format (each layer through its codecs: int8 or
+fp8 codes and scales on a quantized pool, about half a bfloat16 copy's bytes), and the stream keeps
+a summary of it in RAM: the mean of its keys per layer and KV head. A question may then recall the
+`k` frames whose mean keys best match the question's mean queries (see `FrameArchive.choose`); they
+are loaded, rotated to the places they take, and put back between the sinks and the kept frames of
+the question's own copy of the cache. The stream itself never changes.
 
 What it costs: per evicted frame, one read of its K/V from the pool and one tier write (on the
 offload's store thread, so a slow tier does not stall the engine); per
@@ -32,12 +33,13 @@ from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache.frames import Frame
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
+from kvbank.cache.quant import CodecPair
 from kvbank.cache.storage import KVStorage
 from kvbank.cache.tiers.entry import KEYED, digest
 
 MAGIC = b"KVBFRAME"
-#: 2: a flags field (KEYED), and the digest covers the header too
-VERSION = 2
+#: 2: a flags field (KEYED), and the digest covers the header too; 3: each layer in its codecs' format
+VERSION = 3
 # magic, version, flags, namespace, digest, layers, tokens, heads, dim; the digest covers the rest
 _HEADER = struct.Struct("<8sHH16s16sIIII")
 _DIGEST_AT = 28
@@ -116,12 +118,18 @@ def splice_recalled(
 class FrameArchive:
     """A stream's evicted frames in a tier, and their summaries in RAM (the newest `limit` of them)."""
 
-    def __init__(self, offload: KVOffload, namespace: bytes, inv_freq: torch.Tensor, limit: int) -> None:
+    def __init__(
+        self, offload: KVOffload, namespace: bytes, inv_freq: torch.Tensor, limit: int, codecs: list[CodecPair]
+    ) -> None:
         #: writes and deletes go through the offload's store thread; reads wait for them to land
         self.offload = offload
         self.tier = offload.tiers[0]
         self.key = offload.format.key
-        self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
+        #: each layer's (key, value) codecs: frames are stored as the pool stores them
+        self.codecs = codecs
+        # the format is part of the namespace: a frame stored in another format is never read as this one
+        formats = ",".join(f"{k.name}/{v.name}" for k, v in codecs).encode()
+        self.namespace = hashlib.blake2b(namespace + b"\0" + formats, digest_size=16).digest()
         self.inv_freq = inv_freq.float().cpu()
         self.limit = limit
         self.frames: deque[Archived] = deque()
@@ -188,7 +196,12 @@ class FrameArchive:
         self.frames.clear()
 
     def _pack(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:
-        payload = _raw(keys) + _raw(values)
+        parts = []
+        for (k_codec, v_codec), k, v in zip(self.codecs, keys, values):
+            for codec, x in ((k_codec, k), (v_codec, v)):
+                stored = codec.quantize(x)
+                parts.extend(_raw(stored[name]) for name in sorted(stored))
+        payload = b"".join(parts)
         flags = KEYED if self.key is not None else 0
         header = bytearray(_HEADER.pack(MAGIC, VERSION, flags, self.namespace, bytes(16), *keys.shape))
         header[_DIGEST_AT : _DIGEST_AT + 16] = digest(self.key, _undigested(header), payload)
@@ -196,7 +209,10 @@ class FrameArchive:
 
     def _unpack(self, blob, shape: tuple[int, ...], dtype: torch.dtype):
         data = memoryview(blob).cast("B")
-        if len(data) != _HEADER.size + 2 * torch.Size(shape).numel() * dtype.itemsize:
+        _, tokens, heads, dim = shape
+        layouts = [codec.components(tokens, heads, dim) for pair in self.codecs for codec in pair]
+        sizes = [[torch.Size(s).numel() * t.itemsize for s, t in layout.values()] for layout in layouts]
+        if len(layouts) != 2 * shape[0] or len(data) != _HEADER.size + sum(map(sum, sizes)):
             return None
         magic, version, flags, namespace, stored_digest, *stored = _HEADER.unpack_from(data)
         ours = (MAGIC, VERSION, KEYED if self.key is not None else 0, self.namespace, shape)
@@ -205,8 +221,18 @@ class FrameArchive:
         payload = data[_HEADER.size :]
         if not hmac.compare_digest(digest(self.key, _undigested(data[: _HEADER.size]), payload), stored_digest):
             return None
-        both = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(2, *shape)
-        return both[0], both[1]
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        sides, at = [], 0
+        for (k_codec, v_codec), i in zip(self.codecs, range(0, len(layouts), 2)):
+            for codec, layout in ((k_codec, layouts[i]), (v_codec, layouts[i + 1])):
+                stored = {}
+                for name in sorted(layout):
+                    size, kind = layout[name]
+                    count = torch.Size(size).numel() * kind.itemsize
+                    stored[name] = raw[at : at + count].view(kind).view(size)
+                    at += count
+                sides.append(codec.dequantize(stored, torch.float32).to(dtype))
+        return torch.stack(sides[0::2]), torch.stack(sides[1::2])
 
 
 def _undigested(header) -> bytes:

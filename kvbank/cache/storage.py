@@ -172,6 +172,8 @@ class KVStorage:
         #: the layer places a block holds, each once
         self.places = places
         self.layers = places if groups is None else [places[groups.layer_slot[i]] for i in range(num_layers)]
+        #: each of `layers`' (key, value) codecs: the format its tokens take outside the pool too
+        self.codecs = codecs if groups is None else [codecs[groups.layer_slot[i]] for i in range(num_layers)]
 
     def kind(self, name: str) -> KVKind | None:
         """The kind called `name`, if any layer is stored that way."""

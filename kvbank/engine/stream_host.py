@@ -233,7 +233,7 @@ class StreamHost:
         if self.offload is None or not self.offload.tiers:
             return None
         namespace = self.namespace + b"|stream|" + stream_id.encode()
-        return FrameArchive(self.offload, namespace, self.editor.inv_freq, RECALL_LIMIT)
+        return FrameArchive(self.offload, namespace, self.editor.inv_freq, RECALL_LIMIT, self.storage.codecs)
 
     def _chat_frame(self, system: str) -> tuple[str, str]:
         """(the text before a user message's content, the text after it up to the assistant's turn)."""
