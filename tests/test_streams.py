@@ -429,6 +429,42 @@ def test_recall_brings_back_the_frame_the_question_is_about(tiered):
     _assert_all_free(tiered)
 
 
+def test_a_fork_recalls_what_its_source_evicted_before_the_fork(tiered):
+    """A fork holds its source's archive from the fork on: asked the same question, it recalls the
+    same frames evicted before the fork and answers alike; those entries stay in the tier while the
+    fork holds them, after the source has closed, and go when the last holder closes. Frames the
+    fork evicts afterwards are its own."""
+    tiered.reset_prefix_cache()
+    engine, host = tiered.engine, tiered.engine.offload.tiers[0]
+    session = tiered.open_stream(
+        "You read notes one at a time and answer questions about them briefly.", policy="frame_window(frames=2,sinks=4)"
+    )
+    for i, (who, what, value) in enumerate(NOTES[:6]):
+        session.append(f"Note {i}: the {what} of {who} is {value}.")
+    fork = session.fork()
+    inherited = [a.key for a in engine.stream(session.stream_id).archive.frames]
+    assert len(inherited) == 4 and [a.key for a in engine.stream(fork.stream_id).archive.frames] == inherited
+    assert fork.stats()["recallable_frames"] == 4
+    question = f"What is the {NOTES[1][1]} of {NOTES[1][0]}?"
+    from_source = session.ask(question, _greedy(max_tokens=4), recall=2)
+    from_fork = fork.ask(question, _greedy(max_tokens=4), recall=2)
+    assert len(from_fork.recalled_frames) == 2 and from_fork.recalled_frames == from_source.recalled_frames
+    assert from_fork.outputs[0].token_ids == from_source.outputs[0].token_ids
+    fork.append(f"Note 6: the {NOTES[6][1]} of {NOTES[6][0]} is {NOTES[6][2]}.")
+    assert fork.stats()["recallable_frames"] == 5 and session.stats()["recallable_frames"] == 4
+    session.close()
+    engine.offload.flush()
+    assert all(host.contains(inherited)), "the fork still holds its source's frames"
+    again = fork.ask(question, _greedy(max_tokens=4), recall=4)  # of 5: at least 3 are the source's
+    assert len(again.recalled_frames) == 4 and len(set(again.recalled_frames) & {0, 1, 2, 3}) >= 3
+    assert fork.stats()["recall_missing"] == fork.stats()["recall_corrupt"] == 0
+    own = [a.key for a in engine.stream(fork.stream_id).archive.frames]
+    fork.close()
+    engine.offload.flush()
+    assert not any(host.contains(own)) and not engine.streams_host.archive_holders
+    _assert_all_free(tiered)
+
+
 def test_a_question_that_recalls_nothing_says_so(tiered):
     """Recall asked of a stream that has evicted nothing yet runs on the kept frames alone, and the
     answer and the stream's counters say so; a question that did not ask carries no recall field."""

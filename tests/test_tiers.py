@@ -286,7 +286,7 @@ def test_archived_frames_are_signed_with_the_tier_key():
 def test_archived_frames_take_the_pools_format_and_another_format_never_reads_them():
     """On an int8 pool a frame is archived as the pool holds it, int8 codes and a float16 scale per
     token and head (a bfloat16 copy's bytes about halved), and loads back as those codes' values;
-    an archive of another format refuses it (the format is part of the namespace its header holds)."""
+    an archive of another format refuses it (the formats are part of its key and its header)."""
     host = HostTier(2**20)
     layers, tokens, heads, dim = 2, 5, 3, 8
     keys = torch.randn(layers, tokens, heads, dim).to(torch.bfloat16)

@@ -55,6 +55,8 @@ class Archived:
     mean_keys: torch.Tensor  # [layers, kv_heads, head_dim], float16
     #: given as embeddings: its token ids are placeholders
     embedded: bool = False
+    #: the namespace of the archive that stored it (a fork's archive also holds its source's frames)
+    namespace: bytes = b""
 
 
 @dataclass
@@ -119,7 +121,13 @@ class FrameArchive:
     """A stream's evicted frames in a tier, and their summaries in RAM (the newest `limit` of them)."""
 
     def __init__(
-        self, offload: KVOffload, namespace: bytes, inv_freq: torch.Tensor, limit: int, codecs: list[CodecPair]
+        self,
+        offload: KVOffload,
+        namespace: bytes,
+        inv_freq: torch.Tensor,
+        limit: int,
+        codecs: list[CodecPair],
+        holders: dict[bytes, int] | None = None,
     ) -> None:
         #: writes and deletes go through the offload's store thread; reads wait for them to land
         self.offload = offload
@@ -127,24 +135,46 @@ class FrameArchive:
         self.key = offload.format.key
         #: each layer's (key, value) codecs: frames are stored as the pool stores them
         self.codecs = codecs
-        # the format is part of the namespace: a frame stored in another format is never read as this one
-        formats = ",".join(f"{k.name}/{v.name}" for k, v in codecs).encode()
-        self.namespace = hashlib.blake2b(namespace + b"\0" + formats, digest_size=16).digest()
+        self.namespace = hashlib.blake2b(namespace, digest_size=16).digest()
+        # the layers' formats, part of every entry's key and header: one stored in another format is
+        # never read as this one
+        self.formats = ",".join(f"{k.name}/{v.name}" for k, v in codecs).encode()
         self.inv_freq = inv_freq.float().cpu()
         self.limit = limit
         self.frames: deque[Archived] = deque()
+        #: tier key -> how many archives hold that entry (shared between a stream and its forks)
+        self.holders = holders if holders is not None else {}
         self.stats = RecallStats()
 
     def store(self, frame: Frame, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
         """Archive a frame whose keys [layers, n, heads, dim] sit rotated at positions first..first+n-1."""
         plain = rotate(keys, -torch.arange(first, first + keys.shape[1]), self.inv_freq).to(keys.dtype)
-        key = hashlib.blake2b(self.namespace + frame.digest + struct.pack("<Q", frame.index), digest_size=16).digest()
+        key = hashlib.blake2b(self._tag(self.namespace) + frame.digest + struct.pack("<Q", frame.index), digest_size=16)
+        key = key.digest()
         if self.offload.store_later(self.tier, key, self._pack(plain, values)):
             mean = plain.float().mean(dim=1).half()
-            self.frames.append(Archived(frame.index, key, list(token_ids), mean, frame.embedded))
+            self.frames.append(Archived(frame.index, key, list(token_ids), mean, frame.embedded, self.namespace))
+            self.holders[key] = self.holders.get(key, 0) + 1
             self.stats.archived += 1
         while len(self.frames) > self.limit:
-            self.offload.delete_later(self.tier, [self.frames.popleft().key])
+            self._let_go(self.frames.popleft())
+
+    def inherit(self, source: FrameArchive) -> None:
+        """Hold every frame `source` holds (a fork's archive: frames its source evicted before it)."""
+        for archived in source.frames:
+            self.frames.append(archived)
+            self.holders[archived.key] = self.holders.get(archived.key, 0) + 1
+        while len(self.frames) > self.limit:
+            self._let_go(self.frames.popleft())
+
+    def _let_go(self, archived: Archived) -> None:
+        """This archive no longer holds `archived`; its tier entry goes when no archive does."""
+        left = self.holders.get(archived.key, 1) - 1
+        if left > 0:
+            self.holders[archived.key] = left
+        else:
+            self.holders.pop(archived.key, None)
+            self.offload.delete_later(self.tier, [archived.key])
 
     def archive(self, storage: KVStorage, seq: RecallSource, frames: list[Frame]) -> None:
         """Archive `frames` of `seq`, about to be evicted, from the pool (slots equal token indices)."""
@@ -181,7 +211,7 @@ class FrameArchive:
             if blob is None:
                 self.stats.missing += 1
                 continue
-            unpacked = self._unpack(blob, (layout[0], len(archived.token_ids), *layout[1:]), dtype)
+            unpacked = self._unpack(blob, (layout[0], len(archived.token_ids), *layout[1:]), dtype, archived.namespace)
             if unpacked is None:
                 self.stats.corrupt += 1
                 self.offload.delete_later(self.tier, [archived.key])
@@ -191,9 +221,13 @@ class FrameArchive:
         return found
 
     def close(self) -> None:
-        """Forget every archived frame (the stream is closed)."""
-        self.offload.delete_later(self.tier, [a.key for a in self.frames])
-        self.frames.clear()
+        """Forget every archived frame (the stream is closed); entries a fork still holds stay."""
+        while self.frames:
+            self._let_go(self.frames.popleft())
+
+    def _tag(self, namespace: bytes) -> bytes:
+        """What an entry's header names: the storing stream's namespace and this archive's formats."""
+        return hashlib.blake2b(namespace + b"\0" + self.formats, digest_size=16).digest()
 
     def _pack(self, keys: torch.Tensor, values: torch.Tensor) -> bytes:
         parts = []
@@ -203,20 +237,20 @@ class FrameArchive:
                 parts.extend(_raw(stored[name]) for name in sorted(stored))
         payload = b"".join(parts)
         flags = KEYED if self.key is not None else 0
-        header = bytearray(_HEADER.pack(MAGIC, VERSION, flags, self.namespace, bytes(16), *keys.shape))
+        header = bytearray(_HEADER.pack(MAGIC, VERSION, flags, self._tag(self.namespace), bytes(16), *keys.shape))
         header[_DIGEST_AT : _DIGEST_AT + 16] = digest(self.key, _undigested(header), payload)
         return bytes(header) + payload
 
-    def _unpack(self, blob, shape: tuple[int, ...], dtype: torch.dtype):
+    def _unpack(self, blob, shape: tuple[int, ...], dtype: torch.dtype, namespace: bytes):
         data = memoryview(blob).cast("B")
         _, tokens, heads, dim = shape
         layouts = [codec.components(tokens, heads, dim) for pair in self.codecs for codec in pair]
         sizes = [[torch.Size(s).numel() * t.itemsize for s, t in layout.values()] for layout in layouts]
         if len(layouts) != 2 * shape[0] or len(data) != _HEADER.size + sum(map(sum, sizes)):
             return None
-        magic, version, flags, namespace, stored_digest, *stored = _HEADER.unpack_from(data)
-        ours = (MAGIC, VERSION, KEYED if self.key is not None else 0, self.namespace, shape)
-        if (magic, version, flags, namespace, tuple(stored)) != ours:
+        magic, version, flags, tag, stored_digest, *stored = _HEADER.unpack_from(data)
+        ours = (MAGIC, VERSION, KEYED if self.key is not None else 0, self._tag(namespace), shape)
+        if (magic, version, flags, tag, tuple(stored)) != ours:
             return None
         payload = data[_HEADER.size :]
         if not hmac.compare_digest(digest(self.key, _undigested(data[: _HEADER.size]), payload), stored_digest):

@@ -65,6 +65,9 @@ class StreamHost:
         self.streams: dict[str, Stream] = {}
         #: frames (and system prompts) not computed yet, by request id
         self.frame_requests: dict[str, FrameRequest] = {}
+        #: how many streams' archives hold each archived frame's tier entry (a fork shares its
+        #: source's): an entry is deleted when the last of them lets it go
+        self.archive_holders: dict[bytes, int] = {}
 
     def get(self, stream_id: str) -> Stream:
         """The open stream `stream_id`; KeyError naming it otherwise."""
@@ -198,10 +201,12 @@ class StreamHost:
         seq.status = SequenceStatus.PARKED
         self.manager.fork(old, seq)
         request.seqs.append(seq)
-        # Its own archive: frames evicted before the fork stay the source's.
-        stream = Stream(
-            new_id, seq, source.policy, source.separator, source.question_suffix, archive=self._archive_for(new_id)
-        )
+        # Its own archive, holding the frames the source evicted before the fork as well (shared
+        # entries: each stays in the tier while either stream holds it).
+        archive = self._archive_for(new_id)
+        if archive is not None and source.archive is not None:
+            archive.inherit(source.archive)
+        stream = Stream(new_id, seq, source.policy, source.separator, source.question_suffix, archive=archive)
         self.streams[new_id] = stream
         return stream
 
@@ -233,7 +238,9 @@ class StreamHost:
         if self.offload is None or not self.offload.tiers:
             return None
         namespace = self.namespace + b"|stream|" + stream_id.encode()
-        return FrameArchive(self.offload, namespace, self.editor.inv_freq, RECALL_LIMIT, self.storage.codecs)
+        return FrameArchive(
+            self.offload, namespace, self.editor.inv_freq, RECALL_LIMIT, self.storage.codecs, self.archive_holders
+        )
 
     def _chat_frame(self, system: str) -> tuple[str, str]:
         """(the text before a user message's content, the text after it up to the assistant's turn)."""
