@@ -429,11 +429,19 @@ def test_recall_brings_back_the_frame_the_question_is_about(tiered):
     _assert_all_free(tiered)
 
 
-def test_a_fork_recalls_what_its_source_evicted_before_the_fork(tiered):
+@pytest.fixture(scope="module")
+def tiered_bf16():
+    """`tiered` in the default configuration (bfloat16, packed weights)."""
+    return LLM(max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64, kv_host_gb=0.05)
+
+
+@pytest.mark.parametrize("engine_fixture", ["tiered", "tiered_bf16"])
+def test_a_fork_recalls_what_its_source_evicted_before_the_fork(request, engine_fixture):
     """A fork holds its source's archive from the fork on: asked the same question, it recalls the
     same frames evicted before the fork and answers alike; those entries stay in the tier while the
     fork holds them, after the source has closed, and go when the last holder closes. Frames the
-    fork evicts afterwards are its own."""
+    fork evicts afterwards are its own. In float32 and in the default configuration."""
+    tiered = request.getfixturevalue(engine_fixture)
     tiered.reset_prefix_cache()
     engine, host = tiered.engine, tiered.engine.offload.tiers[0]
     session = tiered.open_stream(

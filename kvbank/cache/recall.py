@@ -244,9 +244,13 @@ class FrameArchive:
     def _unpack(self, blob, shape: tuple[int, ...], dtype: torch.dtype, namespace: bytes):
         data = memoryview(blob).cast("B")
         _, tokens, heads, dim = shape
-        layouts = [codec.components(tokens, heads, dim) for pair in self.codecs for codec in pair]
-        sizes = [[torch.Size(s).numel() * t.itemsize for s, t in layout.values()] for layout in layouts]
-        if len(layouts) != 2 * shape[0] or len(data) != _HEADER.size + sum(map(sum, sizes)):
+        codecs = [codec for pair in self.codecs for codec in pair]  # K, V of layer 0, then layer 1, ...
+        # each codec's components in name order, as _pack wrote them: (name, shape, dtype, bytes)
+        parts = [
+            [(name, size, kind, torch.Size(size).numel() * kind.itemsize) for name, (size, kind) in sorted(c.items())]
+            for c in (codec.components(tokens, heads, dim) for codec in codecs)
+        ]
+        if len(codecs) != 2 * shape[0] or len(data) != _HEADER.size + sum(p[3] for side in parts for p in side):
             return None
         magic, version, flags, tag, stored_digest, *stored = _HEADER.unpack_from(data)
         ours = (MAGIC, VERSION, KEYED if self.key is not None else 0, self._tag(namespace), shape)
@@ -257,15 +261,12 @@ class FrameArchive:
             return None
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         sides, at = [], 0
-        for (k_codec, v_codec), i in zip(self.codecs, range(0, len(layouts), 2)):
-            for codec, layout in ((k_codec, layouts[i]), (v_codec, layouts[i + 1])):
-                stored = {}
-                for name in sorted(layout):
-                    size, kind = layout[name]
-                    count = torch.Size(size).numel() * kind.itemsize
-                    stored[name] = raw[at : at + count].view(kind).view(size)
-                    at += count
-                sides.append(codec.dequantize(stored, torch.float32).to(dtype))
+        for codec, side in zip(codecs, parts):
+            stored = {}
+            for name, size, kind, count in side:
+                stored[name] = raw[at : at + count].view(kind).view(size)
+                at += count
+            sides.append(codec.dequantize(stored, torch.float32).to(dtype))
         return torch.stack(sides[0::2]), torch.stack(sides[1::2])
 
 

@@ -17,7 +17,7 @@ from kvbank.attention.metadata import AttentionMetadata, additive_mask
 from kvbank.attention.quantized import QuantizedView, attend_quantized, pad_visibility
 from kvbank.attention.rope import apply_rope
 from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
-from kvbank.cache.layers.token import CodecLayer
+from kvbank.cache.layers.token import CodecLayer, rotate_block_keys
 from kvbank.cache.quant import CodecPair, FullPrecision
 
 
@@ -272,22 +272,7 @@ class KiviKind(KVKind):
         src_ids = torch.tensor([s for s, _ in whole], dtype=torch.long, device=device)
         dst_ids = torch.tensor([d for _, d in whole], dtype=torch.long, device=device)
         if whole:
-            # Layers of one key codec as one batch of blocks: each block is quantized on its own, so
-            # one codec call over every layer's blocks gives each layer's bits, without a codec call
-            # (a dozen small tensor ops) per layer at every eviction.
-            batches: dict[str, list[KiviLayer]] = {}
-            for layer in self.layers:
-                batches.setdefault(layer.codecs[0].name, []).append(layer)
-            for layers in batches.values():
-                codec, n = layers[0].codecs[0], len(whole)
-                stored = {
-                    name: torch.cat([layer.sides[0][name].index_select(0, src_ids) for layer in layers])
-                    for name in layers[0].sides[0]
-                }
-                rotated = apply_rope(codec.dequantize(stored, torch.float32), cos, sin).to(layers[0].dtype)
-                for name, value in codec.quantize(rotated).items():
-                    for i, layer in enumerate(layers):
-                        layer.sides[0][name].index_copy_(0, dst_ids, value[i * n : (i + 1) * n])
+            rotate_block_keys(self.layers, src_ids, dst_ids, cos, sin)
         for layer in self.layers:
             store = residual.k[layer.index]  # read after residual.slot above, which may grow the table
             for s, d in opened:

@@ -69,13 +69,26 @@ class CodecLayer:
             out.append(x.view(batch, -1, *x.shape[2:]))
         return out[0], out[1]
 
-    def rotate_keys(self, src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Keys of blocks `dst` = keys of blocks `src` rotated: dequantized, rotated in float32,
-        rounded to the model dtype and quantized again, as a key the model computed there would be."""
-        codec, side = self.codecs[0], self.sides[0]
-        keys = codec.dequantize({name: t.index_select(0, src) for name, t in side.items()}, torch.float32)
-        for name, value in codec.quantize(apply_rope(keys, cos, sin).to(self.dtype)).items():
-            side[name].index_copy_(0, dst, value)
+
+def rotate_block_keys(
+    layers: list[CodecLayer], src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Keys of blocks `dst` = keys of blocks `src` rotated, in every layer of `layers`: dequantized,
+    rotated in float32, rounded to the model dtype and quantized again, as a key the model computed
+    there would be. Layers of one key codec go through it as one batch of blocks: a block is
+    quantized on its own, so each layer gets the bits a call of its own would give, without a dozen
+    small tensor ops per layer at every eviction."""
+    batches: dict[str, list[CodecLayer]] = {}
+    for layer in layers:
+        batches.setdefault(layer.codecs[0].name, []).append(layer)
+    n = len(src)
+    for batch in batches.values():
+        codec, sides = batch[0].codecs[0], [layer.sides[0] for layer in batch]
+        stored = {name: torch.cat([side[name].index_select(0, src) for side in sides]) for name in sides[0]}
+        keys = apply_rope(codec.dequantize(stored, torch.float32), cos, sin).to(batch[0].dtype)
+        for name, value in codec.quantize(keys).items():
+            for i, side in enumerate(sides):
+                side[name].index_copy_(0, dst, value[i * n : (i + 1) * n])
 
 
 class TokenLayer(CodecLayer):
@@ -179,9 +192,7 @@ class TokenKind(KVKind):
     def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
         device = self.spec.device
         src_ids, dst_ids = torch.tensor(src, device=device), torch.tensor(dst, device=device)
-        cos, sin = cos.to(device), sin.to(device)
-        for layer in self.layers:
-            layer.rotate_keys(src_ids, dst_ids, cos, sin)
+        rotate_block_keys(self.layers, src_ids, dst_ids, cos.to(device), sin.to(device))
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         device = self.spec.device
