@@ -599,17 +599,24 @@ struct alignas(64) TileConfig {
 };
 
 // tmm0, tmm1: activations (16 rows x 32 bytes); tmm2, tmm3: weights (8 x 64 bytes); tmm4, tmm5:
-// products (16 x 16 int32). Loaded at every call: tile configuration is per thread, and other
-// libraries in the process (oneDNN) configure tiles of their own.
-KVBANK_AMX void amx_configure() {
-  TileConfig config;
-  std::memset(&config, 0, sizeof config);
+// products (16 x 16 int32).
+constexpr TileConfig amx_config() {
+  TileConfig config{};
   config.palette = 1;
   for (int t = 0; t < 2; ++t) config.rows[t] = AMX_ROWS, config.colsb[t] = QK;
   for (int t = 2; t < 4; ++t) config.rows[t] = QK / 4, config.colsb[t] = 64;
   for (int t = 4; t < 6; ++t) config.rows[t] = AMX_ROWS, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
+  return config;
 }
+
+// A constant in the binary, not a stack object: GCC 12 dropped the stores that filled a stack
+// configuration before ldtilecfg (it does not see the instruction read them) wherever it did not
+// inline this function, leaving every tile unconfigured and the first tile load an invalid opcode.
+alignas(64) constexpr TileConfig kAmxConfig = amx_config();
+
+// Loaded at every call: tile configuration is per thread, and other libraries in the process
+// (oneDNN) configure tiles of their own.
+KVBANK_AMX void amx_configure() { _tile_loadconfig(&kAmxConfig); }
 
 // A 4- or 5-bit record's weights as bytes in B's layout: rows 0-3 the low nibbles (inputs 4k..4k+3),
 // rows 4-7 the high ones (inputs 16 + 4k..), each plus 16 where its fifth bit is set (Q5, Q5F).
