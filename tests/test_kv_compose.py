@@ -1,6 +1,5 @@
 """Cache features together: long-context policies on quantized KV (run, swapped whole, or refused
-naming both features) with a host tier behind the pool, and streams with recall on every layout
-that can hold them (the rest refused naming both).
+naming both features) with a host tier behind the pool, and streams with recall on every layout.
 
 The matrix is policy x kv_cache_dtype (x swap). Dense pools are covered by tests/test_kv_policies.py;
 the edits themselves (rotation, slot and token moves) per layout by tests/test_kv_layers.py.
@@ -21,8 +20,6 @@ SHIFTING = ["sink_window(sinks=4,window=64)", "context_shift(keep=16)"]
 SCORED = ["h2o(heavy=40,recent=40)", "snapkv(budget=96,window=16)"]
 #: the policies each quantized layout runs; the rest are refused
 RUNS = {"int8": SHIFTING + SCORED, "fp8_e4m3": SHIFTING + SCORED, "int4": SHIFTING, "int2": SHIFTING}
-#: the layouts streams run on (frames leave from the middle: tokens move between blocks)
-STREAMS = ("int8", "fp8_e4m3")
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
@@ -130,14 +127,10 @@ def test_the_prefix_an_evicting_sequence_computed_before_evicting_reaches_the_ti
 KEPT = NOTES[:6] + NOTES[-1:]
 
 
-def test_streams_run_with_recall_on_quantized_kv_or_are_refused_naming_both(llm):
-    dtype = llm.engine.config.kv_cache_dtype
+def test_streams_run_with_recall_on_every_quantized_kv_layout(llm):
+    """Frames leave from the middle of a stream, so tokens move between blocks: per token on int8
+    and fp8, a block at a time on int4 and int2 (whose keys share a range per block)."""
     system = "You read notes one at a time and answer questions about them briefly."
-    if dtype not in STREAMS:
-        with pytest.raises(ValueError, match=rf"kv_policy=frame_window\(.*\) cannot run with kv_cache_dtype='{dtype}'"):
-            llm.open_stream(system)
-        assert _all_free(llm)
-        return
     with llm.open_stream(system, policy="frame_window(frames=2,sinks=4)") as session:
         blocks = []
         for i, (who, what, value) in enumerate(KEPT):
@@ -267,3 +260,72 @@ def test_logits_after_evictions_on_quantized_kv_equal_a_forward_over_the_dequant
         for layer in layers:
             del layer.write
     assert engine.stats()[f"evicted_tokens_{parse_policy(policy).name}"] > 0
+
+
+def test_a_streams_quantized_pool_holds_each_kept_tokens_kv_at_its_position(float32_llm):
+    """After many frames left a stream, nothing after them moved: token i sits at slot lead + i
+    (the lead's whole blocks gone), its value exactly as first stored (an open block's in full
+    precision), its key rotated to slot + rope_offset within a few codec steps however many frames
+    came and went (int4/int2: no block is quantized again as the window moves, only the blocks the
+    leading tokens are written into). A one-token question's logits then equal a plain float32
+    forward over exactly those slots, so the slots before the lead (old tokens) are never read."""
+    engine, frames = float32_llm.engine, 3
+    layers = engine.storage.layers
+    recorder, own = Recorder(engine), {}
+    for index, layer in enumerate(layers):
+
+        def write(k, v, meta, layer=layer, index=index, original=layer.write):
+            own[index] = (k[-1].clone(), v[-1].clone())
+            return original(k, v, meta)
+
+        layer.write = write
+    try:
+        system = "You read notes one at a time."
+        with float32_llm.open_stream(system, policy=f"frame_window(frames={frames},sinks=4)") as session:
+            for i in range(24):
+                who, what, value = NOTES[i % len(NOTES)]
+                session.append(f"Note {i}: the {what} of {who} is {value}.")
+            seq = engine.streams_host.get(session.stream_id).seq
+            assert session.stats()["evicted_frames"] == 24 - frames
+            n, keep, bs, lead = seq.num_slots, seq.frames.keep_tokens, engine.block_size, seq.lead
+            assert 0 < lead < bs and n - lead == seq.num_computed_tokens
+            pool = _pool_contents(engine, seq)
+            cache = [(k[lead:], v[lead:]) for k, v in pool]  # token order
+            opened = n // bs * bs if hasattr(layers[0], "residual") and n % bs else n
+            in_open = torch.arange(lead, n) >= opened  # tokens in KIVI's open block
+            positions = torch.arange(lead, n) + seq.rope_offset
+            for index in (0, len(layers) // 2, len(layers) - 1):
+                layer, (k, v) = layers[index], recorder.kv(index)
+                total = k.shape[0]
+                held = torch.cat((torch.arange(keep), torch.arange(total - (n - lead - keep), total)))
+                codec = layer.codecs[1]
+                stored = codec.dequantize(codec.quantize(v[held]), torch.float32)
+                assert torch.equal(cache[index][1][~in_open], stored[~in_open]), f"layer {index}: values"
+                for token in in_open.nonzero().flatten().tolist():  # as written, or as stored and moved in
+                    assert torch.equal(cache[index][1][token], v[held][token]) or torch.equal(
+                        cache[index][1][token], stored[token]
+                    )
+                cos, sin = rotation_tables(positions, recorder.model.rope_inv_freq)
+                exact = apply_rope(k[held].double(), cos[:, None].double(), sin[:, None].double()).float()
+                bound = 3 * _codec_step(layer, exact, bs)
+                assert (cache[index][0] - exact).abs().max() <= bound, f"layer {index}: keys off their positions"
+            token = float32_llm.get_tokenizer().encode(" Note", add_special_tokens=False)[0]
+            session.ask([token], SamplingParams(temperature=0, max_tokens=1))
+            got = recorder.logits[-1][0]
+            if hasattr(layers[0], "residual"):
+                mine = [own[i] for i in range(len(layers))]  # KIVI attends a step's own K/V unquantized
+            else:
+                mine = [
+                    tuple(
+                        codec.dequantize(codec.quantize(x.unsqueeze(0)), torch.float32)[0]
+                        for codec, x in zip(layers[i].codecs, own[i])
+                    )
+                    for i in range(len(layers))
+                ]
+            expected = cache_reference_logits(recorder, [(token, n + seq.rope_offset, cache, mine)])[0]
+            torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    finally:
+        recorder.remove()
+        for layer in layers:
+            del layer.write
+    assert _all_free(float32_llm)

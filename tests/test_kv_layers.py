@@ -231,8 +231,112 @@ def test_gathered_tokens_are_the_pool_dequantized_and_scattered_ones_read_back_t
 def test_each_layout_names_the_edits_it_takes():
     assert _edit_storage("auto").edits == frozenset(EDITS)
     assert _edit_storage("int8").edits == _edit_storage("fp8_e5m2").edits == TOKEN_EDITS
-    assert _edit_storage("int4").edits == _edit_storage("int2").edits == {"rotate"}
+    assert _edit_storage("int4").edits == _edit_storage("int2").edits == {"rotate", "tokens", "gather"}
     mixed = KVStorage(SMALL, 4, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int4", skip_layers=(0,)))
-    assert mixed.edits == {"rotate"}
-    with pytest.raises(NotImplementedError, match="the kivi KV layout cannot move tokens between blocks"):
-        mixed.kind("kivi").move_tokens(torch.tensor([0]), torch.tensor([1]))
+    assert mixed.edits == {"rotate", "tokens", "gather"}
+    with pytest.raises(NotImplementedError, match="the kivi KV layout cannot move single tokens of one layer"):
+        mixed.kind("kivi").move_slots(torch.tensor([[[0]]]), torch.tensor([[[1]]]))
+
+
+def _open(storage: KVStorage, block: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random K/V (model dtype) in a residual slot of `block`, every layer: the block is open."""
+    generator, residual = torch.Generator().manual_seed(seed), storage.kinds[0].residual
+    slot = residual.slot(block)
+    keys = [torch.randn(16, 2, 64, generator=generator).to(torch.bfloat16) for _ in storage.layers]
+    values = [torch.randn(16, 2, 64, generator=generator).to(torch.bfloat16) for _ in storage.layers]
+    for i in range(len(storage.layers)):
+        residual.k[i][slot], residual.v[i][slot] = keys[i], values[i]
+    return keys, values
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int2"])
+def test_kivi_token_moves_copy_values_exactly_and_requantize_the_keys_blocks_once(dtype):
+    """A stream's leading tokens are written again before its kept frames: tokens move between
+    blocks, keys rotated on the way. KIVI values are per token: their codes move as stored. Keys
+    share a range per block and channel: a block that takes tokens is stored again whole, so its
+    keys are within one more quantization of what it holds; an open block takes tokens in full
+    precision, and one leaving an open block is quantized as a write would."""
+    storage = _edit_storage(dtype)
+    residual = storage.kinds[0].residual
+    _fill(storage, [0, 1, 2, 3], seed=5)
+    open_keys, open_values = _open(storage, 6, seed=6)
+    keys, values = _read(storage, [0, 1, 2, 3, 4]), _read(storage, [0, 1, 2, 3], side=1)
+    flat = lambda xs: [x.reshape(-1, 2, 64) for x in xs]
+    step = lambda exact: (_roundtrip(storage, exact.unsqueeze(0))[0] - exact).abs().max()
+    # slots of blocks 0-2 -> the start of closed block 4; two tokens of closed block 0 -> open
+    # block 6; two of open block 6 -> closed block 7
+    src = torch.tensor([3, 17, 40, 1, 2, 96 + 9, 96 + 10])
+    dst = torch.tensor([64, 65, 66, 96 + 4, 96 + 5, 112, 113])
+    storage.move_tokens(src, dst)
+    for layer, (was_k, was_v, now_k, now_v) in enumerate(
+        zip(flat(keys), flat(values), flat(_read(storage, [4, 7])), flat(_read(storage, [4, 7], side=1)))
+    ):
+        assert torch.equal(now_v[:3], was_v[src[:3]])  # values: codes moved as stored
+        # block 4 = the three moved keys over what it held, quantized again: within a step of that
+        exact = torch.cat((was_k[src[:3]], was_k[67:80]))
+        assert (now_k[:16] - exact).abs().max() <= 2 * step(exact)
+        slot6 = residual.of_block[6]
+        # into the open block: the source's dequantized K/V, in the model dtype
+        assert torch.equal(residual.k[layer][slot6][4:6], was_k[1:3].to(torch.bfloat16))
+        assert torch.equal(residual.v[layer][slot6][4:6], was_v[1:3].to(torch.bfloat16))
+        # out of the open block into a closed one: values quantized per token as a write would
+        codec = storage.layers[layer].codecs[1]
+        want = codec.dequantize(codec.quantize(open_values[layer][9:11]), torch.float32)
+        assert torch.equal(now_v[16:18], want)
+    assert 7 not in residual.of_block and 4 not in residual.of_block  # closed blocks stay in the pool
+    # block 3 -> block 8, keys rotated on the way: values as stored, keys within a step of rotated
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).double() / 64))
+    cos, sin = rotation_tables(torch.tensor([29]), inv_freq)
+    storage.move_tokens(torch.arange(48, 64), torch.arange(128, 144), (cos[0], sin[0]))
+    for was_k, was_v, now_k, now_v in zip(keys, values, _read(storage, [8]), _read(storage, [8], side=1)):
+        assert torch.equal(now_v[0], was_v[3])
+        exact = apply_rope(was_k[3].double(), cos[0].double(), sin[0].double()).float()
+        assert (now_k[0] - exact).abs().max() <= 3 * step(exact)
+        assert (now_k[0] - was_k[3]).abs().max() > 10 * step(exact) or dtype == "int2"  # the keys did turn
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int2"])
+def test_kivi_gathers_dequantized_tokens_and_scatters_them_into_whole_blocks(dtype):
+    """What recall reads and writes on a KIVI pool: gathered tokens are the pool's dequantized
+    blocks (an open block's from its residual slot); scattered into fresh blocks (the last opened
+    first, as a recalled table's last partial block is) they read back within one quantization."""
+    storage = _edit_storage(dtype)
+    residual = storage.kinds[0].residual
+    _fill(storage, [0, 1], seed=7)
+    open_keys, open_values = _open(storage, 2, seed=8)
+    slots = torch.tensor([5, 16, 31, 32, 40])
+    keys, values = storage.gather_tokens(slots)
+    assert keys.shape == values.shape == (4, 5, 2, 64) and keys.dtype == torch.bfloat16
+    for side, got, opened in ((0, keys, open_keys), (1, values, open_values)):
+        for layer, stored in enumerate(_read(storage, [0, 1], side)):
+            assert torch.equal(got[layer][:3], stored.reshape(-1, 2, 64)[slots[:3]].to(torch.bfloat16))
+            assert torch.equal(got[layer][3:], opened[layer][[0, 8]])
+    # 20 tokens into blocks 4 (whole) and 5 (4 tokens: the sequence's open last block)
+    many = torch.arange(20) % 5
+    storage.open_block(5)
+    target = torch.cat((torch.arange(64, 80), torch.arange(80, 84)))
+    storage.scatter_tokens(target, keys[:, many], values[:, many])
+    back_k, back_v = storage.gather_tokens(target)
+    assert 5 in residual.of_block and 4 not in residual.of_block
+    assert torch.equal(back_k[:, 16:], keys[:, many[16:]]) and torch.equal(back_v[:, 16:], values[:, many[16:]])
+    for layer in range(4):
+        codecs = storage.layers[layer].codecs
+        want_v = codecs[1].dequantize(codecs[1].quantize(values[layer, many[:16]]), torch.float32)
+        assert torch.equal(back_v[layer, :16], want_v.to(torch.bfloat16))  # per token, as a write
+        block = keys[layer, many[:16]].float().unsqueeze(0)
+        want_k = codecs[0].dequantize(codecs[0].quantize(block), torch.float32)[0]
+        assert torch.equal(back_k[layer, :16], want_k.to(torch.bfloat16))  # the block quantized whole
+
+
+def test_opening_a_closed_kivi_block_moves_its_tokens_to_a_residual_slot():
+    storage = _edit_storage("int4")
+    residual = storage.kinds[0].residual
+    _fill(storage, [3], seed=9)
+    keys, values = _read(storage, [3]), _read(storage, [3], side=1)
+    storage.open_block(3)
+    slot = residual.of_block[3]
+    for layer in range(4):
+        assert torch.equal(residual.k[layer][slot], keys[layer][0].to(torch.bfloat16))
+        assert torch.equal(residual.v[layer][slot], values[layer][0].to(torch.bfloat16))
+    storage.open_block(3)  # already open: unchanged
+    assert residual.of_block == {3: slot}

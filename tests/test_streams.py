@@ -256,7 +256,8 @@ def test_streams_that_reserve_their_window_are_refused_at_open_never_frame_by_fr
     assert "a stream reserving 144 tokens needs" in refused and "reserved by other streams" in refused
     stats = sessions[0].stats()
     reserved = stats["reserved_blocks"]
-    # 144 tokens, a scratch block, the unrotated copies of the system prompt and sinks
+    # 144 tokens (starting up to a block in once frames left), the unrotated copies of the system
+    # prompt and sinks
     assert reserved == 9 + 1 + -(-(stats["system_tokens"] + 4) // 16)
     for i in range(12):  # every stream's window fills, then slides
         for s, session in enumerate(sessions):

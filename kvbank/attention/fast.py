@@ -69,6 +69,16 @@ def row_tables(spans: list[tuple[int, int, list[int]]], block_size: int, device:
     return per_seq.index_select(0, owner).to(device), lens.to(device)
 
 
+def row_starts(steps, device: torch.device) -> torch.Tensor | None:
+    """Where each new token's keys begin, as `row_tables` lists its rows (StepSeq.lead: a stream
+    after evictions), or None when every row starts at slot 0."""
+    if not any(s.lead for s in steps):
+        return None
+    if all(s.end - s.start == 1 for s in steps):
+        return torch.tensor([s.lead for s in steps], dtype=torch.long).to(device)
+    return torch.cat([torch.full((s.end - s.start,), s.lead, dtype=torch.long) for s in steps]).to(device)
+
+
 @dataclass
 class ScoreJob:
     """Attention of batch rows `rows` (at cache slots `row_slots`) over their sequence's slots
@@ -125,6 +135,8 @@ class DenseStep:
     suffix_mask: torch.Tensor | None = None
     row_block_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
+    #: where each row's keys begin (row_starts), None when at slot 0
+    row_starts: torch.Tensor | None = None
     #: attention scores that long-context policies accumulate this step
     score_jobs: list[ScoreJob] = field(default_factory=list)
 
@@ -143,14 +155,15 @@ def padded_key_length(n: int, block_size: int) -> int:
     return padded_length(n, padded_length(KEY_PAD, block_size))
 
 
-def chunk_visibility(start: int, end: int, block_size: int) -> torch.Tensor:
-    """Which keys (0..end-1) the new tokens at start..end-1 see, padded for the kernel.
+def chunk_visibility(start: int, end: int, block_size: int, lead: int = 0) -> torch.Tensor:
+    """Which keys (lead..end-1) the new tokens at start..end-1 see, padded for the kernel.
 
     Extra key columns are hidden; extra query rows see key 0 only, so that no row is empty.
     """
     rows, width = padded_query_rows(end - start), padded_key_length(end, block_size)
     positions = torch.arange(start, start + rows).unsqueeze(1)
-    visible = torch.arange(width).unsqueeze(0) <= positions
+    keys = torch.arange(width).unsqueeze(0)
+    visible = (keys <= positions) & (keys >= lead)
     visible[end - start :] = False
     visible[end - start :, 0] = True
     return visible
@@ -193,7 +206,14 @@ def paged_attention(
         queries = q[:n].view(n, num_kv_heads, group, head_dim)
         if step.decode_kernel is not None:
             attended = step.decode_kernel.paged_decode_attention(
-                queries, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, DECODE_PARTITION
+                queries,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                DECODE_PARTITION,
+                meta.decode_starts,
             )
         elif step.shared_prefixes:
             attended = _cascade_decode(queries, k_cache, v_cache, step, scale)
@@ -234,7 +254,14 @@ def _attend_rows(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
     attended = step.decode_kernel.paged_decode_attention(
-        queries, k_cache, v_cache, step.row_block_tables, step.row_context_lens, scale, DECODE_PARTITION
+        queries,
+        k_cache,
+        v_cache,
+        step.row_block_tables,
+        step.row_context_lens,
+        scale,
+        DECODE_PARTITION,
+        step.row_starts,
     )
     return attended.view(q.shape)
 
@@ -246,7 +273,10 @@ def attend_window_rows(
     included): the kernel starts the row there, so no other key is read."""
     starts = step.window_starts.get(window)
     if starts is None:
-        starts = step.window_starts[window] = (step.row_context_lens - window).clamp_(min=0)
+        starts = (step.row_context_lens - window).clamp_(min=0)
+        if step.row_starts is not None:
+            starts = torch.maximum(starts, step.row_starts)
+        step.window_starts[window] = starts
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
     attended = step.decode_kernel.paged_decode_attention(

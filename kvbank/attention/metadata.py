@@ -55,19 +55,24 @@ class AttentionMetadata:
     kinds: dict[str, Any] = field(default_factory=dict)
     #: hybrid KV layouts (cache/hybrid.py): each layer's view of the batch, through its own block tables
     layer_metas: list[AttentionMetadata] | None = None
+    #: where each decode's keys begin (a stream's sequence after evictions: its first slots hold
+    #: no token); None when every decode starts at slot 0
+    decode_starts: torch.Tensor | None = None
 
     @cached_property
     def decode_mask(self) -> torch.Tensor | None:
-        """Additive [decodes, 1, 1, blocks * block_size] mask hiding the padding of shorter decodes.
+        """Additive [decodes, 1, 1, blocks * block_size] mask hiding the padding of shorter decodes
+        (and the slots before each decode's start).
 
         Built on first use, once per step: paths that read blocks in place never need it.
         """
         if self.decode_block_tables is None:
             return None
         width = self.decode_block_tables.shape[1] * self.block_size
-        visible = torch.arange(width, device=self.slot_mapping.device).unsqueeze(
-            0
-        ) < self.decode_context_lens.unsqueeze(1)
+        keys = torch.arange(width, device=self.slot_mapping.device).unsqueeze(0)
+        visible = keys < self.decode_context_lens.unsqueeze(1)
+        if self.decode_starts is not None:
+            visible &= keys >= self.decode_starts.unsqueeze(1)
         return additive_mask(visible[:, None, None, :], self.dtype)
 
 

@@ -100,6 +100,8 @@ class QuantizedView:
     #: when the native kernel attends every token: each token's block table and context length
     row_tables: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
+    #: where each row's keys begin (attention/fast.py row_starts), None when at slot 0
+    row_starts: torch.Tensor | None = None
     #: for the native kernel, each attended row's scratch block row (int4/int2): every token's
     #: when row_tables is set, else the decodes'
     own_rows: torch.Tensor | None = None
@@ -115,8 +117,10 @@ def native_rows(
     scale: float,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     own_rows: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows of q ([n, heads, dim]) attended as decodes by the native kernel, reading codes in place."""
+    """Rows of q ([n, heads, dim]) attended as decodes by the native kernel, reading codes in place
+    (row i from slot starts[i] on, when given)."""
     n, heads, dim = q.shape
     k, v = layer.sides
     with_scratch = scratch is not None and own_rows is not None
@@ -136,6 +140,7 @@ def native_rows(
         scratch[0] if with_scratch else None,
         scratch[1] if with_scratch else None,
         own_rows if with_scratch else None,
+        starts=starts,
     )
     return out.view(n, heads, dim)
 
@@ -151,13 +156,20 @@ def attend_quantized(
 ) -> torch.Tensor:
     """Attention of every new token over a quantized layer: natively where the kernel runs."""
     if view.row_tables is not None:
-        return native_rows(q, layer, view.row_tables, view.row_lens, scale, scratch, view.own_rows)
+        return native_rows(q, layer, view.row_tables, view.row_lens, scale, scratch, view.own_rows, view.row_starts)
     if layer.native is None or not meta.num_decode_tokens:
         return quantized_paged_attention(q, layer, kind, view, meta, scale, scratch)
     n = meta.num_decode_tokens
     out = quantized_paged_attention(q, layer, kind, view, meta, scale, scratch, decodes=False)
     out[:n] = native_rows(
-        q[:n], layer, meta.decode_block_tables, meta.decode_context_lens, scale, scratch, view.own_rows
+        q[:n],
+        layer,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        scale,
+        scratch,
+        view.own_rows,
+        meta.decode_starts,
     )
     return out
 

@@ -10,8 +10,9 @@ manager) and on the pool's tensors (through the storage), keeping three rules:
   and again, so bfloat16 rounding does not pile up.
 
 Slots and positions: slot s of a sequence is `block_table[s // block_size]`, offset
-`s % block_size`; its new tokens go to slots `num_computed_tokens - num_evicted` onwards, at RoPE
-position slot + `rope_offset`.
+`s % block_size`; its new tokens go to slots `num_computed_tokens - num_evicted + lead` onwards,
+at RoPE position slot + `rope_offset` (`lead`: a stream's first slots that hold no token once
+frames left, see `remove_tokens`; attention starts each of its rows there).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Protocol
 import torch
 
 from kvbank.attention.rope import rotation_tables
+from kvbank.cache.frames import token_slots
 from kvbank.cache.limits import Limits
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.storage import KVStorage
@@ -64,6 +66,7 @@ class PolicySeq(Protocol):
     rope_offset: int
     pristine_blocks: list[int]
     kv_state: ScoreState | None
+    lead: int
 
     @property
     def num_tokens(self) -> int: ...
@@ -159,26 +162,30 @@ class KVEditor:
     # --- removing a span of tokens (a stream's frames) ------------------------------------------
 
     def remove_tokens(self, seq: PolicySeq, first: int, count: int, keep: int) -> None:
-        """Tokens [first, first + count) leave the sequence and its cache (whose slots equal token
-        indices); later slots move down unrotated, so new positions rise by `count` and the first
-        `keep` slots (kept for good) are rotated forward from unrotated copies to match."""
-        bs, slots = self.limits.block_size, seq.num_slots
-        assert seq.num_evicted == 0 and keep <= first and first + count <= slots
-        self._make_private(seq, range(first // bs, len(seq.block_table)))
-        moved = slots - first - count
-        if moved:
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            src, dst = torch.arange(first + count, slots), torch.arange(first, first + moved)
-            self._move(table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs)
-        needed = blocks_for(slots - count, bs)
+        """Tokens [first, first + count) leave the sequence and its cache; `first` is `keep`, the
+        tokens kept for good (the system prompt and sinks).
+
+        Nothing after them moves: token i sits at slot `seq.lead + i`, and the lead grows by
+        `count` (whole blocks it passes leave the table), so every later token keeps its slot,
+        its block and its key, whatever the layout stores per block (KIVI's key ranges). New
+        positions rise by as much as the slots fell (positions are slots + rope_offset); the
+        kept leading tokens are written again just before the window, rotated from unrotated
+        copies to the positions they take there."""
+        bs, lead = self.limits.block_size, seq.lead
+        assert seq.num_evicted == 0 and keep == first and first + count <= seq.num_computed_tokens
+        if keep and not seq.pristine_blocks:
+            assert lead == 0  # the first eviction: every key still sits at its slot
+            self._pristine_leading(seq, blocks_for(keep, bs))
+        drop = (lead + count) // bs
         pool = self.manager.pool
-        for block_id in reversed(seq.block_table[needed:]):
+        for block_id in seq.block_table[:drop]:
             pool.release(pool.blocks[block_id])
-        del seq.block_table[needed:]
+        del seq.block_table[:drop]
+        seq.lead = (lead + count) % bs
         del seq.token_ids[first : first + count]
         seq.num_computed_tokens -= count
-        seq.rope_offset += count
-        self._rotate_kept(seq, keep)
+        seq.rope_offset += drop * bs
+        self._write_kept(seq, keep)
         if self.needs_rebase(seq, self.limits.chunk_tokens):
             self.rebase_tokens(seq, keep)
 
@@ -186,34 +193,27 @@ class KVEditor:
         """`rebase` for a sequence whose kept leading span is `keep` tokens rather than whole blocks."""
         if seq.rope_offset == 0:
             return
-        indices = range(keep // self.limits.block_size, len(seq.block_table))
+        indices = range((seq.lead + keep) // self.limits.block_size, len(seq.block_table))
         self._make_private(seq, indices)
         blocks = [seq.block_table[i] for i in indices]
         self.storage.rotate_keys(blocks, blocks, self._rotation(-seq.rope_offset))
         seq.rope_offset = 0
-        self._rotate_kept(seq, keep)
+        self._write_kept(seq, keep)
 
-    def _rotate_kept(self, seq: PolicySeq, keep: int) -> None:
+    def _write_kept(self, seq: PolicySeq, keep: int) -> None:
+        """Tokens 0..keep-1 at slots lead.. from their unrotated copies, each rotated on the way to
+        its slot's position (pristine token j sits at position j; slot lead + j is position
+        lead + j + rope_offset); values move as stored. The slots before the lead, which no row
+        reads, get copies of token 0, so that a layout quantizing a block's keys together (KIVI)
+        fits its ranges to the tokens it holds rather than to whatever left those slots."""
         if not keep:
             return
-        bs, pool = self.limits.block_size, self.manager.pool
-        whole, part = divmod(keep, bs)
-        count = whole + (part > 0)
-        self._pristine_leading(seq, count)
-        rotation = self._rotation(seq.rope_offset)
-        if whole:
-            self.storage.rotate_keys(seq.pristine_blocks[:whole], seq.block_table[:whole], rotation)
-        if part:
-            # The last kept block also holds frames: rotate a scratch copy, then move only the kept slots.
-            scratch = pool.take()
-            self.storage.copy_blocks([(seq.pristine_blocks[whole], scratch.block_id)])  # values move too
-            self.storage.rotate_keys([seq.pristine_blocks[whole]], [scratch.block_id], rotation)
-            offsets = torch.arange(part)
-            self._move(scratch.block_id * bs + offsets, seq.block_table[whole] * bs + offsets)
-            pool.release(scratch)
-
-    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.storage.move_tokens(src, dst)
+        bs, lead = self.limits.block_size, seq.lead
+        self._make_private(seq, range(blocks_for(lead + keep, bs)))  # a forked sibling may share them
+        src = token_slots(seq.pristine_blocks, 0, keep, bs)
+        src = torch.cat((src[:1].expand(lead), src))
+        dst = token_slots(seq.block_table, 0, lead + keep, bs)
+        self.storage.move_tokens(src, dst, self._rotation(lead + seq.rope_offset))
 
     # --- compacting ---------------------------------------------------------------------------
 

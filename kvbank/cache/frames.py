@@ -2,7 +2,10 @@
 
 Plain bookkeeping for `FrameWindow` (cache/policies.py) and the streams (engine/streams.py). A
 stream sequence's token ids are exactly what its cache holds (the system prompt, then its kept
-frames) followed by frames not computed yet, so a token's index is its slot.
+frames) followed by frames not computed yet. Token i sits at slot `seq.lead + i`: when a frame
+leaves, the kept frames stay where they are and the leading tokens (system prompt and sinks) are
+written again right before them, so the sequence then starts `lead` slots into its first block
+(`KVEditor.remove_tokens`; attention starts each row there).
 """
 
 from __future__ import annotations
@@ -12,6 +15,13 @@ import hashlib
 from collections import deque
 
 import torch
+
+
+def token_slots(table: list[int], lo: int, hi: int, block_size: int, lead: int = 0) -> torch.Tensor:
+    """Flat pool slots of tokens lo..hi-1 of a sequence with block table `table` whose token i is
+    at slot `lead + i`."""
+    index = torch.arange(lo, hi) + lead
+    return torch.tensor(table, dtype=torch.long)[index // block_size] * block_size + index % block_size
 
 
 @dataclasses.dataclass(slots=True)

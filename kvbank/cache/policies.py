@@ -249,9 +249,11 @@ class FrameWindow(KVPolicy):
     """A stream's policy: its system prompt, its leading frames up to `sinks` tokens in all (whole
     frames; none when the system prompt has that many), and the last `frames` frames.
 
-    A frame is the unit: it is kept or evicted whole, however many blocks it spans, so slots move
-    rather than blocks leave (`KVEditor.remove_tokens`). Positions are assigned in the cache as
-    with sink_window. A sequence forked from a stream to answer a question keeps everything.
+    A frame is the unit: it is kept or evicted whole, however many blocks it spans. The kept frames
+    stay where they are and the leading tokens are written again just before them
+    (`KVEditor.remove_tokens`), so the sequence may start a few slots into its first block.
+    Positions are assigned in the cache as with sink_window. A sequence forked from a stream to
+    answer a question keeps everything.
     """
 
     name: ClassVar[str] = "frame_window"

@@ -1,8 +1,9 @@
 """Recall of a stream's evicted frames by relevance (ReKV's idea), from a KV tier.
 
 When a stream with a tier evicts frames, each frame's K/V leaves the pool for the tier, with its
-keys rotated back to no position, in the pool's own format (each layer through its codecs: int8 or
-fp8 codes and scales on a quantized pool, about half a bfloat16 copy's bytes), and the stream keeps
+keys rotated back to no position, in the pool's own format (each layer through its codecs, the
+frame taken as one block of its tokens: int8 or fp8 codes and scales, about half a bfloat16 copy's
+bytes; int4/int2 codes with one key range per channel over the frame), and the stream keeps
 a summary of it in RAM: the mean of its keys per layer and KV head. A question may then recall the
 `k` frames whose mean keys best match the question's mean queries (see `FrameArchive.choose`); they
 are loaded, rotated to the places they take, and put back between the sinks and the kept frames of
@@ -30,7 +31,7 @@ from typing import Protocol
 import torch
 
 from kvbank.attention.rope import apply_rope, rotation_tables
-from kvbank.cache.frames import Frame
+from kvbank.cache.frames import Frame, token_slots
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
 from kvbank.cache.quant import CodecPair
@@ -75,12 +76,6 @@ def rotate(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
     return apply_rope(keys.float(), cos[None, :, None], sin[None, :, None])
 
 
-def token_slots(table: list[int], lo: int, hi: int, block_size: int) -> torch.Tensor:
-    """Flat pool slots of tokens lo..hi-1 of a sequence whose slots are its token indices."""
-    index = torch.arange(lo, hi)
-    return torch.tensor(table, dtype=torch.long)[index // block_size] * block_size + index % block_size
-
-
 class RecallSource(Protocol):
     """What recall reads of a stream's sequence."""
 
@@ -89,6 +84,7 @@ class RecallSource(Protocol):
     pristine_blocks: list[int]
     num_computed_tokens: int
     rope_offset: int
+    lead: int
 
 
 def splice_recalled(
@@ -109,10 +105,13 @@ def splice_recalled(
         keys.append(rotate(k, torch.arange(position, position + k.shape[1]), inv_freq))
         values.append(v)
         position += k.shape[1]
-    recent_k, recent_v = storage.gather_tokens(token_slots(source.block_table, keep, kept, bs))
-    keys.append(rotate(recent_k, torch.full((kept - keep,), recalled - source.rope_offset), inv_freq))
+    recent_k, recent_v = storage.gather_tokens(token_slots(source.block_table, keep, kept, bs, source.lead))
+    # a kept token at slot lead + i sits at position lead + i + rope_offset; here at i + recalled
+    keys.append(rotate(recent_k, torch.full((kept - keep,), recalled - source.rope_offset - source.lead), inv_freq))
     values.append(recent_v)
     table = manager.take_blocks(blocks_for(kept + recalled, bs))
+    if (kept + recalled) % bs:
+        storage.open_block(table[-1])
     storage.scatter_tokens(token_slots(table, 0, kept + recalled, bs), torch.cat(keys, 1), torch.cat(values, 1))
     return table
 
@@ -177,11 +176,12 @@ class FrameArchive:
             self.offload.delete_later(self.tier, [archived.key])
 
     def archive(self, storage: KVStorage, seq: RecallSource, frames: list[Frame]) -> None:
-        """Archive `frames` of `seq`, about to be evicted, from the pool (slots equal token indices)."""
+        """Archive `frames` of `seq`, about to be evicted, from the pool."""
         for frame in frames:
-            slots = token_slots(seq.block_table, frame.start, frame.end, storage.block_size)
+            slots = token_slots(seq.block_table, frame.start, frame.end, storage.block_size, seq.lead)
             keys, values = storage.gather_tokens(slots)
-            self.store(frame, seq.token_ids[frame.start : frame.end], keys, values, frame.start + seq.rope_offset)
+            first = frame.start + seq.lead + seq.rope_offset  # positions are slots + rope_offset
+            self.store(frame, seq.token_ids[frame.start : frame.end], keys, values, first)
 
     def choose(self, queries: torch.Tensor, baseline: torch.Tensor, count: int) -> list[Archived]:
         """The `count` archived frames most relevant to a question, in stream order.
@@ -233,7 +233,7 @@ class FrameArchive:
         parts = []
         for (k_codec, v_codec), k, v in zip(self.codecs, keys, values):
             for codec, x in ((k_codec, k), (v_codec, v)):
-                stored = codec.quantize(x)
+                stored = codec.quantize(x.unsqueeze(0))  # the frame as one block of its tokens
                 parts.extend(_raw(stored[name]) for name in sorted(stored))
         payload = b"".join(parts)
         flags = KEYED if self.key is not None else 0
@@ -264,9 +264,12 @@ class FrameArchive:
         for codec, side in zip(codecs, parts):
             stored = {}
             for name, size, kind, count in side:
-                stored[name] = raw[at : at + count].view(kind).view(size)
+                piece = raw[at : at + count]
+                if at % kind.itemsize:  # after an odd number of bytes (int4 zero points): realign
+                    piece = piece.clone()
+                stored[name] = piece.view(kind).view(1, *size)
                 at += count
-            sides.append(codec.dequantize(stored, torch.float32).to(dtype))
+            sides.append(codec.dequantize(stored, torch.float32)[0].to(dtype))
         return torch.stack(sides[0::2]), torch.stack(sides[1::2])
 
 

@@ -280,11 +280,23 @@ class KVStorage:
             index = layers.to(keys.device)
             kind.scatter_tokens(slots, keys.index_select(0, index), values.index_select(0, index))
 
-    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """K/V of pool slots `src` -> slots `dst` ([n] flat slot ids), the same in every layer and head."""
+    def move_tokens(
+        self, src: torch.Tensor, dst: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """K/V of pool slots `src` -> slots `dst` ([n] flat slot ids), the same in every layer and
+        head; with `rotation` (cos, sin of one position delta) the keys are rotated on the way."""
+        self._check("tokens")
+        if rotation is not None:
+            self._check("rotate")
+        for kind in self.kinds:
+            kind.move_tokens(src, dst, rotation)
+
+    def open_block(self, block_id: int) -> None:
+        """`block_id` is a sequence's last block and only partly filled once an edit is done: a kind
+        that keeps such blocks apart (KIVI's residual slots) takes it in before the edit writes it."""
         self._check("tokens")
         for kind in self.kinds:
-            kind.move_tokens(src, dst)
+            kind.open_block(block_id)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V, anything a kind keeps beside them) from source to destination."""

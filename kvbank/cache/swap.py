@@ -148,7 +148,7 @@ class Swapper:
         entry = self.swapped[seq]
         computed, evicted = entry.state[0], entry.state[1]
         num_new = min(seq.num_tokens - computed, budget)
-        after = blocks_for(computed - evicted + num_new, self.manager.block_size)
+        after = blocks_for(computed - evicted + seq.lead + num_new, self.manager.block_size)
         grow = max(0, after - entry.table_blocks)
         if entry.windows is not None:
             grow += sum(max(0, after - length) for length in entry.windows[1])

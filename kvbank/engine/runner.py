@@ -55,8 +55,9 @@ class ModelRunner:
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
-            # Slots are places in the cache; they trail token positions once a policy has evicted.
-            first = start - seq.num_evicted
+            # Slots are places in the cache; they trail token positions once a policy has evicted
+            # (and lead them by `lead` in a stream's sequence after its frames left).
+            first = start - seq.num_evicted + seq.lead
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(first + seq.rope_offset, first + n + seq.rope_offset))
         meta = self._meta(batch, lambda seq: seq.block_table)
@@ -77,12 +78,13 @@ class ModelRunner:
         slots: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        decode_starts: list[int] = []
         prefills: list[PrefillChunk] = []
         steps: list[StepSeq] = []
         offset = 0
         for item in batch:
             seq, n = item.seq, item.num_tokens
-            first = seq.num_computed_tokens - seq.num_evicted
+            first = seq.num_computed_tokens - seq.num_evicted + seq.lead
             end = first + n
             table = table_of(seq)
             slots.extend(table[c // bs] * bs + c % bs for c in range(first, end))
@@ -91,6 +93,7 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(end)
+                decode_starts.append(seq.lead)
             else:
                 prefills.append(PrefillChunk(offset, offset + n, first, self._tensor(table[:num_blocks])))
             offset += n
@@ -107,6 +110,8 @@ class ModelRunner:
             width = max(map(len, decode_tables))
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
+            if any(decode_starts):
+                meta.decode_starts = self._tensor(decode_starts)
         self.storage.prepare(steps, meta)
         return meta
 
@@ -128,12 +133,12 @@ class ModelRunner:
     def _step_seq(seq, first: int, end: int, table: list[int]) -> StepSeq:
         wanted = seq.kv_policy.score_range(seq) if seq.kv_state is not None else None
         if wanted is None:
-            return StepSeq(first, end, table)
+            return StepSeq(first, end, table, lead=seq.lead)
         lo = max(first, wanted[0] - seq.num_evicted)
         hi = min(end, wanted[1] - seq.num_evicted)
         if lo >= hi:
-            return StepSeq(first, end, table)
-        return StepSeq(first, end, table, seq.kv_state.scores, (lo, hi))
+            return StepSeq(first, end, table, lead=seq.lead)
+        return StepSeq(first, end, table, seq.kv_state.scores, (lo, hi), seq.lead)
 
     def _logit_rows(self, batch: list[ScheduledSeq]):
         rows: list[int] = []

@@ -51,6 +51,9 @@ class Sequence:
         self.rope_offset = 0
         self.pristine_blocks: list[int] = []
         self.kv_state: ScoreState | None = None
+        #: slots before token 0 in the first block (a stream after evictions, cache/frames.py);
+        #: attention starts each of the sequence's rows there
+        self.lead = 0
         #: a streaming session's frames (engine/streams.py); its sequence never samples
         self.frames: FrameLog | None = None
         #: a tier load is under way; the scheduler admits the sequence once it lands or times out
@@ -131,8 +134,9 @@ class Sequence:
 
     @property
     def num_slots(self) -> int:
-        """Cache slots holding this sequence's computed tokens (fewer than them after evictions)."""
-        return self.num_computed_tokens - self.num_evicted
+        """Cache slots up to the end of this sequence's computed tokens (fewer than them after
+        evictions of leading blocks; `lead` more after a stream's frames left)."""
+        return self.num_computed_tokens - self.num_evicted + self.lead
 
     @property
     def num_pending(self) -> int:
@@ -171,6 +175,7 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.chain_serials = list(self.chain_serials)
         child.num_evicted, child.rope_offset = self.num_evicted, self.rope_offset
+        child.lead = self.lead
         child.kv_state = self.kv_state.clone() if self.kv_state is not None else None
         child.status = self.status
         return child

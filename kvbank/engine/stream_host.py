@@ -154,7 +154,8 @@ class StreamHost:
 
     def _reservation(self, reserve_tokens: int | None, system_len: int, policy: FrameWindow) -> int:
         """KV blocks a stream holding at most `reserve_tokens` tokens can need at once: those
-        tokens' blocks, a scratch block, and the unrotated copies of its kept leading tokens (the
+        tokens' blocks (and one more: they start up to a block in once frames left) and the
+        unrotated copies of its kept leading tokens (the
         system prompt and up to `sinks` tokens of leading frames). 0 without a reservation."""
         if reserve_tokens is None:
             return 0
@@ -165,6 +166,7 @@ class StreamHost:
         if reserve_tokens > self.max_model_len:
             raise ValueError(f"reserve_tokens={reserve_tokens} exceeds max_model_len={self.max_model_len}")
         bs = self.block_size
+        # tokens start up to a block into their first block once frames left (Sequence.lead): one more
         blocks = blocks_for(reserve_tokens, bs) + 1 + blocks_for(min(system_len + policy.sinks, reserve_tokens), bs)
         if blocks > self.admission.limits.num_blocks:
             raise ValueError(
@@ -198,6 +200,7 @@ class StreamHost:
         seq.num_computed_tokens, seq.rope_offset = old.num_computed_tokens, old.rope_offset
         seq.block_hashes, seq.chain_serials = list(old.block_hashes), list(old.chain_serials)
         seq.frames = old.frames.copy()
+        seq.lead = old.lead
         seq.status = SequenceStatus.PARKED
         self.manager.fork(old, seq)
         request.seqs.append(seq)
@@ -318,8 +321,8 @@ class StreamHost:
         if needed > num_blocks:
             raise ValueError(f"the stream would need {needed} KV blocks but the pool has only {num_blocks}")
         # Until the window evicts, the frame's blocks come on top of what the stream holds, plus a
-        # scratch block and, at the first eviction, the unrotated copies of the kept leading blocks.
-        growth = blocks_for(seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + 1
+        # spare block and, at the first eviction, the unrotated copies of the kept leading blocks.
+        growth = blocks_for(seq.lead + seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + 1
         if not seq.pristine_blocks:
             growth += blocks_for(log.keep_tokens, self.block_size)
         self.admission.ensure_room(growth, f"a frame of {num_tokens} tokens", self.promised(stream))
@@ -363,7 +366,9 @@ class StreamHost:
             )
         total = kept + len(parsed.token_ids) + params.max_tokens
         admit.ensure_room(
-            blocks_for(total, self.block_size) - len(stream.seq.block_table) + 1, "the question", self.promised()
+            blocks_for(stream.seq.lead + total, self.block_size) - len(stream.seq.block_table) + 1,
+            "the question",
+            self.promised(),
         )
         request_id = admit.request_id(request_id)
         request = Request(
@@ -387,7 +392,7 @@ class StreamHost:
             stream.archive.stats.fallbacks += 1
         source, question, params = stream.seq, request.prompt_token_ids, request.params
         kept = source.num_computed_tokens
-        if kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:
+        if source.lead + kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:
             self.editor.rebase_tokens(source, source.frames.keep_tokens)
         request.prompt_token_ids = source.token_ids + question
         request.embedded_spans = source.frames.embedded_spans()
@@ -396,6 +401,7 @@ class StreamHost:
             request.params = dataclasses.replace(params, max_tokens=max(room, 1))
         seq = self.admission.sequence(request, 0, request.prompt_token_ids)
         seq.num_computed_tokens, seq.rope_offset = kept, source.rope_offset
+        seq.lead = source.lead
         self.manager.fork(source, seq)
         request.seqs.append(seq)
         self.scheduler.add_running(seq)

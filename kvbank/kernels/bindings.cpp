@@ -105,18 +105,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_grids") = std::vector<torch::Tensor>(), py::arg("v_zeros") = std::vector<torch::Tensor>(),
            py::arg("residual_ks") = std::vector<torch::Tensor>(), py::arg("residual_vs") = std::vector<torch::Tensor>(),
            py::arg("kivi_plan") = py::none(), py::arg("scratch_slots") = py::none(), py::arg("own_rows") = py::none(),
+           py::arg("starts") = py::none(),
            "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual. "
            "format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: codes as k/v caches with their float16 scales; "
            "4 int4, 5 int2 (KIVI): key range bytes as k_scales, key grids, value zero points, residual slots, the step's plan and scratch slots (kivi_write) and "
-           "each row's own scratch row");
+           "each row's own scratch row; starts [tokens] (int64): where each row's keys begin (else 0)");
   m.def("quant_decode_attention", &quant_decode_attention, nogil, py::arg("q"), py::arg("format"), py::arg("k_codes"),
         py::arg("k_scale"), py::arg("k_grid"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_zero"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),
         py::arg("scratch_k") = py::none(), py::arg("scratch_v") = py::none(), py::arg("own_rows") = py::none(),
-        py::arg("isa") = "auto",
+        py::arg("isa") = "auto", py::arg("starts") = py::none(),
         "Decode attention read in place from a quantized paged cache (format 0 bfloat16 dense, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, "
         "4 int4, 5 int2: k_scale holds the key range bytes); int4/int2 rows read their own block from the scratch blocks (own_rows: a scratch row per "
-        "row, or -1); isa: auto (the active variant), avx512_bf16 (int8/fp8 keys through bfloat16 tables), avx512 or avx2");
+        "row, or -1); isa: auto (the active variant), avx512_bf16 (int8/fp8 keys through bfloat16 tables), avx512 or avx2; "
+        "with starts [n] (int64), row i reads positions starts[i] .. context_lens[i] - 1");
   m.def("quant_write_tokens", &quant_write_tokens, nogil, py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"),
         py::arg("slots"),
         "Quantize tokens [n, heads, dim] per token and head (format 1 int8, 2 fp8_e4m3, 3 fp8_e5m2) into the cache's "

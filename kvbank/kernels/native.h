@@ -51,7 +51,8 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      std::optional<torch::Tensor> v_zero, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
-                                     std::optional<torch::Tensor> own_rows, std::string isa);
+                                     std::optional<torch::Tensor> own_rows, std::string isa,
+                                     std::optional<torch::Tensor> starts);
 void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots);
 std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t format, torch::Tensor k_codes,
                                       torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
@@ -99,7 +100,8 @@ class QuantStack {
                         std::vector<torch::Tensor> k_grids, std::vector<torch::Tensor> v_zeros,
                         std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
                         std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
-                        std::optional<torch::Tensor> own_rows);
+                        std::optional<torch::Tensor> own_rows,
+                        std::optional<torch::Tensor> starts);
 
  private:
   std::vector<std::vector<torch::Tensor>> weights_;

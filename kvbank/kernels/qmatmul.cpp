@@ -1584,7 +1584,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                                   std::vector<torch::Tensor> k_grids, std::vector<torch::Tensor> v_zeros,
                                   std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
                                   std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
-                                  std::optional<torch::Tensor> own_rows) {
+                                  std::optional<torch::Tensor> own_rows,
+                                  std::optional<torch::Tensor> starts) {
   using T = c10::BFloat16;
   const int64_t layers = num_layers();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
@@ -1676,6 +1677,14 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     }
   }
   const int64_t block_size = k_caches[0].size(1);
+  // Rows read from starts[t] on (a stream's sequence after evictions; Partials::starts), or from 0.
+  torch::Tensor first_slots;
+  if (starts.has_value()) {
+    first_slots = starts->contiguous();
+    TORCH_CHECK(first_slots.scalar_type() == torch::kLong && first_slots.dim() == 1 && first_slots.size(0) == tokens,
+                "starts must be int64 [", tokens, "]");
+  }
+  const int64_t* from = starts.has_value() ? first_slots.data_ptr<int64_t>() : nullptr;
 
   auto out = torch::empty({rows, hidden}, x.options());
   std::vector<T> h(rows * hidden), residual(rows * hidden), attn(rows * q_size, T(0.0f)), q(tokens * q_size);
@@ -1699,11 +1708,13 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     dense_job.reset(new DenseJob(q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
                                       block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group,
                                       head_dim_, block_size, block_tables.size(1), scale, partition));
+    dense_job->set_starts(from);
   } else {
 #ifdef KVBANK_X86
     quant_job.reset(new QuantJob<T>(q.data(), block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens,
                                     num_kv_heads_, group, head_dim_, block_size, block_tables.size(1), scale,
                                     partition));
+    quant_job->partials.starts = from;
     for (int64_t l = 0; l < layers; ++l) {
       if (kivi) {
         kivi_writes.push_back(kivi_pointers<T>(format, k_caches[l], k_scales[l], k_grids[l], v_caches[l], v_scales[l],

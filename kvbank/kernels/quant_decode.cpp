@@ -28,7 +28,8 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      std::optional<torch::Tensor> v_zero, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t partition,
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
-                                     std::optional<torch::Tensor> own_rows, std::string isa) {
+                                     std::optional<torch::Tensor> own_rows, std::string isa,
+                                     std::optional<torch::Tensor> starts) {
   TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU");
   int level = 0;
 #ifdef KVBANK_X86
@@ -106,6 +107,13 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
     sv = scratch_v->contiguous();
     own = own_rows->contiguous();
   }
+  torch::Tensor first;
+  if (starts.has_value()) {
+    first = starts->contiguous();
+    TORCH_CHECK(first.scalar_type() == torch::kLong && first.dim() == 1 && first.size(0) == q.size(0),
+                "starts must be int64 [", q.size(0), "]");
+  }
+  const int64_t* from = starts.has_value() ? first.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty_like(q);
 #ifdef KVBANK_X86
   QuantLayer L{format,
@@ -125,9 +133,9 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                scratch ? sv.data_ptr() : nullptr,
                scratch ? own.data_ptr<int64_t>() : nullptr};
   if (q.scalar_type() == torch::kBFloat16) {
-    quant_decode<c10::BFloat16>(L, q, block_tables, context_lens, scale, partition, out, level);
+    quant_decode<c10::BFloat16>(L, q, block_tables, context_lens, scale, partition, out, level, from);
   } else {
-    quant_decode<float>(L, q, block_tables, context_lens, scale, partition, out, level);
+    quant_decode<float>(L, q, block_tables, context_lens, scale, partition, out, level, from);
   }
 #endif
   return out;

@@ -1192,9 +1192,10 @@ struct QuantJob {
 
 template <typename T>
 void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tensor& tables, const torch::Tensor& lens,
-                  double scale, int64_t partition, torch::Tensor& out, int isa) {
+                  double scale, int64_t partition, torch::Tensor& out, int isa, const int64_t* starts = nullptr) {
   QuantJob<T> job(q.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0),
                   q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition, isa);
+  job.partials.starts = starts;  // rows read from starts[i] on (Partials::starts), or from 0
   run_items(job.partials, [&](int64_t item) { job.item(item, L); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);

@@ -49,6 +49,8 @@ class StepSeq:
     block_table: list[int]
     scores: torch.Tensor | None = None
     score_slots: tuple[int, int] = (0, 0)
+    #: slots before the sequence's first token (a stream after evictions): no row attends them
+    lead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -183,6 +185,9 @@ class KVKind(ABC):
     def restore_open(self, block_ids: list[int], saved: Any) -> None:  # noqa: B027 -- nothing saved by default
         """Put back what `save_open` returned, for the same blocks now at `block_ids`."""
 
+    def open_block(self, block_id: int) -> None:  # noqa: B027 -- most kinds keep every block in the pool
+        """`block_id` becomes a sequence's last, partly filled block after an edit (edit "tokens")."""
+
     def rotate_keys(self, src: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Keys of blocks `dst` = keys of blocks `src` rotated by one position delta (edit "rotate")."""
         raise NotImplementedError(f"the {self.name} KV layout cannot {EDITS['rotate']}")
@@ -191,6 +196,9 @@ class KVKind(ABC):
         """Per layer l of the kind and KV head h, K/V of slots `src[l, h]` -> `dst[l, h]` (edit "slots")."""
         raise NotImplementedError(f"the {self.name} KV layout cannot {EDITS['slots']}")
 
-    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every layer's and head's K/V of slots `src` -> slots `dst` ([n] flat ids; edit "tokens")."""
+    def move_tokens(
+        self, src: torch.Tensor, dst: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Every layer's and head's K/V of slots `src` -> slots `dst` ([n] flat ids; edit "tokens"),
+        keys rotated by `rotation` (cos, sin) on the way when given, as `rotate_keys` would."""
         raise NotImplementedError(f"the {self.name} KV layout cannot {EDITS['tokens']}")

@@ -18,6 +18,7 @@ from kvbank.attention.fast import (
     chunk_visibility,
     native_decode_kernel,
     paged_attention,
+    row_starts,
     row_tables,
 )
 from kvbank.attention.metadata import AttentionMetadata, additive_mask, write_kv
@@ -49,7 +50,8 @@ class DenseLayer:
         step = meta.kinds[self.kind]
         if step.row_block_tables is None or step.score_jobs:
             return None
-        return {"block_tables": step.row_block_tables, "context_lens": step.row_context_lens}
+        rows = {"block_tables": step.row_block_tables, "context_lens": step.row_context_lens}
+        return rows if step.row_starts is None else {**rows, "starts": step.row_starts}
 
     def stack_caches(self) -> StackCache:
         """The layer's caches as the fused model step takes them: bfloat16, no scales."""
@@ -98,13 +100,13 @@ class DenseKind(KVKind):
     def _batched_step(self, steps: list[StepSeq]) -> DenseStep:
         bs, dtype, device = self.spec.block_size, self.spec.dtype, self.spec.device
         chunk_masks = [
-            additive_mask(chunk_visibility(s.start, s.end, bs).to(device), dtype) if s.start else None
+            additive_mask(chunk_visibility(s.start, s.end, bs, s.lead).to(device), dtype) if s.start else None
             for s in steps
             if s.num_tokens > 1
         ]
         step = DenseStep(self.decode_kernel, chunk_masks)
         decodes = [s for s in steps if s.num_tokens == 1]
-        if decodes and self.cascade:
+        if decodes and self.cascade and not any(s.lead for s in decodes):  # shared blocks are read from slot 0
             tables = [s.block_table[: -(-s.end // bs)] for s in decodes]
             share_prefixes(step, tables, [s.end for s in decodes], bs, dtype, device)
         return step
@@ -131,14 +133,20 @@ class DenseKind(KVKind):
             layer.k.view(-1, *layer.k.shape[2:]).index_copy_(0, slots, k.to(layer.k.dtype))
             layer.v.view(-1, *layer.v.shape[2:]).index_copy_(0, slots, v.to(layer.v.dtype))
 
-    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every layer's and head's K/V of slots `src` -> slots `dst` (flat slot ids, [n] each)."""
+    def move_tokens(
+        self, src: torch.Tensor, dst: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Every layer's and head's K/V of slots `src` -> slots `dst` (flat slot ids, [n] each), keys
+        rotated by `rotation` on the way when given."""
         device = self.spec.device
         src, dst = src.to(device), dst.to(device)
         for layer in self.layers:
             for cache in (layer.k, layer.v):
-                flat = cache.view(-1, cache.shape[2] * cache.shape[3])
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+                flat = cache.view(-1, *cache.shape[2:])
+                moved = flat.index_select(0, src)
+                if rotation is not None and cache is layer.k:
+                    moved = apply_rope(moved.float(), *(t.to(device) for t in rotation)).to(cache.dtype)
+                flat.index_copy_(0, dst, moved)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         device = self.spec.device
@@ -154,4 +162,5 @@ class DenseKind(KVKind):
         step.row_block_tables, step.row_context_lens = row_tables(
             [(s.start, s.end, s.block_table) for s in steps], self.spec.block_size, self.spec.device
         )
+        step.row_starts = row_starts(steps, self.spec.device)
         return step

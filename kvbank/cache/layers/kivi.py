@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbank.attention.fast import row_tables
+from kvbank.attention.fast import row_starts, row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
 from kvbank.attention.quantized import QuantizedView, attend_quantized, pad_visibility
 from kvbank.attention.rope import apply_rope
 from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
 from kvbank.cache.layers.token import CodecLayer, rotate_block_keys
-from kvbank.cache.quant import CodecPair, FullPrecision
+from kvbank.cache.quant import Codec, CodecPair, FullPrecision
 
 
 class ResidualSlots:
@@ -174,13 +174,14 @@ class KiviLayer(CodecLayer):
         step = meta.kinds[self.kind]
         if step.view.row_tables is None or self.native is None or self.dtype != torch.bfloat16:
             return None  # the fused step is bfloat16
-        return {
+        rows = {
             "block_tables": step.view.row_tables,
             "context_lens": step.view.row_lens,
             "kivi_plan": step.plan.table,
             "scratch_slots": step.plan.scratch_slots,
             "own_rows": step.view.own_rows,
         }
+        return rows if step.view.row_starts is None else {**rows, "starts": step.view.row_starts}
 
     def stack_caches(self) -> StackCache | None:
         """The layer's codes, ranges, scales and residual slots as the fused model step takes them."""
@@ -214,11 +215,18 @@ class KiviLayer(CodecLayer):
 
 
 class KiviKind(KVKind):
-    """The layers stored through KIVI codecs, and the residual slots they share."""
+    """The layers stored through KIVI codecs, and the residual slots they share.
+
+    Single tokens move, and are read and written, a whole block at a time: keys are quantized per
+    channel over a block, so a block that takes tokens is dequantized, changed and quantized
+    again (one more rounding of its keys). Values are quantized per token: they move as their
+    codes, exactly. An open block (one with a residual slot) is read and written in its slot in
+    full precision.
+    """
 
     name = "kivi"
-    #: keys are quantized per channel over a whole block: single tokens cannot move between blocks
-    edits = frozenset({"rotate"})
+    #: no single slots (per layer and head) and no per-token scores: keys share a range per block
+    edits = frozenset({"rotate", "tokens", "gather"})
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         super().__init__(spec, codecs)
@@ -278,6 +286,149 @@ class KiviKind(KVKind):
             for s, d in opened:
                 store[d] = apply_rope(store[s].float(), cos, sin).to(store.dtype)
 
+    # --- single tokens: whole blocks read, changed and stored again ------------------------------
+
+    def open_block(self, block_id: int) -> None:
+        """`block_id` becomes a sequence's last, partly filled block: its tokens move to a residual
+        slot (dequantized) unless it has one, so that the next write finds them there."""
+        if block_id in self.residual.of_block:
+            return
+        ids = torch.tensor([block_id], device=self.spec.device)
+        keys, values = self._read_blocks(0, ids), self._read_blocks(1, ids)
+        slot = self.residual.slot(block_id)
+        for layer in self.layers:
+            self.residual.k[layer.index][slot] = keys[layer.index, 0].to(self.spec.dtype)
+            self.residual.v[layer.index][slot] = values[layer.index, 0].to(self.spec.dtype)
+
+    def gather_tokens(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of pool slots `slots` ([n] flat ids) in every layer, dequantized to the model
+        dtype (an open block's from its residual slot): [layers, n, kv_heads, head_dim] each."""
+        keys, values = self._token_sides(slots.cpu())
+        return keys.to(self.spec.dtype), values.to(self.spec.dtype)
+
+    def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `gather_tokens`-shaped K and V into pool slots `slots`: values quantized per token
+        as a write would, the keys' blocks quantized again whole (open blocks: residual slots)."""
+        slots = slots.cpu()
+        self._put_values(slots, values.to(self.spec.dtype))
+        self._put_keys(slots, keys.float())
+
+    def move_tokens(
+        self, src: torch.Tensor, dst: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """K/V of slots `src` -> slots `dst` ([n] flat ids) in every layer and head; with `rotation`
+        the keys are rotated on the way (rounded to the model dtype). Values between closed blocks
+        move as their codes; the destination blocks' keys are stored again whole, once."""
+        src, dst = src.cpu(), dst.cpu()
+        bs, open_ = self.spec.block_size, self.residual.of_block
+        src_open = torch.tensor([b in open_ for b in (src // bs).tolist()], dtype=torch.bool)
+        dst_open = torch.tensor([b in open_ for b in (dst // bs).tolist()], dtype=torch.bool)
+        # Everything moved is read before anything is written (the ranges may overlap).
+        coded = ~(src_open | dst_open)  # values whose codes move as they are
+        loose = (~coded).nonzero().flatten()
+        loose_values = self._token_sides(src[loose], keys=False)[1] if len(loose) else None
+        keys = self._token_sides(src, values=False)[0]
+        if rotation is not None:
+            keys = apply_rope(keys, *(t.cpu() for t in rotation)).to(self.spec.dtype).float()
+        if coded.any():
+            code_src, code_dst = src[coded].to(self.spec.device), dst[coded].to(self.spec.device)
+            for layer in self.layers:
+                for t in layer.sides[1].values():
+                    flat = t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+                    flat.index_copy_(0, code_dst, flat.index_select(0, code_src))
+        if loose_values is not None:
+            self._put_values(dst[loose], loose_values.to(self.spec.dtype))
+        self._put_keys(dst, keys)
+
+    def _codec_batches(self, side: int) -> list[tuple[Codec, list[KiviLayer]]]:
+        """The kind's layers grouped by their `side` codec, so each group is one codec call."""
+        batches: dict[str, list[KiviLayer]] = {}
+        for layer in self.layers:
+            batches.setdefault(layer.codecs[side].name, []).append(layer)
+        return [(batch[0].codecs[side], batch) for batch in batches.values()]
+
+    def _read_blocks(self, side: int, ids: torch.Tensor) -> torch.Tensor:
+        """Keys (side 0) or values of blocks `ids` in every layer, float32 [layers, n, block, heads,
+        dim]; an open block's from its residual slot."""
+        n = len(ids)
+        out = torch.empty(len(self.layers), n, *self.spec.block_shape, dtype=torch.float32)
+        ids = ids.to(self.spec.device)
+        for codec, batch in self._codec_batches(side):
+            stored = {
+                name: torch.cat([layer.sides[side][name].index_select(0, ids) for layer in batch])
+                for name in batch[0].sides[side]
+            }
+            x = codec.dequantize(stored, torch.float32).cpu()
+            for i, layer in enumerate(batch):
+                out[layer.index] = x[i * n : (i + 1) * n]
+        store = self.residual.k if side == 0 else self.residual.v
+        for i, block in enumerate(ids.tolist()):
+            slot = self.residual.of_block.get(block)
+            if slot is not None:
+                for layer in self.layers:
+                    out[layer.index, i] = store[layer.index][slot].float()
+        return out
+
+    def _token_sides(
+        self, slots: torch.Tensor, keys: bool = True, values: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Float32 keys and values of `slots` ([n] flat ids) in every layer, [layers, n, heads, dim]."""
+        bs = self.spec.block_size
+        blocks, where = torch.unique(slots // bs, return_inverse=True)
+        index = where * bs + slots % bs
+        flat = lambda x: x.view(x.shape[0], -1, *x.shape[3:])[:, index]
+        return (
+            flat(self._read_blocks(0, blocks)) if keys else None,
+            flat(self._read_blocks(1, blocks)) if values else None,
+        )
+
+    def _put_values(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Values [layers, n, heads, dim] (model dtype) into `slots`: an open block's into its
+        residual slot, the others quantized per token as a write would."""
+        bs, open_ = self.spec.block_size, self.residual.of_block
+        blocks = slots // bs
+        is_open = torch.tensor([b in open_ for b in blocks.tolist()], dtype=torch.bool)
+        for block in blocks[is_open].unique().tolist():
+            picked = (blocks == block).nonzero().flatten()
+            offsets = (slots[picked] % bs).to(self.spec.device)
+            for layer in self.layers:
+                self.residual.v[layer.index][open_[block]].index_copy_(0, offsets, values[layer.index, picked])
+        closed = (~is_open).nonzero().flatten()
+        if not len(closed):
+            return
+        flat_ids = slots[closed].to(self.spec.device)
+        for layer in self.layers:
+            side = layer.sides[1]
+            for name, value in layer.codecs[1].quantize(values[layer.index, closed]).items():
+                side[name].view(-1, *side[name].shape[2:]).index_copy_(0, flat_ids, value.to(self.spec.device))
+
+    def _put_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Keys [layers, n, heads, dim] (float32) into `slots`: every block they land in is read,
+        changed and quantized again whole (an open block's residual slot written instead)."""
+        bs = self.spec.block_size
+        blocks, where = torch.unique(slots // bs, return_inverse=True)
+        current = self._read_blocks(0, blocks)
+        flat = current.view(current.shape[0], -1, *current.shape[3:])
+        flat[:, where * bs + slots % bs] = keys.float()
+        open_ = self.residual.of_block
+        ids = blocks.tolist()
+        for i, block in enumerate(ids):
+            if block in open_:
+                for layer in self.layers:
+                    self.residual.k[layer.index][open_[block]] = current[layer.index, i].to(self.spec.dtype)
+        closed = [i for i, block in enumerate(ids) if block not in open_]
+        if not closed:
+            return
+        dst = torch.tensor([ids[i] for i in closed], device=self.spec.device)
+        picked = torch.tensor(closed)
+        for codec, batch in self._codec_batches(0):
+            x = torch.cat([current[layer.index, picked] for layer in batch])
+            n = len(closed)
+            for name, value in codec.quantize(x).items():
+                value = value.to(self.spec.device)
+                for i, layer in enumerate(batch):
+                    layer.sides[0][name].index_copy_(0, dst, value[i * n : (i + 1) * n])
+
     def prepare(self, steps: list[StepSeq], meta: AttentionMetadata) -> KiviStep:
         """Masks over [quantized blocks ; scratch blocks] and the residual plan."""
         self.residual.shrink()
@@ -327,7 +478,8 @@ class KiviKind(KVKind):
                 continue
             positions = torch.arange(s.start, s.end).unsqueeze(1)
             own_block = positions // bs * bs
-            cache = torch.arange((last_block + 1) * bs).unsqueeze(0) < own_block
+            slots = torch.arange((last_block + 1) * bs).unsqueeze(0)
+            cache = (slots < own_block) & (slots >= s.lead)
             scratch_pos = torch.arange(first_block * bs, (last_block + 1) * bs).unsqueeze(0)
             visible = torch.cat((cache, (scratch_pos >= own_block) & (scratch_pos <= positions)), dim=1)
             masks.append(additive_mask(pad_visibility(visible).to(device), self.spec.dtype))
@@ -347,6 +499,7 @@ class KiviKind(KVKind):
             view.own_rows = _tensor(own_rows, device)
         if self.attend_rows:
             view.row_tables, view.row_lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, device)
+            view.row_starts = row_starts(steps, device)
         return KiviStep(view, plan)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbank.attention.fast import accumulate_scores, row_tables
+from kvbank.attention.fast import accumulate_scores, row_starts, row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
 from kvbank.attention.quantized import (
     NATIVE_FORMATS,
@@ -114,11 +114,22 @@ class TokenLayer(CodecLayer):
             for name, value in codec.quantize(x.to(self.dtype)).items():
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, slots, value)
 
-    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Codes and scales of slots `src` -> slots `dst` ([n] flat ids), every head."""
-        for t in self.tensors:
+    def move_tokens(
+        self, src: torch.Tensor, dst: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Codes and scales of slots `src` -> slots `dst` ([n] flat ids), every head; with
+        `rotation`, keys are dequantized, rotated, rounded to the model dtype and quantized again
+        there (as `rotate_block_keys`), values still moved as stored."""
+        sides = self.sides if rotation is None else self.sides[1:]
+        for t in (t for side in sides for t in side.values()):
             flat = t.view(t.shape[0] * t.shape[1], -1)
             flat.index_copy_(0, dst, flat.index_select(0, src))
+        if rotation is not None:
+            cos, sin = (t.to(src.device) for t in rotation)
+            keys = apply_rope(self._dequantized(0, src), cos, sin).to(self.dtype)
+            side = self.sides[0]
+            for name, value in self.codecs[0].quantize(keys).items():
+                side[name].view(-1, *side[name].shape[2:]).index_copy_(0, dst, value)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per KV head h, codes and scales of slots `src[h]` -> `dst[h]`."""
@@ -145,7 +156,8 @@ class TokenLayer(CodecLayer):
             return None  # the fused step is bfloat16
         if view.score_jobs:
             return None  # scores are taken layer by layer
-        return {"block_tables": view.row_tables, "context_lens": view.row_lens}
+        rows = {"block_tables": view.row_tables, "context_lens": view.row_lens}
+        return rows if view.row_starts is None else {**rows, "starts": view.row_starts}
 
     def stack_caches(self) -> StackCache | None:
         """The layer's codes and scales as the fused model step takes them; None when it cannot."""
@@ -180,12 +192,14 @@ class TokenKind(KVKind):
         jobs = score_jobs(steps, bs, device)
         if self.attend_rows:
             tables, lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, device)
-            return QuantizedView([], row_tables=tables, row_lens=lens, score_jobs=jobs)
+            starts = row_starts(steps, device)
+            return QuantizedView([], row_tables=tables, row_lens=lens, row_starts=starts, score_jobs=jobs)
         masks = []
         for s in steps:
             if s.num_tokens > 1:
                 width = -(-s.end // bs) * bs
-                visible = torch.arange(width).unsqueeze(0) <= torch.arange(s.start, s.end).unsqueeze(1)
+                keys = torch.arange(width).unsqueeze(0)
+                visible = (keys <= torch.arange(s.start, s.end).unsqueeze(1)) & (keys >= s.lead)
                 masks.append(additive_mask(pad_visibility(visible).to(device), self.spec.dtype))
         return QuantizedView(masks, score_jobs=jobs)
 
@@ -199,10 +213,12 @@ class TokenKind(KVKind):
         for layer, s, d in zip(self.layers, src.to(device), dst.to(device)):
             layer.move_slots(s, d)
 
-    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def move_tokens(
+        self, src: torch.Tensor, dst: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         src, dst = src.to(self.spec.device), dst.to(self.spec.device)
         for layer in self.layers:
-            layer.move_tokens(src, dst)
+            layer.move_tokens(src, dst, rotation)
 
     def gather_tokens(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of pool slots `slots` in every layer, dequantized to the model dtype:
