@@ -29,6 +29,7 @@ Targets (from the spec), printed as PASS/FAIL from the unrounded numbers:
     python bench/streams.py                                  # 5,000 frames, window 64, 4 sinks
     python bench/streams.py --frames 120 --sample-every 60   # a smoke run
     python bench/streams.py --window 256 --tag _w256
+    python bench/streams.py --kv-cache-dtype int4 --tag _int4  # on a 4-bit KV pool
 
 Results go to bench/results/streams{tag}.json, plots to bench/results/streams{tag}_*.png.
 """
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens of every answer (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per sample point, median (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache format of both LLMs: auto, int8, fp8_e4m3, int4, int2, ... (default: %(default)s)",
+    )
     parser.add_argument("--model", help="a .gguf file or HF folder (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument(
         "--option",
@@ -472,7 +478,7 @@ def main() -> None:
     from kvbank import LLM, SamplingParams
 
     policy = args.policy or f"frame_window(frames={args.window},sinks={args.sinks})"
-    options = {"dtype": args.dtype, **parse_options(args.option)}
+    options = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, **parse_options(args.option)}
     if args.model:
         options["model"] = args.model
     llm = LLM(**options)

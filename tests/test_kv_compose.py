@@ -193,6 +193,34 @@ def _codec_step(layer, exact: torch.Tensor, block_size: int) -> torch.Tensor:
     return (codec.dequantize(codec.quantize(exact), torch.float32) - exact).abs().max()
 
 
+def _own_writes(layers) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Hook every layer's write: the dict then holds, per layer, the last K/V it wrote (until
+    `del layer.write` takes the hook off)."""
+    own = {}
+    for index, layer in enumerate(layers):
+
+        def write(k, v, meta, layer=layer, index=index, original=layer.write):
+            own[index] = (k[-1].clone(), v[-1].clone())
+            return original(k, v, meta)
+
+        layer.write = write
+    return own
+
+
+def _as_attended(layers, stored: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, a step's own K/V as its attention reads them: KIVI unquantized (the step's
+    scratch block), a per-token layout through its codecs."""
+    if hasattr(layers[0], "residual"):
+        return [stored[i] for i in range(len(layers))]
+    return [
+        tuple(
+            codec.dequantize(codec.quantize(x.unsqueeze(0)), torch.float32)[0]
+            for codec, x in zip(layers[i].codecs, stored[i])
+        )
+        for i in range(len(layers))
+    ]
+
+
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def float32_llm(request):
     return LLM(
@@ -213,14 +241,7 @@ def test_logits_after_evictions_on_quantized_kv_equal_a_forward_over_the_dequant
     text = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
     ids = float32_llm.get_tokenizer().encode(text)[: 250 if policy.startswith("context_shift") else 180]
     layers = engine.storage.layers
-    recorder, own = Recorder(engine), {}
-    for index, layer in enumerate(layers):
-
-        def write(k, v, meta, layer=layer, index=index, original=layer.write):
-            own[index] = (k[-1].clone(), v[-1].clone())
-            return original(k, v, meta)
-
-        layer.write = write
+    recorder, own = Recorder(engine), _own_writes(layers)
     try:
         request = engine.add_request(ids, _params(policy, 40))
         seq = request.seqs[0]
@@ -242,23 +263,14 @@ def test_logits_after_evictions_on_quantized_kv_equal_a_forward_over_the_dequant
                 owners.append(dict(own))
         assert len(checks) >= 10, "the policy evicted too late for the check to mean anything"
         for check, stored in zip(checks, owners):
-            if hasattr(layers[0], "residual"):
-                check[3] = [stored[i] for i in range(len(layers))]  # KIVI attends a step's own K/V unquantized
-            else:
-                check[3] = [
-                    tuple(
-                        codec.dequantize(codec.quantize(x.unsqueeze(0)), torch.float32)[0]
-                        for codec, x in zip(layers[i].codecs, stored[i])
-                    )
-                    for i in range(len(layers))
-                ]
+            check[3] = _as_attended(layers, stored)
         expected = cache_reference_logits(recorder, [tuple(c) for c in checks])
         for i, got in enumerate(logits):
             torch.testing.assert_close(got, expected[i], atol=2e-4, rtol=1e-4, msg=lambda m, i=i: f"check {i}: {m}")
     finally:
         recorder.remove()
         for layer in layers:
-            del layer.write
+            del layer.write  # _own_writes' hook
     assert engine.stats()[f"evicted_tokens_{parse_policy(policy).name}"] > 0
 
 
@@ -271,14 +283,7 @@ def test_a_streams_quantized_pool_holds_each_kept_tokens_kv_at_its_position(floa
     forward over exactly those slots, so the slots before the lead (old tokens) are never read."""
     engine, frames = float32_llm.engine, 3
     layers = engine.storage.layers
-    recorder, own = Recorder(engine), {}
-    for index, layer in enumerate(layers):
-
-        def write(k, v, meta, layer=layer, index=index, original=layer.write):
-            own[index] = (k[-1].clone(), v[-1].clone())
-            return original(k, v, meta)
-
-        layer.write = write
+    recorder, own = Recorder(engine), _own_writes(layers)
     try:
         system = "You read notes one at a time."
         with float32_llm.open_stream(system, policy=f"frame_window(frames={frames},sinks=4)") as session:
@@ -312,20 +317,11 @@ def test_a_streams_quantized_pool_holds_each_kept_tokens_kv_at_its_position(floa
             token = float32_llm.get_tokenizer().encode(" Note", add_special_tokens=False)[0]
             session.ask([token], SamplingParams(temperature=0, max_tokens=1))
             got = recorder.logits[-1][0]
-            if hasattr(layers[0], "residual"):
-                mine = [own[i] for i in range(len(layers))]  # KIVI attends a step's own K/V unquantized
-            else:
-                mine = [
-                    tuple(
-                        codec.dequantize(codec.quantize(x.unsqueeze(0)), torch.float32)[0]
-                        for codec, x in zip(layers[i].codecs, own[i])
-                    )
-                    for i in range(len(layers))
-                ]
+            mine = _as_attended(layers, own)
             expected = cache_reference_logits(recorder, [(token, n + seq.rope_offset, cache, mine)])[0]
             torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     finally:
         recorder.remove()
         for layer in layers:
-            del layer.write
+            del layer.write  # _own_writes' hook
     assert _all_free(float32_llm)
