@@ -276,6 +276,34 @@ def test_streams_that_reserve_their_window_are_refused_at_open_never_frame_by_fr
     _assert_all_free(default_llm)
 
 
+def test_a_fork_of_a_reserving_stream_is_promised_a_window_of_its_own(default_llm):
+    """A fork copies what it shares with its source as the two diverge, so it inherits the source's
+    reservation: promised at fork (refused there when the pool cannot promise it), after which the
+    source, the fork and every other reserving stream fill and slide their windows without a
+    PoolFull."""
+    engine, policy = default_llm.engine, "frame_window(frames=4,sinks=4)"
+    source = default_llm.open_stream(SYSTEM, policy=policy, reserve_tokens=144)
+    for i in range(6):
+        source.append(list(range(100 + 20 * i, 120 + 20 * i)))
+    fork = source.fork()
+    assert fork.stats()["reserved_blocks"] == source.stats()["reserved_blocks"] > 0
+    others = []
+    with pytest.raises(PoolFull, match="a stream reserving 144 tokens needs"):
+        for _ in range(16):
+            others.append(default_llm.open_stream(SYSTEM, policy=policy, reserve_tokens=144))
+    with pytest.raises(PoolFull, match="a fork of stream .* reserving 144 tokens needs"):
+        source.fork()
+    for i in range(6):  # the fork diverges from its source (different frames), everyone slides
+        for s, session in enumerate([source, fork, *others]):
+            session.append(list(range(300 + i * 20 + s, 320 + i * 20 + s)))
+    assert fork.stats()["evicted_frames"] == source.stats()["evicted_frames"] == 8
+    assert all(session.stats()["evicted_frames"] == 2 for session in others)
+    for session in [source, fork, *others]:
+        session.close()
+    assert engine.streams_host.promised() == 0
+    _assert_all_free(default_llm)
+
+
 # --- prompt_embeds -------------------------------------------------------------------------------
 
 

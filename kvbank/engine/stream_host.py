@@ -177,14 +177,30 @@ class StreamHost:
 
     def promised(self, besides: Stream | None = None) -> int:
         """Blocks reserved by open streams (but `besides`) that they do not hold yet."""
-        return sum(s.outstanding_blocks for s in self.streams.values() if s is not besides)
+        return sum(self._outstanding(s) for s in self.streams.values() if s is not besides)
+
+    def _outstanding(self, stream: Stream) -> int:
+        """Blocks promised to `stream` that it does not hold yet. A fork holds, for this, only the
+        blocks no one else holds: those it shares with its source are counted by the source until
+        one of them writes (and copies) or lets go."""
+        if not stream.forked:
+            return stream.outstanding_blocks
+        blocks = self.manager.pool.blocks
+        own = sum(blocks[b].ref_count == 1 for b in stream.seq.block_table + stream.seq.pristine_blocks)
+        return max(0, stream.reserved_blocks - own)
 
     def fork(self, stream_id: str, new_id: str | None) -> Stream:
-        """A new stream sharing every block of `stream_id` (copy-on-write) from here on."""
+        """A new stream sharing every block of `stream_id` (copy-on-write) from here on. A source
+        that reserved its window passes the reservation on: the fork is promised as many blocks of
+        its own (PoolFull when the pool cannot promise them), since it copies what it shares as it
+        diverges."""
         source = self.get(stream_id)
         if source.seq.status is not SequenceStatus.PARKED:
             raise ValueError(f"stream {stream_id!r} has frames still computing; fork it once they are in")
         new_id = self.admission.stream_id(new_id, self.streams)
+        if source.reserve_tokens is not None:
+            what = f"a fork of stream {stream_id!r} reserving {source.reserve_tokens} tokens"
+            self.admission.ensure_room(source.reserved_blocks, what, self.promised())
         old = source.seq
         request = Request(
             new_id,
@@ -210,6 +226,8 @@ class StreamHost:
         if archive is not None and source.archive is not None:
             archive.inherit(source.archive)
         stream = Stream(new_id, seq, source.policy, source.separator, source.question_suffix, archive=archive)
+        stream.reserve_tokens, stream.reserved_blocks = source.reserve_tokens, source.reserved_blocks
+        stream.forked = True
         self.streams[new_id] = stream
         return stream
 

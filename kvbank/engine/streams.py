@@ -112,6 +112,9 @@ class Stream:
     #: one against the pool), and the KV blocks reserved for that when it opened
     reserve_tokens: int | None = None
     reserved_blocks: int = 0
+    #: a fork: the blocks it still shares with its source are the source's in the promise, so it
+    #: counts as its own only the blocks it holds alone (StreamHost.promised)
+    forked: bool = False
 
     @property
     def held_blocks(self) -> int:
