@@ -304,7 +304,8 @@ class KiviKind(KVKind):
         """K and V of pool slots `slots` ([n] flat ids) in every layer, dequantized to the model
         dtype (an open block's from its residual slot): [layers, n, kv_heads, head_dim] each."""
         keys, values = self._token_sides(slots.cpu())
-        return keys.to(self.spec.dtype), values.to(self.spec.dtype)
+        device, dtype = self.spec.device, self.spec.dtype
+        return keys.to(device, dtype), values.to(device, dtype)
 
     def scatter_tokens(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write `gather_tokens`-shaped K and V into pool slots `slots`: values quantized per token
@@ -392,14 +393,15 @@ class KiviKind(KVKind):
             picked = (blocks == block).nonzero().flatten()
             offsets = (slots[picked] % bs).to(self.spec.device)
             for layer in self.layers:
-                self.residual.v[layer.index][open_[block]].index_copy_(0, offsets, values[layer.index, picked])
+                rows = values[layer.index, picked].to(self.spec.device)
+                self.residual.v[layer.index][open_[block]].index_copy_(0, offsets, rows)
         closed = (~is_open).nonzero().flatten()
         if not len(closed):
             return
         flat_ids = slots[closed].to(self.spec.device)
         for layer in self.layers:
             side = layer.sides[1]
-            for name, value in layer.codecs[1].quantize(values[layer.index, closed]).items():
+            for name, value in layer.codecs[1].quantize(values[layer.index, closed.to(values.device)]).items():
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, flat_ids, value.to(self.spec.device))
 
     def _put_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
@@ -409,7 +411,7 @@ class KiviKind(KVKind):
         blocks, where = torch.unique(slots // bs, return_inverse=True)
         current = self._read_blocks(0, blocks)
         flat = current.view(current.shape[0], -1, *current.shape[3:])
-        flat[:, where * bs + slots % bs] = keys.float()
+        flat[:, where * bs + slots % bs] = keys.float().cpu()
         open_ = self.residual.of_block
         ids = blocks.tolist()
         for i, block in enumerate(ids):
