@@ -46,12 +46,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   context_lens = context_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   torch::Tensor first;
-  if (starts.has_value()) {
-    first = starts->contiguous();
-    TORCH_CHECK(first.scalar_type() == torch::kLong && first.dim() == 1 && first.size(0) == q.size(0),
-                "starts must be int64 [", q.size(0), "]");
-  }
-  const int64_t* s = starts.has_value() ? first.data_ptr<int64_t>() : nullptr;
+  const int64_t* s = row_starts(starts, q.size(0), first);
   auto out = torch::empty_like(q);
   switch (q.scalar_type()) {
     case torch::kFloat: decode_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;

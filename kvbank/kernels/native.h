@@ -39,6 +39,17 @@ KVBANK_AVX512 inline __m512 bf16_to_f32(const uint16_t* p) {
 }
 #endif
 
+// Where each of `rows` rows' keys begin (a sliding window, or a stream's sequence after its frames
+// left), as the decode kernels take them (Partials::starts): null when `starts` is not given;
+// `holder` keeps the checked int64 [rows] tensor alive.
+inline const int64_t* row_starts(const std::optional<torch::Tensor>& starts, int64_t rows, torch::Tensor& holder) {
+  if (!starts.has_value()) return nullptr;
+  holder = starts->contiguous();
+  TORCH_CHECK(holder.scalar_type() == torch::kLong && holder.dim() == 1 && holder.size(0) == rows,
+              "starts must be int64 [", rows, "]");
+  return holder.data_ptr<int64_t>();
+}
+
 // dense_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,

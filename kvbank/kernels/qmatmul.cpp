@@ -1679,12 +1679,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   const int64_t block_size = k_caches[0].size(1);
   // Rows read from starts[t] on (a stream's sequence after evictions; Partials::starts), or from 0.
   torch::Tensor first_slots;
-  if (starts.has_value()) {
-    first_slots = starts->contiguous();
-    TORCH_CHECK(first_slots.scalar_type() == torch::kLong && first_slots.dim() == 1 && first_slots.size(0) == tokens,
-                "starts must be int64 [", tokens, "]");
-  }
-  const int64_t* from = starts.has_value() ? first_slots.data_ptr<int64_t>() : nullptr;
+  const int64_t* from = row_starts(starts, tokens, first_slots);
 
   auto out = torch::empty({rows, hidden}, x.options());
   std::vector<T> h(rows * hidden), residual(rows * hidden), attn(rows * q_size, T(0.0f)), q(tokens * q_size);

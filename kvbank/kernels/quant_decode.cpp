@@ -108,12 +108,7 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
     own = own_rows->contiguous();
   }
   torch::Tensor first;
-  if (starts.has_value()) {
-    first = starts->contiguous();
-    TORCH_CHECK(first.scalar_type() == torch::kLong && first.dim() == 1 && first.size(0) == q.size(0),
-                "starts must be int64 [", q.size(0), "]");
-  }
-  const int64_t* from = starts.has_value() ? first.data_ptr<int64_t>() : nullptr;
+  const int64_t* from = row_starts(starts, q.size(0), first);
   auto out = torch::empty_like(q);
 #ifdef KVBANK_X86
   QuantLayer L{format,

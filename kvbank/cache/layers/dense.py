@@ -45,13 +45,12 @@ class DenseLayer:
         return k, v  # chunks from position 0 attend to their fresh K/V directly
 
     def row_attention(self, meta: AttentionMetadata) -> dict[str, torch.Tensor] | None:
-        """The step's arguments to the fused model step (block tables and context lengths of every
+        """The step's arguments to the fused model step (block tables, context lengths and starts of every
         new token) when this step attends by rows and keeps no attention scores."""
         step = meta.kinds[self.kind]
         if step.row_block_tables is None or step.score_jobs:
             return None
-        rows = {"block_tables": step.row_block_tables, "context_lens": step.row_context_lens}
-        return rows if step.row_starts is None else {**rows, "starts": step.row_starts}
+        return {"block_tables": step.row_block_tables, "context_lens": step.row_context_lens, "starts": step.row_starts}
 
     def stack_caches(self) -> StackCache:
         """The layer's caches as the fused model step takes them: bfloat16, no scales."""

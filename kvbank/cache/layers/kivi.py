@@ -174,14 +174,14 @@ class KiviLayer(CodecLayer):
         step = meta.kinds[self.kind]
         if step.view.row_tables is None or self.native is None or self.dtype != torch.bfloat16:
             return None  # the fused step is bfloat16
-        rows = {
+        return {
             "block_tables": step.view.row_tables,
             "context_lens": step.view.row_lens,
             "kivi_plan": step.plan.table,
             "scratch_slots": step.plan.scratch_slots,
             "own_rows": step.view.own_rows,
+            "starts": step.view.row_starts,
         }
-        return rows if step.view.row_starts is None else {**rows, "starts": step.view.row_starts}
 
     def stack_caches(self) -> StackCache | None:
         """The layer's codes, ranges, scales and residual slots as the fused model step takes them."""

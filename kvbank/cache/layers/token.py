@@ -149,15 +149,14 @@ class TokenLayer(CodecLayer):
                 side[name].view(-1, *side[name].shape[2:]).index_copy_(0, meta.slot_mapping, value)
 
     def row_attention(self, meta: AttentionMetadata) -> dict[str, torch.Tensor] | None:
-        """The step's arguments to the fused model step (block tables and context lengths of every
+        """The step's arguments to the fused model step (block tables, context lengths and starts of every
         new token) when this step attends by rows in a format whose writes are native."""
         view = meta.kinds[self.kind]
         if view.row_tables is None or self.native_format not in NATIVE_WRITES or self.dtype != torch.bfloat16:
             return None  # the fused step is bfloat16
         if view.score_jobs:
             return None  # scores are taken layer by layer
-        rows = {"block_tables": view.row_tables, "context_lens": view.row_lens}
-        return rows if view.row_starts is None else {**rows, "starts": view.row_starts}
+        return {"block_tables": view.row_tables, "context_lens": view.row_lens, "starts": view.row_starts}
 
     def stack_caches(self) -> StackCache | None:
         """The layer's codes and scales as the fused model step takes them; None when it cannot."""
