@@ -168,3 +168,18 @@ def cache_reference_logits(recorder: Recorder, checks: list[tuple[int, int, list
         return recorder.compute_logits(x)
     finally:
         recorder.recording = True
+
+
+def scribble(storage, block: int, count: int) -> None:
+    """Overwrite the first `count` slots of `block` in every layer's per-token tensors (dense K/V,
+    codes, per-token scales and zero points) with values far from any K/V the model computes: an
+    attention that read those slots would answer differently."""
+    for layer in storage.layers:
+        for t in layer.tensors:
+            if t.dim() < 2 or t.shape[1] != storage.block_size:
+                continue  # per-block tensors (KIVI key ranges and grids)
+            rows = t[block, :count]
+            if t.element_size() == 1:
+                rows.view(torch.uint8).fill_(0x5A)
+            else:
+                rows.fill_(8.0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from policy_reference import Recorder, cache_reference_logits
+from policy_reference import Recorder, cache_reference_logits, scribble
 from stream_notes import NOTES
 
 from kvbank import LLM, SamplingParams
@@ -149,6 +149,24 @@ def test_streams_run_with_recall_on_every_quantized_kv_layout(llm):
         assert len(recalled.recalled_frames) == 2 and session.stats()["recall_recalled"] == 2
         assert session.stats()["recall_corrupt"] == session.stats()["recall_missing"] == 0
         assert len(recalled.outputs[0].token_ids) == 4
+    assert _all_free(llm)
+
+
+def test_a_streams_rows_never_read_the_slots_before_its_lead(llm):
+    """After frames left, a stream's sequence starts `lead` slots into its first block; the
+    default configuration's kernels (the fused stack, every format) start each row there: garbage
+    written into those slots changes no token and no logprob of a question."""
+    system = "You read notes one at a time and answer questions about them briefly."
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    with llm.open_stream(system, policy="frame_window(frames=2,sinks=4)") as session:
+        for i, (who, what, value) in enumerate(KEPT):
+            session.append(f"Note {i}: the {what} of {who} is {value}.")
+        seq = llm.engine.streams_host.get(session.stream_id).seq
+        assert seq.lead > 0
+        before = session.ask("What is the height of the volcano?", params).outputs[0]
+        scribble(llm.engine.storage, seq.block_table[0], seq.lead)
+        after = session.ask("What is the height of the volcano?", params).outputs[0]
+        assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
     assert _all_free(llm)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from policy_reference import Recorder, reference_logits
+from policy_reference import Recorder, reference_logits, scribble
 from stream_notes import NOTES
 
 from kvbank import LLM, SamplingParams
@@ -301,6 +301,22 @@ def test_a_fork_of_a_reserving_stream_is_promised_a_window_of_its_own(default_ll
     for session in [source, fork, *others]:
         session.close()
     assert engine.streams_host.promised() == 0
+    _assert_all_free(default_llm)
+
+
+def test_a_streams_rows_never_read_the_slots_before_its_lead_on_a_dense_pool(default_llm):
+    """The dense bfloat16 pool's version of tests/test_kv_compose.py's lead test: after frames
+    left, garbage in the slots before the sequence's first token changes nothing of an answer."""
+    params = _greedy(max_tokens=6, logprobs=2)
+    with default_llm.open_stream(SYSTEM, policy="frame_window(frames=2,sinks=4)") as session:
+        for i in range(7):
+            session.append(_frame(i))
+        seq = default_llm.engine.streams_host.get(session.stream_id).seq
+        assert seq.lead > 0
+        before = session.ask("Which ids are in view?", params).outputs[0]
+        scribble(default_llm.engine.storage, seq.block_table[0], seq.lead)
+        after = session.ask("Which ids are in view?", params).outputs[0]
+        assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
     _assert_all_free(default_llm)
 
 
