@@ -511,6 +511,8 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
     l[g] = 0.0f;
   }
   const int64_t group_size = kivi ? D / L.value_groups : D;
+  int group_of[V];  // KIVI: the value group of each 8-channel vector
+  for (int v = 0; v < V; ++v) group_of[v] = static_cast<int>(v * 8 / group_size);
   const int64_t token_codes = L.heads * L.code_bytes;
   for (int64_t start = begin; start < end; start += bs - start % bs) {
     const BlockSpan<T> b(L, table, start, end, head, own_block, own_row);
@@ -604,11 +606,16 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
               _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(L.v_scale[(block * bs + first + t) * L.heads + head])), unit);
           for (int v = 0; v < V; ++v) x[v] = _mm256_mul_ps(x[v], sc);
         } else if (kivi) {
+          // each group's scale and zero point read once, for its vectors
           const int64_t meta = ((block * bs + first + t) * L.heads + head) * L.value_groups;
-          for (int v = 0; v < V; ++v) {
-            const int64_t c = meta + v * 8 / group_size;
-            const float sc = _cvtsh_ss(L.v_scale[c]);  // times the zero point: exact
-            x[v] = _mm256_fmadd_ps(x[v], _mm256_set1_ps(sc), _mm256_set1_ps(static_cast<float>(L.v_zero[c]) * sc));
+          float sc = 0.0f, shift = 0.0f;
+          for (int v = 0, last = -1; v < V; ++v) {
+            if (group_of[v] != last) {
+              last = group_of[v];
+              sc = _cvtsh_ss(L.v_scale[meta + last]);
+              shift = static_cast<float>(L.v_zero[meta + last]) * sc;  // exact
+            }
+            x[v] = _mm256_fmadd_ps(x[v], _mm256_set1_ps(sc), _mm256_set1_ps(shift));
           }
         }
       }
@@ -786,14 +793,17 @@ KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int
   H.l[g] += _mm512_reduce_add_ps(total);
 }
 
-// Values of a block's `count` tokens, decoded in registers and summed with each head's weights.
+// Values of a block's `count` tokens, decoded in registers and summed with each head's weights
+// (KIVI: each 16-channel vector dequantized with its group's scale and zero point, read once per
+// token and group).
 template <typename T, int G, int D, int F>
 KVBANK_INLINE512 void values_block(Heads512<G, D>& H, const QuantLayer& L, const float (*scores)[kMaxQuantBlock],
                                    int count, const uint8_t* vc, const T* sv, int64_t meta_first, int64_t head) {
   constexpr int V = D / 16;
   constexpr bool kivi = F == kInt4 || F == kInt2;
   const int64_t token_codes = L.heads * L.code_bytes;
-  const int64_t group_size = kivi ? D / L.value_groups : D;
+  int group_of[V];
+  for (int v = 0; v < V; ++v) group_of[v] = kivi ? static_cast<int>(v * L.value_groups / V) : 0;
   for (int t = 0; t < count; ++t) {
     __m512 x[V];
     if (sv != nullptr) {
@@ -802,10 +812,15 @@ KVBANK_INLINE512 void values_block(Heads512<G, D>& H, const QuantLayer& L, const
       decode16<F, D>(vc + t * token_codes, x);
       if constexpr (kivi) {
         const int64_t meta = ((meta_first + t) * L.heads + head) * L.value_groups;
-        for (int v = 0; v < V; ++v) {
-          const int64_t c = meta + v * 16 / group_size;
-          const float sc = _cvtsh_ss(L.v_scale[c]);  // times the zero point: exact
-          x[v] = _mm512_fmadd_ps(x[v], _mm512_set1_ps(sc), _mm512_set1_ps(static_cast<float>(L.v_zero[c]) * sc));
+        __m512 scale = _mm512_setzero_ps(), shift = _mm512_setzero_ps();
+        for (int v = 0, last = -1; v < V; ++v) {
+          if (group_of[v] != last) {
+            last = group_of[v];
+            const float sc = _cvtsh_ss(L.v_scale[meta + last]);
+            scale = _mm512_set1_ps(sc);
+            shift = _mm512_set1_ps(static_cast<float>(L.v_zero[meta + last]) * sc);  // exact
+          }
+          x[v] = _mm512_fmadd_ps(x[v], scale, shift);
         }
       }
     }
