@@ -11,6 +11,10 @@ whether the needle is among the frames that came back. It also times, in the sam
 
     python bench/stream_recall.py                 # 600 frames, window 64, 10 needles, recall 4
     python bench/stream_recall.py --recall 8 --frames 1200
+    python bench/stream_recall.py --as-embeddings    # keys alone (frames without words)
+
+Frames given as text are ranked by their mean keys and by the rare words they share with the
+question; frames given as embeddings by their keys alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ parser.add_argument("--needles", type=int, default=10, help="needle frames, aske
 parser.add_argument("--recall", type=int, default=4, help="frames recalled per question (default: %(default)s)")
 parser.add_argument("--max-tokens", type=int, default=8, help="tokens of every answer (default: %(default)s)")
 parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads (default: all)")
+parser.add_argument(
+    "--as-embeddings",
+    action="store_true",
+    help="append every line as its tokens' embeddings: no words to match, frames ranked by their keys alone",
+)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--tag", default="", help="suffix of bench/results/stream_recall{tag}.json")
 args = parser.parse_args()
@@ -68,9 +77,11 @@ def frames(rng: random.Random) -> tuple[list[str], dict[int, str]]:
 def run(llm: LLM, lines: list[str]) -> tuple[object, list[float]]:
     session = llm.open_stream(SYSTEM, policy=f"frame_window(frames={args.window},sinks=4)")
     times = []
+    tokenizer = llm.get_tokenizer()
     for line in lines:
+        frame = llm.embed_tokens(tokenizer.encode(line + "\n")) if args.as_embeddings else line
         start = time.perf_counter()
-        session.append(line)
+        session.append(frame)
         times.append(time.perf_counter() - start)
     return session, times
 

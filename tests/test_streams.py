@@ -1,5 +1,7 @@
 """Streaming sessions: frames through a bounded cache, questions answered from it, prompt_embeds."""
 
+import math
+
 import pytest
 import torch
 from policy_reference import Recorder, reference_logits, scribble
@@ -7,6 +9,7 @@ from stream_notes import NOTES
 
 from kvbank import LLM, SamplingParams
 from kvbank.cache.policies import FrameWindow, parse_policy
+from kvbank.cache.recall import Archived, word_scores
 from kvbank.engine.streams import PoolFull
 
 SYSTEM = "You watch a video of moving objects and answer questions about it briefly."
@@ -451,27 +454,48 @@ def test_recalled_frames_sit_between_the_sinks_and_the_kept_frames_exactly(tiere
     _assert_all_free(tiered)
 
 
-def test_recall_brings_back_the_frame_the_question_is_about(tiered):
+@pytest.mark.parametrize("as_embeds", [False, True], ids=["tokens", "embeddings"])
+def test_recall_brings_back_the_frame_the_question_is_about(tiered, as_embeds):
     """Ten notes are evicted; each question about one of them recalls one frame (recall=1). A random
-    choice would bring back the right note with probability 1/10 per question, so 6 or more of 10
-    (chance: 1.5e-4) says the scoring finds the frame asked about. It recalls 7 of 10 in float32
-    and bfloat16 alike (mean keys against mean queries cannot tell apart notes whose questions
-    share most of their words)."""
+    choice would bring back the right note with probability 1/10 per question.
+
+    Notes given as text are ranked by their keys and by the rare words they share with the
+    question: every question finds its own note. Notes given as embeddings (the same tokens' rows,
+    so the same keys) have no words to share and are ranked by keys alone: 6 or more of 10 (chance:
+    1.5e-4) says the keys find the frame asked about. They find 7 of 10 in float32 and bfloat16
+    alike (mean keys against mean queries cannot tell apart notes whose questions share most of
+    their words)."""
     tiered.reset_prefix_cache()
+    tokenizer = tiered.get_tokenizer()
     with tiered.open_stream(
         "You read notes one at a time and answer questions about them briefly.", policy="frame_window(frames=2,sinks=4)"
     ) as session:
         for i, (who, what, value) in enumerate(NOTES):
-            session.append(f"Note {i}: the {what} of {who} is {value}.")
+            note = f"Note {i}: the {what} of {who} is {value}."
+            session.append(tiered.embed_tokens(tokenizer.encode(note + "\n")) if as_embeds else note)
         assert session.stats()["recallable_frames"] == 10
         found = []
         for i, (who, what, _) in enumerate(NOTES[:10]):
             answer = session.ask(f"What is the {what} of {who}?", _greedy(max_tokens=1), recall=1)
             assert answer.recalled_frames == session.last_recall()[0] and len(answer.recalled_frames) == 1
             found.append(answer.recalled_frames[0] == i)
-        assert sum(found) >= 6, found
+        assert sum(found) >= 6 if as_embeds else all(found), found
         assert session.stats()["recall_recalled"] == 10 and session.stats()["recall_fallbacks"] == 0
     _assert_all_free(tiered)
+
+
+def test_word_scores_weigh_the_question_tokens_a_frame_holds_by_their_rarity():
+    frames = [
+        Archived(0, b"a", [5, 6, 7], torch.zeros(1)),
+        Archived(1, b"b", [5, 8, 8, 9], torch.zeros(1)),
+        Archived(2, b"c", [5, 6], torch.zeros(1)),
+        Archived(3, b"d", [9, 8], torch.zeros(1), embedded=True),  # placeholders: no words
+    ]
+    scores = word_scores(frames, [5, 8, 8, 7, 42])
+    # 5 is in every text frame (adds 0); 8 in one of three (log 3, once however often); 7 in one
+    assert scores.tolist() == pytest.approx([math.log(3), math.log(3), 0.0, 0.0])
+    assert word_scores(frames, [42]).tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert word_scores(frames[3:], [9, 8]).tolist() == [0.0]
 
 
 @pytest.fixture(scope="module")

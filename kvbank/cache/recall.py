@@ -5,7 +5,8 @@ keys rotated back to no position, in the pool's own format (each layer through i
 frame taken as one block of its tokens: int8 or fp8 codes and scales, about half a bfloat16 copy's
 bytes; int4/int2 codes with one key range per channel over the frame), and the stream keeps
 a summary of it in RAM: the mean of its keys per layer and KV head. A question may then recall the
-`k` frames whose mean keys best match the question's mean queries (see `FrameArchive.choose`); they
+`k` frames whose mean keys best match the question's mean queries and, for frames given as tokens,
+that share the question's rarer words (see `FrameArchive.choose`); they
 are loaded, rotated to the places they take, and put back between the sinks and the kept frames of
 the question's own copy of the cache. The stream itself never changes.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import struct
 from collections import deque
 from dataclasses import dataclass
@@ -58,6 +60,10 @@ class Archived:
     embedded: bool = False
     #: the namespace of the archive that stored it (a fork's archive also holds its source's frames)
     namespace: bytes = b""
+
+    def words(self) -> frozenset[int]:
+        """The distinct token ids it was given as (none for a frame given as embeddings)."""
+        return frozenset() if self.embedded else frozenset(self.token_ids)
 
 
 @dataclass
@@ -183,7 +189,9 @@ class FrameArchive:
             first = frame.start + seq.lead + seq.rope_offset  # positions are slots + rope_offset
             self.store(frame, seq.token_ids[frame.start : frame.end], keys, values, first)
 
-    def choose(self, queries: torch.Tensor, baseline: torch.Tensor, count: int) -> list[Archived]:
+    def choose(
+        self, queries: torch.Tensor, baseline: torch.Tensor, count: int, question: list[int] | None = None
+    ) -> list[Archived]:
         """The `count` archived frames most relevant to a question, in stream order.
 
         `queries` and `baseline` are mean queries [layers, kv_heads, head_dim] of the question and
@@ -192,6 +200,12 @@ class FrameArchive:
         keys are centred on all archived frames' mean and the queries on the baseline's, and a
         frame scores the dot product of what is its own with what is the question's own, averaged
         over layers and heads.
+
+        With the question's token ids (`question`), frames given as tokens also score the words
+        they share with it (`word_scores`), and the two scores, each scaled to [0, 1] over the
+        archive, are averaged: keys rank frames by what they are about, words find the one that
+        names what was asked. Where no frame shares a rare word with the question (or every frame
+        was given as embeddings) the keys rank alone.
         """
         if not self.frames or count <= 0:
             return []
@@ -199,8 +213,13 @@ class FrameArchive:
         centred = means - means.mean(dim=0, keepdim=True)
         asked = (queries.float() - baseline.float()).unsqueeze(0)
         scores = (centred * asked).sum(dim=-1).mean(dim=(1, 2))
-        top = scores.topk(min(count, len(self.frames))).indices.tolist()
         frames = list(self.frames)
+        words = word_scores(frames, question) if question else None
+        if words is not None and words.max() > 0:
+            spread = scores.max() - scores.min()
+            keys = (scores - scores.min()) / spread if spread > 0 else torch.zeros_like(scores)
+            scores = 0.5 * keys + 0.5 * words / words.max()
+        top = scores.topk(min(count, len(frames))).indices.tolist()
         return sorted((frames[i] for i in top), key=lambda a: a.index)
 
     def load(self, chosen: list[Archived], layout: tuple[int, int, int], dtype: torch.dtype):
@@ -271,6 +290,22 @@ class FrameArchive:
                 at += count
             sides.append(codec.dequantize(stored, torch.float32)[0].to(dtype))
         return torch.stack(sides[0::2]), torch.stack(sides[1::2])
+
+
+def word_scores(frames: list[Archived], question: list[int]) -> torch.Tensor:
+    """Per frame, the rarity of the question's tokens it holds: each distinct token of the question
+    found in the frame adds log(n / m), n the frames given as tokens and m those holding it, so a
+    token every frame holds adds nothing and one only this frame holds adds the most (the inverse
+    document frequency of text retrieval, counting presence, not repeats)."""
+    held = [a.words() for a in frames]
+    asked = set(question)
+    texts = sum(1 for a in frames if not a.embedded)
+    counts: dict[int, int] = {}
+    for words in held:
+        for token in asked & words:
+            counts[token] = counts.get(token, 0) + 1
+    rarity = {token: math.log(texts / m) for token, m in counts.items()}
+    return torch.tensor([sum(rarity[t] for t in asked & words) for words in held], dtype=torch.float32)
 
 
 def _undigested(header) -> bytes:

@@ -440,7 +440,7 @@ class StreamHost:
             stream.neutral_queries = self._mean_queries(neutral)
         room = self.max_model_len - source.num_computed_tokens - len(question) - params.max_tokens
         chosen, total = [], 0
-        for archived in reversed(stream.archive.choose(queries, stream.neutral_queries, request.recall)):
+        for archived in reversed(stream.archive.choose(queries, stream.neutral_queries, request.recall, question)):
             if total + len(archived.token_ids) <= room:  # the newest fit first
                 chosen.insert(0, archived)
                 total += len(archived.token_ids)
