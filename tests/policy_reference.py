@@ -183,3 +183,14 @@ def scribble(storage, block: int, count: int) -> None:
                 rows.view(torch.uint8).fill_(0x5A)
             else:
                 rows.fill_(8.0)
+
+
+def assert_lead_unread(llm, session, question: str, params) -> None:
+    """The stream's sequence starts `lead` > 0 slots into its first block (frames have left), and
+    scribbling over those slots changes no token and no logprob of an answer to `question`."""
+    seq = llm.engine.streams_host.get(session.stream_id).seq
+    assert seq.lead > 0
+    before = session.ask(question, params).outputs[0]
+    scribble(llm.engine.storage, seq.block_table[0], seq.lead)
+    after = session.ask(question, params).outputs[0]
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from policy_reference import Recorder, cache_reference_logits, scribble
+from policy_reference import Recorder, assert_lead_unread, cache_reference_logits
 from stream_notes import NOTES
 
 from kvbank import LLM, SamplingParams
@@ -161,12 +161,7 @@ def test_a_streams_rows_never_read_the_slots_before_its_lead(llm):
     with llm.open_stream(system, policy="frame_window(frames=2,sinks=4)") as session:
         for i, (who, what, value) in enumerate(KEPT):
             session.append(f"Note {i}: the {what} of {who} is {value}.")
-        seq = llm.engine.streams_host.get(session.stream_id).seq
-        assert seq.lead > 0
-        before = session.ask("What is the height of the volcano?", params).outputs[0]
-        scribble(llm.engine.storage, seq.block_table[0], seq.lead)
-        after = session.ask("What is the height of the volcano?", params).outputs[0]
-        assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+        assert_lead_unread(llm, session, "What is the height of the volcano?", params)
     assert _all_free(llm)
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from policy_reference import Recorder, reference_logits, scribble
+from policy_reference import Recorder, assert_lead_unread, reference_logits
 from stream_notes import NOTES
 
 from kvbank import LLM, SamplingParams
@@ -314,12 +314,7 @@ def test_a_streams_rows_never_read_the_slots_before_its_lead_on_a_dense_pool(def
     with default_llm.open_stream(SYSTEM, policy="frame_window(frames=2,sinks=4)") as session:
         for i in range(7):
             session.append(_frame(i))
-        seq = default_llm.engine.streams_host.get(session.stream_id).seq
-        assert seq.lead > 0
-        before = session.ask("Which ids are in view?", params).outputs[0]
-        scribble(default_llm.engine.storage, seq.block_table[0], seq.lead)
-        after = session.ask("Which ids are in view?", params).outputs[0]
-        assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+        assert_lead_unread(default_llm, session, "Which ids are in view?", params)
     _assert_all_free(default_llm)
 
 
@@ -454,17 +449,19 @@ def test_recalled_frames_sit_between_the_sinks_and_the_kept_frames_exactly(tiere
     _assert_all_free(tiered)
 
 
+@pytest.mark.parametrize("engine_fixture", ["tiered", "tiered_bf16"])
 @pytest.mark.parametrize("as_embeds", [False, True], ids=["tokens", "embeddings"])
-def test_recall_brings_back_the_frame_the_question_is_about(tiered, as_embeds):
+def test_recall_brings_back_the_frame_the_question_is_about(request, engine_fixture, as_embeds):
     """Ten notes are evicted; each question about one of them recalls one frame (recall=1). A random
     choice would bring back the right note with probability 1/10 per question.
 
     Notes given as text are ranked by their keys and by the rare words they share with the
     question: every question finds its own note. Notes given as embeddings (the same tokens' rows,
     so the same keys) have no words to share and are ranked by keys alone: 6 or more of 10 (chance:
-    1.5e-4) says the keys find the frame asked about. They find 7 of 10 in float32 and bfloat16
-    alike (mean keys against mean queries cannot tell apart notes whose questions share most of
-    their words)."""
+    1.5e-4) says the keys find the frame asked about (mean keys against mean queries cannot tell
+    apart notes whose questions share most of their words). In float32 and in the default
+    configuration."""
+    tiered = request.getfixturevalue(engine_fixture)
     tiered.reset_prefix_cache()
     tokenizer = tiered.get_tokenizer()
     with tiered.open_stream(
