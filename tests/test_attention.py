@@ -131,7 +131,7 @@ def test_write_kv_puts_tokens_in_their_slots():
         (torch.bfloat16, 9, 3, 64, 16, [130, 7], 32),  # many partitions merged
         (torch.bfloat16, 8, 2, 128, 32, [5, 600], 256),  # group of 4, head dim 128, larger blocks
         (torch.bfloat16, 4, 4, 64, 16, [64, 65], 64),  # no grouping; a partition exactly full
-        (torch.bfloat16, 4, 1, 256, 16, [1, 300, 700], 256),  # Gemma 3: head dim 256 (the generic-width loop)
+        (torch.bfloat16, 4, 1, 256, 16, [1, 300, 700], 256),  # Gemma 3: head dim 256, group of 4
         (torch.float32, 6, 2, 8, 4, [3, 9, 30], 8),  # the portable path (no AVX-512 needed)
     ],
 )

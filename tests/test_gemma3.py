@@ -405,6 +405,27 @@ def test_the_hybrid_cache_gives_the_bits_of_a_cache_that_keeps_every_token(llm, 
     assert llm.engine.manager.num_free_blocks == llm.engine.num_blocks
 
 
+@pytest.mark.parametrize("cache", ["hybrid", "swa_full"])
+def test_the_one_call_decoder_stack_gives_the_layer_by_layer_bits(cache, llm, llm_full, monkeypatch):
+    """Default bfloat16: every step runs all 18 layers in one native call (sandwich norms, q/k norms,
+    GeGLU, local and global rotary tables; the hybrid cache's window tables and the sliding window as
+    attention groups), and gives the tokens and logprobs of the layer-by-layer path, past the window too."""
+    engine = llm if cache == "hybrid" else llm_full
+    prompts = _encode(engine, [*PROMPTS, LONG])
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    model = type(engine.engine.runner.model)
+    step, steps = model._gemma_stack_step, []
+    monkeypatch.setattr(model, "_gemma_stack_step", lambda *args: steps.append(step(*args)) or steps[-1])
+    fused = _outputs(engine, prompts, params)
+    assert steps and all(s is not None for s in steps)  # every step, prefill chunks and decodes alike
+    # hybrid: the full table and each window table; swa_full: one table, with and without the window
+    groups = 1 + engine.engine.manager.groups.num_window_tables if cache == "hybrid" else 2
+    assert all(len(set(s["layer_groups"])) == groups for s in steps)
+    monkeypatch.setattr(model, "_gemma_stack_step", lambda *args: None)
+    assert _outputs(engine, prompts, params) == fused
+    assert engine.engine.manager.num_free_blocks == engine.engine.num_blocks
+
+
 def test_windowed_layers_hold_only_their_window_while_a_long_prompt_runs(llm):
     engine, groups = llm.engine, llm.engine.manager.groups
     prompt = _encode(llm, [LONG])[0]

@@ -44,7 +44,7 @@ def native_decode_kernel(
     active instruction-set level (avx2 and above, kvbank/kernels/isa.h), else None."""
     if device.type != "cpu" or dtype != torch.bfloat16 or num_heads % num_kv_heads:
         return None
-    # 256 (Gemma) runs the kernel's generic-width loop; 64 and 128 also have AVX-512 BF16 variants
+    # head dims 64, 128 and 256 (Gemma 3) each have the kernel's vector variants
     if (
         num_heads // num_kv_heads > 8
         or head_dim not in (64, 128, 256)
@@ -266,6 +266,13 @@ def _attend_rows(
     return attended.view(q.shape)
 
 
+def window_row_starts(context_lens: torch.Tensor, starts: torch.Tensor | None, window: int) -> torch.Tensor:
+    """Where each row's keys begin when it sees only the last `window` positions up to its own
+    (and never before `starts`, where a row's sequence begins)."""
+    window_starts = (context_lens - window).clamp_(min=0)
+    return window_starts if starts is None else torch.maximum(window_starts, starts)
+
+
 def attend_window_rows(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: DenseStep, scale: float, window: int
 ) -> torch.Tensor:
@@ -273,10 +280,7 @@ def attend_window_rows(
     included): the kernel starts the row there, so no other key is read."""
     starts = step.window_starts.get(window)
     if starts is None:
-        starts = (step.row_context_lens - window).clamp_(min=0)
-        if step.row_starts is not None:
-            starts = torch.maximum(starts, step.row_starts)
-        step.window_starts[window] = starts
+        starts = step.window_starts[window] = window_row_starts(step.row_context_lens, step.row_starts, window)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     queries = q.view(q.shape[0], num_kv_heads, -1, head_dim)
     attended = step.decode_kernel.paged_decode_attention(

@@ -92,11 +92,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = "auto", "Float32 logits: the final RMSNorm of hidden and the packed LM head");
   py::class_<QuantStack>(m, "QuantStack")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
-                    std::vector<torch::Tensor>, double, int64_t, int64_t, int64_t>(),
+                    std::vector<torch::Tensor>, double, int64_t, int64_t, int64_t, bool>(),
            py::arg("weights"), py::arg("kinds"), py::arg("norms"), py::arg("eps"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("gemma") = false,
            "Per layer: packed q/k/v, o, gate/up and down weights (each a list of records tensors side by side) "
-           "with their kinds, and the two norm weights")
+           "with their kinds, and the two norm weights; gemma: six norms per layer (input, post-attention, "
+           "pre-feedforward, post-feedforward, q per head, k per head) and GeGLU")
       .def_property_readonly("num_layers", &QuantStack::num_layers)
       .def("forward", &QuantStack::forward, nogil, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
@@ -105,11 +106,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_grids") = std::vector<torch::Tensor>(), py::arg("v_zeros") = std::vector<torch::Tensor>(),
            py::arg("residual_ks") = std::vector<torch::Tensor>(), py::arg("residual_vs") = std::vector<torch::Tensor>(),
            py::arg("kivi_plan") = py::none(), py::arg("scratch_slots") = py::none(), py::arg("own_rows") = py::none(),
-           py::arg("starts") = py::none(),
+           py::arg("starts") = py::none(), py::arg("cos_local") = py::none(), py::arg("sin_local") = py::none(),
+           py::arg("local_layers") = std::vector<int64_t>(), py::arg("layer_groups") = std::vector<int64_t>(),
+           py::arg("group_slots") = std::vector<torch::Tensor>(), py::arg("group_tables") = std::vector<torch::Tensor>(),
+           py::arg("group_lens") = std::vector<torch::Tensor>(), py::arg("group_starts") = std::vector<torch::Tensor>(),
            "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual. "
            "format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: codes as k/v caches with their float16 scales; "
            "4 int4, 5 int2 (KIVI): key range bytes as k_scales, key grids, value zero points, residual slots, the step's plan and scratch slots (kivi_write) and "
-           "each row's own scratch row; starts [tokens] (int64): where each row's keys begin (else 0)");
+           "each row's own scratch row; starts [tokens] (int64): where each row's keys begin (else 0). "
+           "Layers rotated by cos_local/sin_local where local_layers says 1; attention groups (bfloat16 caches): layer "
+           "l attends through group layer_groups[l], 0 being slot_mapping/block_tables/context_lens/starts and g > 0 "
+           "group_slots/tables/lens/starts[g - 1] (a sliding window is a group whose starts trail by the window)");
   m.def("quant_decode_attention", &quant_decode_attention, nogil, py::arg("q"), py::arg("format"), py::arg("k_codes"),
         py::arg("k_scale"), py::arg("k_grid"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_zero"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),

@@ -40,28 +40,40 @@ class DenseJob {
     } else if (dim == 128) {
       d128_.reset(new DecodeJob<Bf16, 128>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
                                            partition));
+    } else if (dim == 256) {
+      d256_.reset(new DecodeJob<Bf16, 256>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                           partition));
     } else {
       any_.reset(new DecodeJob<Bf16, 0>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
                                         partition));
     }
   }
 
+  // `f` on the one DecodeJob this job holds (when it holds no QuantJob).
+  template <typename F>
+  decltype(auto) visit(F&& f) const {
+    if (d64_) return f(*d64_);
+    if (d128_) return f(*d128_);
+    if (d256_) return f(*d256_);
+    return f(*any_);
+  }
+
   // The work items' schedule and results (Partials).
   const Partials& partials() const {
-    return quant_ ? quant_->partials : d64_ ? d64_->partials : d128_ ? d128_->partials : any_->partials;
+    return quant_ ? quant_->partials : visit([](auto& job) -> const Partials& { return job.partials; });
   }
 
   // Rows read from starts[i] on (a sliding window; see Partials::starts).
   void set_starts(const int64_t* starts) {
-    (quant_ ? quant_->partials : d64_ ? d64_->partials : d128_ ? d128_->partials : any_->partials).starts = starts;
+    if (quant_) {
+      quant_->partials.starts = starts;
+    } else {
+      visit([&](auto& job) { job.partials.starts = starts; });
+    }
   }
 
-  int64_t items() const {
-    return quant_ ? quant_->items() : d64_ ? d64_->items() : d128_ ? d128_->items() : any_->items();
-  }
-  int64_t pairs() const {
-    return quant_ ? quant_->pairs() : d64_ ? d64_->pairs() : d128_ ? d128_->pairs() : any_->pairs();
-  }
+  int64_t items() const { return quant_ ? quant_->items() : visit([](auto& job) { return job.items(); }); }
+  int64_t pairs() const { return quant_ ? quant_->pairs() : visit([](auto& job) { return job.pairs(); }); }
 
   // Work item `i` over the caches `k`, `v` ([blocks, block_size, heads, dim]).
   void item(int64_t i, const Bf16* k, const Bf16* v) {
@@ -71,16 +83,12 @@ class DenseJob {
                              2 * dim_, 1,       nullptr,  nullptr, nullptr};
       return quant_->item(i, layer);
     }
-    if (d64_) return d64_->item(i, k, v);
-    if (d128_) return d128_->item(i, k, v);
-    any_->item(i, k, v);
+    visit([&](auto& job) { job.item(i, k, v); });
   }
 
   void merge(int64_t pair) {
     if (quant_) return quant_->merge(pair);
-    if (d64_) return d64_->merge(pair);
-    if (d128_) return d128_->merge(pair);
-    any_->merge(pair);
+    visit([&](auto& job) { job.merge(pair); });
   }
 
  private:
@@ -88,6 +96,7 @@ class DenseJob {
   std::unique_ptr<QuantJob<Bf16>> quant_;
   std::unique_ptr<DecodeJob<Bf16, 64>> d64_;
   std::unique_ptr<DecodeJob<Bf16, 128>> d128_;
+  std::unique_ptr<DecodeJob<Bf16, 256>> d256_;
   std::unique_ptr<DecodeJob<Bf16, 0>> any_;
 };
 

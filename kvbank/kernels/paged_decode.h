@@ -242,7 +242,7 @@ using FastRange = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, co
 template <int D>
 FastRange fast_range(int64_t group) {
 #ifdef KVBANK_X86
-  if constexpr (D == 64 || D == 128) {
+  if constexpr (D == 64 || D == 128 || D == 256) {
     kvbank::Isa variant;
     if (!kvbank::family_variant(kvbank::Family::DenseAttention, &variant) || variant != kvbank::Isa::Avx512Bf16)
       return nullptr;

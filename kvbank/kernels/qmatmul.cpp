@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -1546,17 +1547,25 @@ torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torc
 
 QuantStack::QuantStack(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> kinds,
                        std::vector<torch::Tensor> norms, double eps, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim)
+                       int64_t head_dim, bool gemma)
     : weights_(std::move(weights)), kinds_(std::move(kinds)), norms_(std::move(norms)), eps_(eps),
-      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {
-  TORCH_CHECK(weights_.size() % 4 == 0 && weights_.size() == kinds_.size() && norms_.size() * 2 == weights_.size(),
-              "a stack takes 4 packed weights (qkv, o, gate_up, down) and 2 norms per layer");
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), gemma_(gemma) {
+  const size_t per_layer = gemma ? 6 : 2;
+  TORCH_CHECK(weights_.size() % 4 == 0 && weights_.size() == kinds_.size() && norms_.size() * 4 == weights_.size() * per_layer,
+              "a stack takes 4 packed weights (qkv, o, gate_up, down) and ", per_layer, " norms per layer");
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (size_t i = 0; i < weights_.size(); i += 4) {
     const PackedWeight qkv = check_weights(weights_[i], kinds_[i]), o = check_weights(weights_[i + 1], kinds_[i + 1]);
     TORCH_CHECK(qkv.out_features == q_size + 2 * kv_size && o.in_features == q_size,
                 "layer ", i / 4, ": q/k/v has ", qkv.out_features, " rows and o ", o.in_features, " inputs; the heads need ",
                 q_size + 2 * kv_size, " and ", q_size);
+    const int64_t hidden = qkv.in_features;
+    for (size_t n = 0; n < per_layer; ++n) {
+      const torch::Tensor& norm = norms_[i / 4 * per_layer + n];
+      const int64_t dim = n < 4 ? hidden : head_dim;
+      TORCH_CHECK(norm.dim() == 1 && norm.size(0) == dim && norm.is_contiguous() && norm.scalar_type() == torch::kBFloat16,
+                  "layer ", i / 4, ": norm ", n, " must be contiguous bfloat16 [", dim, "]");
+    }
   }
 }
 
@@ -1585,7 +1594,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                                   std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
                                   std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
                                   std::optional<torch::Tensor> own_rows,
-                                  std::optional<torch::Tensor> starts) {
+                                  std::optional<torch::Tensor> starts, std::optional<torch::Tensor> cos_local,
+                                  std::optional<torch::Tensor> sin_local, std::vector<int64_t> local_layers,
+                                  std::vector<int64_t> layer_groups, std::vector<torch::Tensor> group_slots,
+                                  std::vector<torch::Tensor> group_tables, std::vector<torch::Tensor> group_lens,
+                                  std::vector<torch::Tensor> group_starts) {
   using T = c10::BFloat16;
   const int64_t layers = num_layers();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
@@ -1607,6 +1620,38 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
               "block tables [tokens, width] and context lengths [tokens] must be int64");
   TORCH_CHECK(group <= kMaxGroup && head_dim_ <= kMaxDim && partition > 0, "group ", group, " or head dim ", head_dim_,
               " is beyond the decode kernel");
+  // Attention groups: group 0 is the arguments above; each further one its own slots, block tables,
+  // context lengths and starts for the same tokens (a hybrid cache's window tables, a sliding window).
+  const int64_t groups = 1 + static_cast<int64_t>(group_slots.size());
+  TORCH_CHECK(group_tables.size() == group_slots.size() && group_lens.size() == group_slots.size() &&
+                  group_starts.size() == group_slots.size(),
+              "each further attention group needs its slots, block tables, context lengths and starts");
+  TORCH_CHECK(layer_groups.empty() || static_cast<int64_t>(layer_groups.size()) == layers,
+              "layer_groups names one group per layer: ", layers);
+  for (int64_t l = 0; l < static_cast<int64_t>(layer_groups.size()); ++l)
+    TORCH_CHECK(layer_groups[l] >= 0 && layer_groups[l] < groups, "layer ", l, "'s group ", layer_groups[l],
+                " is not one of the ", groups, " groups");
+  for (auto& t : group_tables) t = t.contiguous();
+  for (auto& t : group_lens) t = t.contiguous();
+  for (int64_t g = 1; g < groups; ++g) {
+    const auto &gs = group_slots[g - 1], &gt = group_tables[g - 1], &gl = group_lens[g - 1], &st = group_starts[g - 1];
+    TORCH_CHECK(gs.scalar_type() == torch::kLong && gs.is_contiguous() && gs.dim() == 1 && gs.size(0) == tokens &&
+                    gt.scalar_type() == torch::kLong && gt.dim() == 2 && gt.size(0) == tokens &&
+                    gl.scalar_type() == torch::kLong && gl.dim() == 1 && gl.size(0) == tokens &&
+                    st.scalar_type() == torch::kLong && st.is_contiguous() && st.dim() == 1 && st.size(0) == tokens,
+                "group ", g, ": slots [", tokens, "], block tables [", tokens, ", width], context lengths and starts [",
+                tokens, "], all int64");
+  }
+  TORCH_CHECK(groups == 1 || format == 0, "attention groups need bfloat16 caches (format 0), got format ", format);
+  auto group_of = [&](int64_t l) { return layer_groups.empty() ? int64_t{0} : layer_groups[l]; };
+  const bool any_local = std::find(local_layers.begin(), local_layers.end(), int64_t{1}) != local_layers.end();
+  TORCH_CHECK(local_layers.empty() || static_cast<int64_t>(local_layers.size()) == layers,
+              "local_layers says 0 or 1 for each of the ", layers, " layers");
+  TORCH_CHECK(!any_local || (cos_local && sin_local && cos_local->sizes() == cos.sizes() &&
+                             sin_local->sizes() == cos.sizes() && cos_local->is_contiguous() &&
+                             sin_local->is_contiguous() && cos_local->scalar_type() == torch::kBFloat16 &&
+                             sin_local->scalar_type() == torch::kBFloat16),
+              "local layers need cos_local and sin_local shaped and typed as cos");
   std::vector<PackedWeight> w;
   for (int64_t i = 0; i < 4 * layers; ++i) w.push_back(check_weights(weights_[i], kinds_[i]));
   const int64_t inter = w[2].out_features / 2;
@@ -1669,11 +1714,21 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                   "layer ", l, ": caches must be contiguous bfloat16 [blocks, block_size, ", num_kv_heads_, ", ",
                   head_dim_, "] with the partition a multiple of the block size");
     }
-    const int64_t slots_total = k.size(0) * k.size(1);
+    const int64_t slots_total = k.size(0) * k.size(1), g = group_of(l);
+    const int64_t* layer_slots = g ? group_slots[g - 1].data_ptr<int64_t>() : slots;
+    const int64_t* layer_lens = g ? group_lens[g - 1].data_ptr<int64_t>() : lens;
+    const int64_t width = g ? group_tables[g - 1].size(1) : block_tables.size(1);
+    const int64_t* table = g ? group_tables[g - 1].data_ptr<int64_t>() : block_tables.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " is outside the cache's ", slots_total);
-      TORCH_CHECK(lens[t] >= 1 && lens[t] <= block_tables.size(1) * k.size(1), "context length ", lens[t],
+      TORCH_CHECK(layer_slots[t] >= 0 && layer_slots[t] < slots_total, "slot ", layer_slots[t], " is outside the cache's ",
+                  slots_total);
+      TORCH_CHECK(layer_lens[t] >= 1 && layer_lens[t] <= width * k.size(1), "context length ", layer_lens[t],
                   " is beyond the block table");
+      if (g) {
+        for (int64_t b = 0; b < width; ++b)
+          TORCH_CHECK(table[t * width + b] >= 0 && table[t * width + b] < k.size(0), "group ", g, ": block ",
+                      table[t * width + b], " is outside the cache's ", k.size(0));
+      }
     }
   }
   const int64_t block_size = k_caches[0].size(1);
@@ -1688,9 +1743,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   std::vector<T> qkv(rows * w[0].out_features);
   const T* cos_p = cos.data_ptr<T>();
   const T* sin_p = sin.data_ptr<T>();
+  const T* cos_local_p = any_local ? cos_local->data_ptr<T>() : nullptr;
+  const T* sin_local_p = any_local ? sin_local->data_ptr<T>() : nullptr;
   const Isa isa = best_isa();
   const int threads = std::max(1, at::get_num_threads());
-  std::unique_ptr<DenseJob> dense_job;
+  std::vector<std::unique_ptr<DenseJob>> dense_jobs;  // one per attention group
 #ifdef KVBANK_X86
   std::unique_ptr<QuantJob<T>> quant_job;
   std::vector<QuantLayer> quant_layers;
@@ -1700,10 +1757,14 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   std::vector<T> scratch_k(kivi ? scratch_rows * block_size * kv_size : 0),
       scratch_v(kivi ? scratch_rows * block_size * kv_size : 0);
   if (!quantized) {
-    dense_job.reset(new DenseJob(q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
-                                      block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens, num_kv_heads_, group,
-                                      head_dim_, block_size, block_tables.size(1), scale, partition));
-    dense_job->set_starts(from);
+    for (int64_t g = 0; g < groups; ++g) {
+      const torch::Tensor& table = g ? group_tables[g - 1] : block_tables;
+      dense_jobs.emplace_back(new DenseJob(q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
+                                           table.data_ptr<int64_t>(), g ? group_lens[g - 1].data_ptr<int64_t>() : lens,
+                                           attn.data(), tokens, num_kv_heads_, group, head_dim_, block_size,
+                                           table.size(1), scale, partition));
+      dense_jobs.back()->set_starts(g ? group_starts[g - 1].data_ptr<int64_t>() : from);
+    }
   } else {
 #ifdef KVBANK_X86
     quant_job.reset(new QuantJob<T>(q.data(), block_tables.data_ptr<int64_t>(), lens, attn.data(), tokens,
@@ -1754,6 +1815,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       local_inter.resize(rows, inter);
     }
     std::vector<float> values(std::max({hidden, inter, q_size}));
+    // GeGLU's operands and result, rounded to T as the unfused projections and activation leave them
+    std::vector<T> gate_up_row(gemma_ ? 2 * inter : 0), gated(gemma_ ? inter : 0);
     // `fill(r)` leaves row r's float values in `values`; returns the quantized rows to multiply.
     auto quantize = [&](QuantRows& shared, QuantRows& local, auto&& fill) -> const QuantRows& {
       if (!split_rows) {
@@ -1792,10 +1855,39 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
 #endif
       for (; d < hidden; ++d) values[d] = values[d] * inv * widen(weight[d]);
     };
+    // Gemma's norms leave T rows, as its unfused layer's do: the normed values rounded to T (before
+    // they are quantized, or in place in h).
+    auto round_values = [&](int64_t n) {
+      for (int64_t d = 0; d < n; ++d) values[d] = round_as<T>(values[d]);
+    };
+    auto norm_in_place = [&](int64_t r, const T* weight) {
+      norm_row(r, nullptr, weight);
+      store_values(values.data(), h.data() + r * hidden, hidden, wide);
+    };
+    // RMSNorm of one head's `head_dim_` values in place (Gemma's q and k norms), as add_rms_norm_rows.
+    auto norm_head = [&](T* head, const T* weight) {
+      float squares = 0.0f;
+      for (int64_t d = 0; d < head_dim_; ++d) squares += widen(head[d]) * widen(head[d]);
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(head_dim_) + static_cast<float>(eps_));
+      for (int64_t d = 0; d < head_dim_; ++d) head[d] = narrow_to(widen(head[d]) * inv * widen(weight[d]), static_cast<T*>(nullptr));
+    };
     for (int64_t l = 0; l < layers; ++l) {
       const PackedWeight &wqkv = w[4 * l], &wo = w[4 * l + 1], &wgu = w[4 * l + 2], &wdown = w[4 * l + 3];
-      const T* norm1 = norms_[2 * l].data_ptr<T>();
-      const T* norm2 = norms_[2 * l + 1].data_ptr<T>();
+      // Llama: input, post-attention (before the MLP). Gemma: input, post-attention, pre-feedforward,
+      // post-feedforward, q, k.
+      const int64_t per_layer = gemma_ ? 6 : 2;
+      const T* norm1 = norms_[per_layer * l].data_ptr<T>();
+      const T* norm2 = norms_[per_layer * l + (gemma_ ? 2 : 1)].data_ptr<T>();
+      const T* norm_after_attn = gemma_ ? norms_[per_layer * l + 1].data_ptr<T>() : nullptr;
+      const T* norm_after_mlp = gemma_ ? norms_[per_layer * l + 3].data_ptr<T>() : nullptr;
+      const T* norm_q = gemma_ ? norms_[per_layer * l + 4].data_ptr<T>() : nullptr;
+      const T* norm_k = gemma_ ? norms_[per_layer * l + 5].data_ptr<T>() : nullptr;
+      const bool local = !local_layers.empty() && local_layers[l] == 1;
+      const T* layer_cos = local ? cos_local_p : cos_p;
+      const T* layer_sin = local ? sin_local_p : sin_p;
+      const int64_t g = group_of(l);
+      const int64_t* layer_slots = g ? group_slots[g - 1].data_ptr<int64_t>() : slots;
+      DenseJob* dense_job = quantized ? nullptr : dense_jobs[g].get();
       T* kc = quantized ? nullptr : k_caches[l].data_ptr<T>();
       T* vc = quantized ? nullptr : v_caches[l].data_ptr<T>();
       const int64_t width = wqkv.out_features;
@@ -1809,7 +1901,10 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         for (int64_t r = r0; r < r1; ++r) kivi_writes[l].preload(r);
       }
 #endif
-      const QuantRows& a1 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, previous, norm1); });
+      const QuantRows& a1 = quantize(shared_hidden, local_hidden, [&](int64_t r) {
+        norm_row(r, previous, norm1);
+        if (gemma_) round_values(hidden);
+      });
       {
         const auto [g0, g1] = share(wqkv.groups, tid, nt);
         qmatmul_span(wqkv, isa, g0, g1, a1, acc.data(), width);
@@ -1823,15 +1918,20 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         }
         T* row = qkv.data() + r * width;
         store_values(acc.data() + r * width, row, width, wide);
-        rope_rows(row, cos_p + r * head_dim_, sin_p + r * head_dim_, 1, num_heads_ + num_kv_heads_, head_dim_, width);
+        if (gemma_) {
+          for (int64_t hh = 0; hh < num_heads_; ++hh) norm_head(row + hh * head_dim_, norm_q);
+          for (int64_t hh = 0; hh < num_kv_heads_; ++hh) norm_head(row + q_size + hh * head_dim_, norm_k);
+        }
+        rope_rows(row, layer_cos + r * head_dim_, layer_sin + r * head_dim_, 1, num_heads_ + num_kv_heads_, head_dim_,
+                  width);
         if (r < tokens) {
           if (kivi) {
 #ifdef KVBANK_X86
             kivi_writes[l].place(r, row + q_size, row + q_size + kv_size);
 #endif
           } else if (!quantized) {
-            std::memcpy(kc + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
-            std::memcpy(vc + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+            std::memcpy(kc + layer_slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
+            std::memcpy(vc + layer_slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
           } else {
 #ifdef KVBANK_X86
             // quantized at the slot as TokenLayer.write does (quant_write_tokens)
@@ -1895,10 +1995,15 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         qmatmul_span(wo, isa, g0, g1, a2, acc.data(), hidden);
       }
 #pragma omp barrier
-      for (int64_t r = row_begin; r < row_end; ++r)
+      for (int64_t r = row_begin; r < row_end; ++r) {
         store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
+        if (gemma_) norm_in_place(r, norm_after_attn);
+      }
 #pragma omp barrier
-      const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) { norm_row(r, residual.data(), norm2); });
+      const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) {
+        norm_row(r, residual.data(), norm2);
+        if (gemma_) round_values(hidden);
+      });
       {
         const auto [g0, g1] = share(wgu.groups, tid, nt);
         qmatmul_span(wgu, isa, g0, g1, a3, acc.data(), wgu.out_features);
@@ -1907,8 +2012,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       for (int64_t r = row_begin; r < row_end; ++r)
         add_values(h.data() + r * hidden, residual.data() + r * hidden, hidden, wide);
       const QuantRows& a4 = quantize(shared_inter, local_inter, [&](int64_t r) {
-        const float* g = acc.data() + r * wgu.out_features;
-        silu_mul_row<T>(g, g + inter, values.data(), inter);
+        const float* gate = acc.data() + r * wgu.out_features;
+        if (!gemma_) return silu_mul_row<T>(gate, gate + inter, values.data(), inter);
+        store_values(gate, gate_up_row.data(), 2 * inter, wide);
+        geglu_row(gate_up_row.data(), gate_up_row.data() + inter, gated.data(), inter);
+        for (int64_t d = 0; d < inter; ++d) values[d] = widen(gated[d]);
       });
       if (!split_rows) {
 #pragma omp barrier
@@ -1918,8 +2026,10 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         qmatmul_span(wdown, isa, g0, g1, a4, acc.data(), hidden);
       }
 #pragma omp barrier
-      for (int64_t r = row_begin; r < row_end; ++r)
+      for (int64_t r = row_begin; r < row_end; ++r) {
         store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
+        if (gemma_) norm_in_place(r, norm_after_mlp);
+      }
 #pragma omp barrier
     }
   }

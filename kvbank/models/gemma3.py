@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbank.attention import AttentionMetadata
+from kvbank.attention.fast import DECODE_PARTITION, window_row_starts
 from kvbank.attention.window import WindowRows, window_attention, window_rows
 from kvbank.models.config import ModelConfig
 from kvbank.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, rope_inv_freq
@@ -125,6 +126,23 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x, positions = self._embed(input_ids, positions, embeds)
         full = self.rope_cos[positions], self.rope_sin[positions]
         local = self.rope_local_cos[positions], self.rope_local_sin[positions]
+        step = self._gemma_stack_step(x, kv_caches, meta)
+        if step is not None:
+            caches = [c.stack_caches() for c in kv_caches]
+            hidden = self._stack().forward(
+                x=x,
+                cos=full[0],
+                sin=full[1],
+                cos_local=local[0],
+                sin_local=local[1],
+                k_caches=[c.k for c in caches],
+                v_caches=[c.v for c in caches],
+                scale=self.layers[0].self_attn.scale,
+                partition=DECODE_PARTITION,
+                local_layers=[int(layer.self_attn.window is not None) for layer in self.layers],
+                **step,
+            )
+            return hidden[:T]
         windows: dict[int, dict[int, WindowRows]] = {}
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -135,6 +153,85 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             shared = windows.setdefault(id(layer_meta), {})
             x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta, shared)
         return (x + residual)[:T]
+
+    def _gemma_stack_step(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> dict | None:
+        """The step's attention arguments when it can run as one native call over every layer: bfloat16
+        rows, every projection on the integer kernels, bfloat16 caches attended by rows. Layers that
+        attend through one table (the hybrid cache's full table or a window's) and the same window
+        share a group: its slots, block tables, context lengths and starts (trailing by the window)."""
+        rows = x.shape[0]
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.layers[0].mlp.native is None:
+            return None
+        for layer in self.layers:
+            projections = (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+            if not all(hasattr(p, "segments") and p.integer_path(rows) for p in projections):
+                return None
+        if not all(hasattr(c, "row_attention") for c in kv_caches):
+            return None
+        if any(c.stack_caches() is None or c.stack_caches().format != 0 for c in kv_caches):
+            return None
+        groups: dict[tuple, int] = {}
+        layer_groups: list[int] = []
+        slots, tables, lens, starts = [], [], [], []
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_meta = meta if meta.layer_metas is None else meta.layer_metas[i]
+            window = layer.self_attn.window
+            key = (id(layer_meta), cache.kind, window)
+            if key not in groups:
+                rows_attention = cache.row_attention(layer_meta)
+                if rows_attention is None:
+                    return None
+                first = rows_attention["starts"]
+                if window is not None:
+                    first = window_row_starts(rows_attention["context_lens"], first, window)
+                elif first is None and groups:
+                    first = torch.zeros_like(rows_attention["context_lens"])
+                groups[key] = len(slots)
+                slots.append(layer_meta.slot_mapping)
+                tables.append(rows_attention["block_tables"])
+                lens.append(rows_attention["context_lens"])
+                starts.append(first)
+            layer_groups.append(groups[key])
+        return {
+            "slot_mapping": slots[0],
+            "block_tables": tables[0],
+            "context_lens": lens[0],
+            "starts": starts[0],
+            "layer_groups": layer_groups,
+            "group_slots": slots[1:],
+            "group_tables": tables[1:],
+            "group_lens": lens[1:],
+            "group_starts": starts[1:],
+        }
+
+    def _stack(self):
+        """The native stack with Gemma's six norms per layer and GeGLU."""
+        if self._native_stack is None:
+            weights, kinds, norms = [], [], []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                    records, kind = linear.segments()
+                    weights.append(records)
+                    kinds.append(kind)
+                norms += [
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    layer.pre_feedforward_layernorm.weight,
+                    layer.post_feedforward_layernorm.weight,
+                    attn.q_norm.weight,
+                    attn.k_norm.weight,
+                ]
+            c = self.config
+            self._native_stack = self.layers[0].mlp.native.QuantStack(
+                weights, kinds, norms, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, gemma=True
+            )
+        return self._native_stack
 
     def use_native(self, module) -> None:
         """As LlamaForCausalLM's, and GeGLU's activation too."""
