@@ -1643,6 +1643,20 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                 tokens, "], all int64");
   }
   TORCH_CHECK(groups == 1 || format == 0, "attention groups need bfloat16 caches (format 0), got format ", format);
+  // Rows read from starts[t] on (a stream's sequence after evictions, a sliding window;
+  // Partials::starts), or from 0.
+  torch::Tensor first_slots;
+  const int64_t* from = row_starts(starts, tokens, first_slots);
+  struct Group {
+    const int64_t *slots, *table, *lens, *starts;
+    int64_t width;
+  };
+  std::vector<Group> attention_groups{{slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                                       context_lens.data_ptr<int64_t>(), from, block_tables.size(1)}};
+  for (int64_t g = 1; g < groups; ++g)
+    attention_groups.push_back({group_slots[g - 1].data_ptr<int64_t>(), group_tables[g - 1].data_ptr<int64_t>(),
+                                group_lens[g - 1].data_ptr<int64_t>(), group_starts[g - 1].data_ptr<int64_t>(),
+                                group_tables[g - 1].size(1)});
   auto group_of = [&](int64_t l) { return layer_groups.empty() ? int64_t{0} : layer_groups[l]; };
   const bool any_local = std::find(local_layers.begin(), local_layers.end(), int64_t{1}) != local_layers.end();
   TORCH_CHECK(local_layers.empty() || static_cast<int64_t>(local_layers.size()) == layers,
@@ -1714,27 +1728,21 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                   "layer ", l, ": caches must be contiguous bfloat16 [blocks, block_size, ", num_kv_heads_, ", ",
                   head_dim_, "] with the partition a multiple of the block size");
     }
-    const int64_t slots_total = k.size(0) * k.size(1), g = group_of(l);
-    const int64_t* layer_slots = g ? group_slots[g - 1].data_ptr<int64_t>() : slots;
-    const int64_t* layer_lens = g ? group_lens[g - 1].data_ptr<int64_t>() : lens;
-    const int64_t width = g ? group_tables[g - 1].size(1) : block_tables.size(1);
-    const int64_t* table = g ? group_tables[g - 1].data_ptr<int64_t>() : block_tables.data_ptr<int64_t>();
+    const int64_t slots_total = k.size(0) * k.size(1);
+    const Group& G = attention_groups[group_of(l)];
     for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(layer_slots[t] >= 0 && layer_slots[t] < slots_total, "slot ", layer_slots[t], " is outside the cache's ",
+      TORCH_CHECK(G.slots[t] >= 0 && G.slots[t] < slots_total, "slot ", G.slots[t], " is outside the cache's ",
                   slots_total);
-      TORCH_CHECK(layer_lens[t] >= 1 && layer_lens[t] <= width * k.size(1), "context length ", layer_lens[t],
+      TORCH_CHECK(G.lens[t] >= 1 && G.lens[t] <= G.width * k.size(1), "context length ", G.lens[t],
                   " is beyond the block table");
-      if (g) {
-        for (int64_t b = 0; b < width; ++b)
-          TORCH_CHECK(table[t * width + b] >= 0 && table[t * width + b] < k.size(0), "group ", g, ": block ",
-                      table[t * width + b], " is outside the cache's ", k.size(0));
+      if (groups > 1) {
+        for (int64_t b = 0; b < G.width; ++b)
+          TORCH_CHECK(G.table[t * G.width + b] >= 0 && G.table[t * G.width + b] < k.size(0), "layer ", l, ": block ",
+                      G.table[t * G.width + b], " is outside the cache's ", k.size(0));
       }
     }
   }
   const int64_t block_size = k_caches[0].size(1);
-  // Rows read from starts[t] on (a stream's sequence after evictions; Partials::starts), or from 0.
-  torch::Tensor first_slots;
-  const int64_t* from = row_starts(starts, tokens, first_slots);
 
   auto out = torch::empty({rows, hidden}, x.options());
   std::vector<T> h(rows * hidden), residual(rows * hidden), attn(rows * q_size, T(0.0f)), q(tokens * q_size);
@@ -1757,13 +1765,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   std::vector<T> scratch_k(kivi ? scratch_rows * block_size * kv_size : 0),
       scratch_v(kivi ? scratch_rows * block_size * kv_size : 0);
   if (!quantized) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const torch::Tensor& table = g ? group_tables[g - 1] : block_tables;
-      dense_jobs.emplace_back(new DenseJob(q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(),
-                                           table.data_ptr<int64_t>(), g ? group_lens[g - 1].data_ptr<int64_t>() : lens,
-                                           attn.data(), tokens, num_kv_heads_, group, head_dim_, block_size,
-                                           table.size(1), scale, partition));
-      dense_jobs.back()->set_starts(g ? group_starts[g - 1].data_ptr<int64_t>() : from);
+    for (const Group& G : attention_groups) {
+      dense_jobs.emplace_back(new DenseJob(q.data(), k_caches[0].data_ptr<T>(), v_caches[0].data_ptr<T>(), G.table,
+                                           G.lens, attn.data(), tokens, num_kv_heads_, group, head_dim_, block_size,
+                                           G.width, scale, partition));
+      dense_jobs.back()->set_starts(G.starts);
     }
   } else {
 #ifdef KVBANK_X86
@@ -1886,7 +1892,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const T* layer_cos = local ? cos_local_p : cos_p;
       const T* layer_sin = local ? sin_local_p : sin_p;
       const int64_t g = group_of(l);
-      const int64_t* layer_slots = g ? group_slots[g - 1].data_ptr<int64_t>() : slots;
+      const int64_t* layer_slots = attention_groups[g].slots;
       DenseJob* dense_job = quantized ? nullptr : dense_jobs[g].get();
       T* kc = quantized ? nullptr : k_caches[l].data_ptr<T>();
       T* vc = quantized ? nullptr : v_caches[l].data_ptr<T>();

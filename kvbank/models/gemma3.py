@@ -173,7 +173,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 return None
         if not all(hasattr(c, "row_attention") for c in kv_caches):
             return None
-        if any(c.stack_caches() is None or c.stack_caches().format != 0 for c in kv_caches):
+        if any(stack is None or stack.format != 0 for stack in (c.stack_caches() for c in kv_caches)):
             return None
         groups: dict[tuple, int] = {}
         layer_groups: list[int] = []
@@ -209,29 +209,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             "group_starts": starts[1:],
         }
 
-    def _stack(self):
-        """The native stack with Gemma's six norms per layer and GeGLU."""
-        if self._native_stack is None:
-            weights, kinds, norms = [], [], []
-            for layer in self.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                    records, kind = linear.segments()
-                    weights.append(records)
-                    kinds.append(kind)
-                norms += [
-                    layer.input_layernorm.weight,
-                    layer.post_attention_layernorm.weight,
-                    layer.pre_feedforward_layernorm.weight,
-                    layer.post_feedforward_layernorm.weight,
-                    attn.q_norm.weight,
-                    attn.k_norm.weight,
-                ]
-            c = self.config
-            self._native_stack = self.layers[0].mlp.native.QuantStack(
-                weights, kinds, norms, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, gemma=True
-            )
-        return self._native_stack
+    stack_gemma = True
+
+    def _stack_norms(self, layer) -> list[torch.Tensor]:
+        """Before and after attention, before and after the MLP, then q's and k's per head."""
+        return [
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            layer.pre_feedforward_layernorm.weight,
+            layer.post_feedforward_layernorm.weight,
+            layer.self_attn.q_norm.weight,
+            layer.self_attn.k_norm.weight,
+        ]
 
     def use_native(self, module) -> None:
         """As LlamaForCausalLM's, and GeGLU's activation too."""

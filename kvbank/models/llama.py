@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbank import kernels
 from kvbank.attention import AttentionMetadata
 from kvbank.attention.fast import DECODE_PARTITION
 from kvbank.attention.rope import apply_rope
@@ -403,6 +404,13 @@ class LlamaForCausalLM(nn.Module):
             return None  # one cache format, and one the stack takes, for every layer
         return rows_attention
 
+    #: the native stack's layer form: Llama's (False) or Gemma's (True: six norms, GeGLU)
+    stack_gemma = False
+
+    def _stack_norms(self, layer) -> list[torch.Tensor]:
+        """A layer's norm weights in the order the native stack takes them."""
+        return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+
     def _stack(self):
         if self._native_stack is None:
             weights, kinds, norms = [], [], []
@@ -416,10 +424,10 @@ class LlamaForCausalLM(nn.Module):
                     records, kind = linear.segments()
                     weights.append(records)
                     kinds.append(kind)
-                norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                norms += self._stack_norms(layer)
             c = self.config
-            self._native_stack = self.layers[0].native.QuantStack(
-                weights, kinds, norms, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
+            self._native_stack = kernels.native().QuantStack(
+                weights, kinds, norms, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, gemma=self.stack_gemma
             )
         return self._native_stack
 
