@@ -65,10 +65,20 @@ constexpr int64_t ROW_TILE = 4;
 // Above this many rows the decoder stack splits normalization and quantization among its threads.
 constexpr int64_t SPLIT_ROWS = 8;
 #ifndef KVBANK_PREFETCH
-#define KVBANK_PREFETCH 12288
+#define KVBANK_PREFETCH 32768
 #endif
-// Weights stream from memory once per step: ask for them this far ahead of the records in use.
+// Weights stream from memory once per step. A kernel asks for each record this far ahead, into L2:
+// L2 keeps more misses in flight than L1 does, so the stream runs at the memory's speed while the
+// cores compute (8 rows of the 262,144-row Q8 head: 8.9 ms with 12 KB into L1, 6.4 with 32 KB into
+// L2; one row 7.0 and 5.7, on a Zen 4 VM).
 constexpr int64_t PREFETCH_BYTES = KVBANK_PREFETCH;
+
+#ifdef KVBANK_X86
+inline void prefetch_record(const uint8_t* rec, int64_t bytes) {
+  const char* ahead = reinterpret_cast<const char*>(rec + PREFETCH_BYTES);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+}
+#endif
 
 using kvbank::Isa;
 
@@ -376,7 +386,7 @@ KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec = w + b * record;
-    for (int line = 0; line < record; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_record(rec, record);
     __m512i lo[4], hi[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(rec + 64 * j);
@@ -421,10 +431,8 @@ KVBANK_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec0 = w0 + b * record;
     const uint8_t* rec1 = w1 + b * record;
-    for (int line = 0; line < record; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(rec0 + PREFETCH_BYTES + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec1 + PREFETCH_BYTES + line), _MM_HINT_T0);
-    }
+    prefetch_record(rec0, record);
+    prefetch_record(rec1, record);
     __m512i s0[R], s1[R];
     for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -464,7 +472,7 @@ KVBANK_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec = w + b * record;
-    for (int line = 0; line < record; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_record(rec, record);
     __m512i wv[8];
     for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(rec + 64 * c);
     const __m512 d_lo = record_values16<H>(rec, 512), d_hi = H ? record_values16<true>(rec, 576) : d_lo;
@@ -502,10 +510,8 @@ KVBANK_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec0 = w0 + b * Q8_RECORD;
     const uint8_t* rec1 = w1 + b * Q8_RECORD;
-    for (int line = 0; line < Q8_RECORD; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(rec0 + PREFETCH_BYTES + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec1 + PREFETCH_BYTES + line), _MM_HINT_T0);
-    }
+    prefetch_record(rec0, Q8_RECORD);
+    prefetch_record(rec1, Q8_RECORD);
     __m512i s0[R], s1[R];
     for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
@@ -543,7 +549,7 @@ KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec = w + b * record;
-    for (int line = 0; line < record; line += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_record(rec, record);
     __m512i lo[4], hi[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(rec + 64 * j);
@@ -778,8 +784,7 @@ KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     for (int64_t b = 0; b < a.blocks; ++b) {
       const uint8_t* rec = w + b * record;
       if (h == 0) {
-        for (int line = 0; line < record; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+        prefetch_record(rec, record);
       }
       __m256i lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
@@ -823,8 +828,7 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     for (int64_t b = 0; b < a.blocks; ++b) {
       const uint8_t* rec = w + b * record;
       if (h == 0) {
-        for (int line = 0; line < record; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+        prefetch_record(rec, record);
       }
       __m256i ws[8], mag[8];
       for (int c = 0; c < 8; ++c) {
@@ -876,8 +880,7 @@ KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     for (int64_t b = 0; b < a.blocks; ++b) {
       const uint8_t* rec = w + b * record;
       if (h == 0) {
-        for (int line = 0; line < record; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + line), _MM_HINT_T0);
+        prefetch_record(rec, record);
       }
       __m256i lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
