@@ -25,6 +25,7 @@ def llm(native, isa_level):
     )
     assert llm.engine.runner.model.layers[0].native is not None, f"the model runs on the integer kernels at {isa_level}"
     assert llm.engine.stats()["kernel_isa"]["active"] == isa_level
+    assert llm.engine.stats()["batch_invariant"], "the engine reports the property it keeps"
     return llm
 
 

@@ -1,6 +1,7 @@
 """The instruction-set registry (kvbank/kernels/isa.h, kvbank/kernels/isa.py): one level for the
 CPU, a cap that lowers every family's variant and never raises it, reported where users look."""
 
+import logging
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from conftest import cpu_levels
 
+from kvbank import LLM
 from kvbank.kernels import isa
 from kvbank.server.metrics import render_isa
 
@@ -131,3 +133,20 @@ def test_the_registry_is_in_stats_metrics_and_the_log_line(native):
     assert 'isa="pytorch"' in "\n".join(render_isa({**report, "families": {"quant_write": None}}))
     assert isa.describe(native).startswith(f"CPU level {report['cpu']}")
     assert isa.describe(None) == "native kernels unavailable: PyTorch only"
+
+
+def test_an_engine_says_whether_it_keeps_batch_invariance_and_warns_where_it_cannot(native, caplog):
+    # Below avx2 the engine runs PyTorch's matmuls and batched attention (fast, but a row's bits may
+    # depend on its batch): batch_invariant=True cannot be kept there, and the engine says so.
+    with isa.capped(native, "scalar"), caplog.at_level(logging.WARNING, logger="kvbank"):
+        llm = LLM(num_gpu_blocks=64)
+    assert llm.engine.stats()["batch_invariant"] is False
+    assert "batch_invariant is not kept here" in caplog.text and "native kernels at scalar" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbank"):
+        assert LLM(num_gpu_blocks=64, dtype="float32").engine.stats()["batch_invariant"] is False
+        assert "float32" in caplog.text
+        caplog.clear()
+        assert LLM(num_gpu_blocks=64, batch_invariant=False).engine.stats()["batch_invariant"] is False
+        assert LLM(num_gpu_blocks=64).engine.stats()["batch_invariant"] is True  # kept at this CPU's level
+    assert "batch_invariant" not in caplog.text

@@ -149,6 +149,18 @@ def build_services(
     return Services(scheduler, runner, admission, streams_host, sessions, decoder)
 
 
+def batch_variance(model, storage: KVStorage) -> str | None:
+    """Why greedy output may depend on what else runs in this engine, or None when every row's
+    arithmetic is its own: the model's projections and head (models/llama.py) and every KV kind's
+    attention by rows."""
+    reason = model.varies_with_batch()
+    if reason is None:
+        batched = [kind.name for kind in storage.kinds if not kind.attend_rows]
+        if batched:
+            reason = f"the {', '.join(batched)} KV cache attends batched, not by rows"
+    return reason
+
+
 def _check_hybrid(config: EngineConfig, groups: KVGroups) -> None:
     """Refuse what the hybrid layout cannot do yet, naming the way out."""
     if config.kv_host_gb or config.kv_disk_dir or config.kv_redis_url:

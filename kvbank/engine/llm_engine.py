@@ -16,8 +16,9 @@ import torch
 
 from kvbank import kernels, memory
 from kvbank.cache.policies import DEFAULT_STREAM_POLICY, KVPolicy
+from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
-from kvbank.engine.builder import build_cache, build_services
+from kvbank.engine.builder import batch_variance, build_cache, build_services
 from kvbank.engine.counters import EngineCounters
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
@@ -69,6 +70,21 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []
         self.counters = EngineCounters()
         self.memory = memory.measure(self, built.load_peak)
+        #: whether greedy output is independent of the batch (config.batch_invariant, where kept)
+        self.batch_invariant = False
+        if config.batch_invariant:
+            reason = batch_variance(built.model, self.storage)
+            self.batch_invariant = reason is None
+            if reason is not None:
+                log.warning(
+                    "batch_invariant is not kept here: %s (%s, %s, native kernels at %s); greedy output may "
+                    "depend on what else runs. It holds for bfloat16 on a CPU at avx2 or above with 4- or "
+                    "8-bit GGUF weights.",
+                    reason,
+                    dtype_name(self.dtype),
+                    self.device.type,
+                    isa.report(kernels.native())["active"] or "none",
+                )
 
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.streams_host.frame_requests
@@ -301,4 +317,5 @@ class LLMEngine:
             **self.scheduler.gauges(),
             **self.swapper.gauges(),
             "kernel_isa": isa.report(kernels.native()),
+            "batch_invariant": self.batch_invariant,
         }

@@ -431,6 +431,19 @@ class LlamaForCausalLM(nn.Module):
             )
         return self._native_stack
 
+    def varies_with_batch(self) -> str | None:
+        """Why a row's logits may depend on the other rows of its step, or None when they cannot:
+        every projection and the LM head run on the integer kernels for steps of any size, each row's
+        arithmetic its own (qweights.py)."""
+        if not isinstance(self.lm_head, QuantHead):
+            return "the LM head is a dense matmul"
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if not isinstance(linear, (QuantLinear, SplitLinear)) or linear.max_rows is not None:
+                    return f"layer {i}'s projections are not all on the integer kernels for every step"
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of hidden states."""
         if isinstance(self.lm_head, QuantHead):

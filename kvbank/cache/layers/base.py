@@ -139,6 +139,9 @@ class KVKind(ABC):
     name: ClassVar[str]
     #: the edits of `EDITS` this kind carries out
     edits: ClassVar[frozenset[str]] = frozenset()
+    #: whether every new token attends alone, through a kernel by rows: its result does not depend
+    #: on the other rows of the step (set by kinds that can; batched attention by default)
+    attend_rows: bool = False
 
     def __init__(self, spec: PoolSpec, codecs: list[CodecPair]) -> None:
         self.spec = spec
