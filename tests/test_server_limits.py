@@ -154,6 +154,7 @@ def test_metrics_use_the_documented_names_and_move(server):
         "process_resident_memory_bytes",
     ):
         assert name in before, name
+    assert before["kvbank:batch_invariant"] == 1  # the default configuration keeps it
     _client(server).completions.create(
         model=MODEL, prompt="The sea is", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )

@@ -123,6 +123,7 @@ _GAUGES = (
     ("num_pinned_blocks", "kvbank:num_pinned_blocks", "KV blocks held by pinned prefixes."),
     ("swap_bytes_used", "kvbank:swap_bytes_used", "Host RAM held by swapped-out sequences, in bytes."),
     ("prefix_cache_hit_rate", "kvbank:prefix_cache_hit_rate", "Prefix-cache hits / queries since start."),
+    ("batch_invariant", "kvbank:batch_invariant", "1 where greedy output cannot depend on what else runs, else 0."),
 )
 
 
@@ -165,7 +166,7 @@ def render_metrics(
     for key, name, help_text in _COUNTERS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {stats.get(key, 0)}"]
     for key, name, help_text in _GAUGES:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {stats.get(key, 0)}"]
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {_number(stats.get(key, 0))}"]
     for name, value in (extra_gauges or {}).items():
         lines += [f"# TYPE {name} gauge", f"{name} {value}"]
     lines += render_evictions(stats)
@@ -183,6 +184,11 @@ def render_metrics(
             f"process_resident_memory_bytes {rss}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float | bool) -> float | int:
+    """A gauge's value as Prometheus writes it: a flag as 1 or 0."""
+    return int(value) if isinstance(value, bool) else value
 
 
 #: the engine's per-policy eviction counters are its stats keys with this prefix
