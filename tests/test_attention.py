@@ -216,6 +216,15 @@ def test_native_decode_kernel_rejects_bad_input_by_name(native):
         native.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 100)
     with pytest.raises(RuntimeError, match="int64"):
         native.paged_decode_attention(q, cache, cache, tables.int(), lens, 1.0, 256)
+    # ids and lengths the kernel would read the cache with, unchecked, are refused first
+    with pytest.raises(RuntimeError, match="row 0: block 4 is outside the cache's 4 blocks"):
+        native.paged_decode_attention(q, cache, cache, tables + 4, lens, 1.0, 256)
+    with pytest.raises(RuntimeError, match="row 0: block -1 is outside"):
+        native.paged_decode_attention(q, cache, cache, tables - 1, lens, 1.0, 256)
+    with pytest.raises(RuntimeError, match="row 0: context length 17 is beyond its block table of 1 blocks of 16"):
+        native.paged_decode_attention(q, cache, cache, tables, lens * 17, 1.0, 256)
+    with pytest.raises(RuntimeError, match="row 0: start 1 is outside its context of 1"):
+        native.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 256, lens)
 
 
 def test_the_quantized_kernel_reads_a_bf16_cache_as_format_0(native):

@@ -160,6 +160,10 @@ def test_bad_arguments_are_refused_with_the_numbers(kernel):
         kernel.quant_decode_attention(torch.randn(1, 3, 3, 64), 1, *args, tables, lens, 0.125, DECODE_PARTITION)
     with pytest.raises(RuntimeError, match="codes have 64 bytes per head, expected 32"):
         kernel.quant_decode_attention(q, 4, *args, tables, lens, 0.125, DECODE_PARTITION)  # int8 codes read as int4
+    with pytest.raises(RuntimeError, match="row 0: block 4 is outside the cache's 4 blocks"):
+        kernel.quant_decode_attention(q, 1, *args, tables + 4, lens, 0.125, DECODE_PARTITION)
+    with pytest.raises(RuntimeError, match="row 0: context length 17 is beyond its block table"):
+        kernel.quant_decode_attention(q, 1, *args, tables, lens * 17, 0.125, DECODE_PARTITION)
     key_codec, value_codec = codecs_for("int4", torch.float32)
     stored_k = key_codec.quantize(torch.randn(4, 16, 2, 64))
     stored_v = value_codec.quantize(torch.randn(4, 16, 2, 64))
@@ -274,6 +278,40 @@ def test_every_code_is_read_as_the_codec_reads_it(kernel, kv, dtype):
         )
         expected = values.unsqueeze(2).expand(n, heads, 3, dim).to(dtype)
         assert torch.equal(out, expected), (isa, (out.float() - expected.float()).abs().max())
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8", "fp8_e4m3"])
+def test_a_prefills_rows_attended_together_keep_each_rows_bits_alone(kernel, kv):
+    # A prefill's rows read the same blocks, and the AVX2 version attends up to 8 of them per block
+    # it decodes (quant_rows in quant_decode.h). Each row must get its bits alone, whatever shares
+    # its tile: rows of one sequence across a partition boundary, a row of another sequence among
+    # them, rows that start later (a window), and on every version the CPU has.
+    generator = torch.Generator().manual_seed(7)
+    blocks, block, kv_heads, group, dim = 40, 16, 3, 3, 64
+    keys = torch.randn(blocks, block, kv_heads, dim, generator=generator) * 2
+    values = torch.randn(blocks, block, kv_heads, dim, generator=generator)
+    if kv == "bfloat16":
+        none = torch.empty(0, dtype=torch.float16)
+        args, format_ = (keys.bfloat16(), none, None, values.bfloat16(), none, None), 0
+    else:
+        key_codec, value_codec = codecs_for(kv, torch.float32)
+        args, format_ = _stored_args(key_codec.quantize(keys), value_codec.quantize(values)), NATIVE_FORMATS[kv]
+    order = torch.randperm(blocks, generator=generator)
+    sequence, other = order[:20], order[20:]
+    lens = [*range(250, 270), 300, *range(270, 290)]
+    tables = torch.stack([sequence] * 20 + [other] + [sequence] * 20)
+    starts = torch.tensor([0] * 30 + [100] * 5 + [0] * 6)
+    q = torch.randn(len(lens), kv_heads, group, dim, generator=generator).bfloat16()
+    for isa in kernel.quant_decode_isas():
+        together = kernel.quant_decode_attention(
+            q, format_, *args, tables, torch.tensor(lens), 0.125, DECODE_PARTITION, isa=isa, starts=starts
+        )
+        for i in range(len(lens)):
+            alone = kernel.quant_decode_attention(
+                q[i : i + 1], format_, *args, tables[i : i + 1], torch.tensor(lens[i : i + 1]), 0.125,
+                DECODE_PARTITION, isa=isa, starts=starts[i : i + 1],
+            )  # fmt: skip
+            assert torch.equal(alone, together[i : i + 1]), (isa, i)
 
 
 def _kivi_pool(kv, dtype, blocks, block, heads, dim, group):

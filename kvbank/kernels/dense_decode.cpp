@@ -14,7 +14,7 @@ void dense_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   job.set_starts(starts);
   const Bf16* k_p = k.data_ptr<Bf16>();
   const Bf16* v_p = v.data_ptr<Bf16>();
-  run_items(job.partials(), [&](int64_t item) { job.item(item, k_p, v_p); });
+  run_item_runs(job.partials(), [&](const int64_t* items, int count) { job.run(items, count, k_p, v_p); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });
@@ -45,8 +45,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.dim() == 1 &&
+                  context_lens.size(0) == q.size(0),
+              "one block table row and one context length per row of q");
   torch::Tensor first;
   const int64_t* s = row_starts(starts, q.size(0), first);
+  check_block_tables(block_tables, context_lens, s, k_cache.size(1), k_cache.size(0));
   auto out = torch::empty_like(q);
   switch (q.scalar_type()) {
     case torch::kFloat: decode_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;

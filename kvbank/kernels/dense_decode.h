@@ -77,13 +77,15 @@ class DenseJob {
 
   // Work item `i` over the caches `k`, `v` ([blocks, block_size, heads, dim]).
   void item(int64_t i, const Bf16* k, const Bf16* v) {
-    if (quant_) {
-      const QuantLayer layer{kBf16,    reinterpret_cast<const uint8_t*>(k), nullptr, nullptr, nullptr,
-                             reinterpret_cast<const uint8_t*>(v), nullptr, nullptr, heads_, dim_, block_size_,
-                             2 * dim_, 1,       nullptr,  nullptr, nullptr};
-      return quant_->item(i, layer);
-    }
+    if (quant_) return quant_->item(i, layer(k, v));
     visit([&](auto& job) { job.item(i, k, v); });
+  }
+
+  // A run of items (ItemQueue::drain_runs): the quantized kernel's version attends a prefill's
+  // rows together (QuantJob::run); the others take them one at a time.
+  void run(const int64_t* items, int count, const Bf16* k, const Bf16* v) {
+    if (quant_) return quant_->run(items, count, layer(k, v));
+    for (int j = 0; j < count; ++j) item(items[j], k, v);
   }
 
   void merge(int64_t pair) {
@@ -92,6 +94,13 @@ class DenseJob {
   }
 
  private:
+  // The caches as the quantized kernel's format 0 (bfloat16 codes, no scales).
+  QuantLayer layer(const Bf16* k, const Bf16* v) const {
+    return QuantLayer{kBf16,    reinterpret_cast<const uint8_t*>(k), nullptr, nullptr, nullptr,
+                      reinterpret_cast<const uint8_t*>(v), nullptr, nullptr, heads_, dim_, block_size_,
+                      2 * dim_, 1,       nullptr,  nullptr, nullptr};
+  }
+
   int64_t heads_, dim_, block_size_;
   std::unique_ptr<QuantJob<Bf16>> quant_;
   std::unique_ptr<DecodeJob<Bf16, 64>> d64_;

@@ -50,6 +50,25 @@ inline const int64_t* row_starts(const std::optional<torch::Tensor>& starts, int
   return holder.data_ptr<int64_t>();
 }
 
+// Every row's context length fits its row of the block table ([rows, width] int64, contiguous),
+// its start (if any) lies inside its context, and every block it reads is one of the cache's
+// `num_blocks`: the attention kernels index the cache with these ids unchecked.
+inline void check_block_tables(const torch::Tensor& tables, const torch::Tensor& lens, const int64_t* starts,
+                               int64_t block_size, int64_t num_blocks) {
+  const int64_t rows = tables.size(0), width = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(len[r] >= 1 && len[r] <= width * block_size, "row ", r, ": context length ", len[r],
+                " is beyond its block table of ", width, " blocks of ", block_size);
+    const int64_t from = starts ? starts[r] : 0;
+    TORCH_CHECK(from >= 0 && from < len[r], "row ", r, ": start ", from, " is outside its context of ", len[r]);
+    for (int64_t b = from / block_size; b < (len[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[r * width + b] >= 0 && table[r * width + b] < num_blocks, "row ", r, ": block ",
+                  table[r * width + b], " is outside the cache's ", num_blocks, " blocks");
+  }
+}
+
 // dense_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,

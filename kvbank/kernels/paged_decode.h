@@ -346,15 +346,28 @@ class ItemQueue {
   // items, so that a decode step's handful still spreads over every thread.
   template <typename F>
   void drain(const Partials& partials, int threads, F&& run) {
+    drain_runs(partials, threads, [&](const int64_t* items, int count) {
+      for (int k = 0; k < count; ++k) run(items[k]);
+    });
+  }
+
+  // The same, handing each run whole to run(items, count): consecutive positions are consecutive
+  // rows of one KV head and partition (Partials::scheduled), which a kernel may attend together.
+  template <typename F>
+  void drain_runs(const Partials& partials, int threads, F&& run) {
     const int64_t count = partials.items();
-    const int64_t length = std::max<int64_t>(1, std::min<int64_t>(8, count / (4 * std::max(threads, 1))));
+    const int64_t length = std::max<int64_t>(1, std::min<int64_t>(kRun, count / (4 * std::max(threads, 1))));
+    int64_t items[kRun];
     for (;;) {
       const int64_t from = next_.fetch_add(length, std::memory_order_relaxed);
       if (from >= count) return;
       const int64_t to = std::min(count, from + length);
-      for (int64_t k = from; k < to; ++k) run(partials.scheduled(k));
+      for (int64_t k = from; k < to; ++k) items[k - from] = partials.scheduled(k);
+      run(items, static_cast<int>(to - from));
     }
   }
+
+  static constexpr int64_t kRun = 8;
 
  private:
   std::atomic<int64_t> next_{0};
@@ -366,6 +379,14 @@ void run_items(const Partials& partials, F&& run) {
   ItemQueue queue;
   const int threads = at::get_num_threads();
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { queue.drain(partials, threads, run); });
+}
+
+// The same in runs (ItemQueue::drain_runs).
+template <typename F>
+void run_item_runs(const Partials& partials, F&& run) {
+  ItemQueue queue;
+  const int threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { queue.drain_runs(partials, threads, run); });
 }
 
 // One decode attention over raw pointers, as Partials work items: the tensor entry point and the

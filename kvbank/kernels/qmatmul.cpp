@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -1708,6 +1709,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     for (int64_t t = 0; t < tokens; ++t)
       TORCH_CHECK(own[t] >= 0 && own[t] < scratch_rows, "own row ", own[t], " is outside the step's ", scratch_rows, " rows");
   }
+  std::vector<int64_t> group_blocks(groups, std::numeric_limits<int64_t>::max());
   for (int64_t l = 0; l < layers; ++l) {
     const auto& k = k_caches[l];
     const auto& v = v_caches[l];
@@ -1733,18 +1735,16 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     }
     const int64_t slots_total = k.size(0) * k.size(1);
     const Group& G = attention_groups[group_of(l)];
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = 0; t < tokens; ++t)
       TORCH_CHECK(G.slots[t] >= 0 && G.slots[t] < slots_total, "slot ", G.slots[t], " is outside the cache's ",
                   slots_total);
-      TORCH_CHECK(G.lens[t] >= 1 && G.lens[t] <= G.width * k.size(1), "context length ", G.lens[t],
-                  " is beyond the block table");
-      if (groups > 1) {
-        for (int64_t b = 0; b < G.width; ++b)
-          TORCH_CHECK(G.table[t * G.width + b] >= 0 && G.table[t * G.width + b] < k.size(0), "layer ", l, ": block ",
-                      G.table[t * G.width + b], " is outside the cache's ", k.size(0));
-      }
-    }
+    group_blocks[group_of(l)] = std::min(group_blocks[group_of(l)], k.size(0));
   }
+  // every group's tables against the smallest cache among its layers, once
+  check_block_tables(block_tables, context_lens, from, k_caches[0].size(1), group_blocks[0]);
+  for (int64_t g = 1; g < groups; ++g)
+    check_block_tables(group_tables[g - 1], group_lens[g - 1], attention_groups[g].starts, k_caches[0].size(1),
+                       group_blocks[g]);
   const int64_t block_size = k_caches[0].size(1);
 
   auto out = torch::empty({rows, hidden}, x.options());
@@ -1970,10 +1970,13 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
 #endif
       if (!quantized) {
-        item_queues[l].drain(dense_job->partials(), nt, [&](int64_t i) { dense_job->item(i, kc, vc); });
+        item_queues[l].drain_runs(dense_job->partials(), nt,
+                                  [&](const int64_t* items, int count) { dense_job->run(items, count, kc, vc); });
       } else {
 #ifdef KVBANK_X86
-        item_queues[l].drain(quant_job->partials, nt, [&](int64_t i) { quant_job->item(i, quant_layers[l]); });
+        item_queues[l].drain_runs(quant_job->partials, nt, [&](const int64_t* items, int count) {
+          quant_job->run(items, count, quant_layers[l]);
+        });
 #endif
       }
 #pragma omp barrier

@@ -107,8 +107,16 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
     sv = scratch_v->contiguous();
     own = own_rows->contiguous();
   }
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1, "block tables must be [rows, width], lengths [rows]");
   torch::Tensor first;
   const int64_t* from = row_starts(starts, q.size(0), first);
+  check_block_tables(block_tables, context_lens, from, block_size, k_codes.size(0));
+  if (scratch) {
+    const int64_t* rows = own.data_ptr<int64_t>();
+    for (int64_t r = 0; r < q.size(0); ++r)
+      TORCH_CHECK(rows[r] >= 0 && rows[r] < sk.size(0), "own row ", rows[r], " is outside the ", sk.size(0),
+                  " scratch blocks");
+  }
   auto out = torch::empty_like(q);
 #ifdef KVBANK_X86
   QuantLayer L{format,

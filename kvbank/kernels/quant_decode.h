@@ -484,31 +484,44 @@ KVBANK_AVX2_F16C inline void decode_codes(int64_t format, const uint8_t* p, __m2
   }
 }
 
-// Attention of G query heads of one KV head over tokens [begin, end) of a quantized sequence.
-// Each block is decoded once into float32 rows (L1-resident), then every query head runs over
-// them with its query and accumulator in registers.
+// Query rows of one sequence attended together (quant_rows): as many as keep their queries,
+// accumulators and scores (2 x G x D + G x 64 floats each) within about 20 KB of stack.
+constexpr int quant_tile_rows(int group, int dim) { return std::max(1, std::min(8, 2048 / (group * dim))); }
+
+// Attention of G query heads of one KV head over tokens [begin, ends[r]) of a quantized sequence,
+// for R <= quant_tile_rows(G, D) query rows q[r] that read the same blocks (`table`): consecutive
+// rows of a prefill. Each block is decoded once into float32 rows (L1-resident), then every row's
+// query heads run over them with the query and accumulator in registers. A row's arithmetic is
+// that of the row alone (R = 1, quant_range): the same operations on the same values in the same
+// order, its own tokens counted, so tiling never changes a bit. With R > 1 no row reads a block
+// from the step's scratch rows (own_row < 0).
 template <typename T, int G, int D>
-KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
-                                  int64_t head, int64_t own_block, int64_t own_row, float scale, float* acc_out,
-                                  float* max_out, float* sum_out) {
+KVBANK_AVX2_F16C void quant_rows(const QuantLayer& L, const T* const* q, const int64_t* table, int64_t begin,
+                                 const int64_t* ends, int R, int64_t head, int64_t own_block, int64_t own_row,
+                                 float scale, float* const* acc_out, float* const* max_out, float* const* sum_out) {
   constexpr int V = D / 8;
   constexpr int kMaxBlockTokens = 64;
+  constexpr int RT = quant_tile_rows(G, D);
   const int64_t bs = L.block_size;
   const bool kivi = L.format == kInt4 || L.format == kInt2;
   const bool scaled = !kivi && L.format != kBf16;  // one scale per token and head
   const __m256 unit = _mm256_set1_ps(L.format == kFp8E4M3 ? kFp8E4M3Unit : 1.0f);  // exact: a power of two
-  alignas(32) float qs[G][D];
-  alignas(32) float acc[G][D];
-  float m[G], l[G];
-  alignas(32) float scores[G][kMaxBlockTokens];
+  alignas(32) float qs[RT][G][D];
+  alignas(32) float acc[RT][G][D];
+  float m[RT][G], l[RT][G];
+  alignas(32) float scores[RT][G][kMaxBlockTokens];
   alignas(32) float rows[kMaxBlockTokens][D];
-  for (int g = 0; g < G; ++g) {
-    for (int v = 0; v < V; ++v) {
-      _mm256_store_ps(qs[g] + v * 8, _mm256_mul_ps(load8(q + g * D + v * 8), _mm256_set1_ps(scale)));
-      _mm256_store_ps(acc[g] + v * 8, _mm256_setzero_ps());
+  int64_t end = begin;
+  for (int r = 0; r < R; ++r) {
+    end = std::max(end, ends[r]);
+    for (int g = 0; g < G; ++g) {
+      for (int v = 0; v < V; ++v) {
+        _mm256_store_ps(qs[r][g] + v * 8, _mm256_mul_ps(load8(q[r] + g * D + v * 8), _mm256_set1_ps(scale)));
+        _mm256_store_ps(acc[r][g] + v * 8, _mm256_setzero_ps());
+      }
+      m[r][g] = -std::numeric_limits<float>::infinity();
+      l[r][g] = 0.0f;
     }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.0f;
   }
   const int64_t group_size = kivi ? D / L.value_groups : D;
   int group_of[V];  // KIVI: the value group of each 8-channel vector
@@ -518,6 +531,9 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
     const BlockSpan<T> b(L, table, start, end, head, own_block, own_row);
     const int64_t block = b.block, first = b.first;
     const int count = b.count;
+    // each row's tokens of this block (its own end), none once it has ended
+    int counts[RT];
+    for (int r = 0; r < R; ++r) counts[r] = static_cast<int>(std::clamp<int64_t>(ends[r] - start, 0, count));
     const bool own = b.own;
     const T *sk = b.sk, *sv = b.sv;
     const uint8_t *kc = b.kc, *vc = b.vc;
@@ -556,41 +572,44 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
     const bool folded = kivi && !own;
     alignas(32) float ks[D], km[D];
     if (folded) kivi_key_ranges8(L, block, head, D, ks, km);
-    for (int g = 0; g < G; ++g) {
-      __m256 qv[V];
-      float bias = 0.0f;
-      if (folded) {
-        __m256 b = _mm256_setzero_ps();
-        for (int v = 0; v < V; ++v) {
-          const __m256 x = _mm256_load_ps(qs[g] + v * 8);
-          qv[v] = _mm256_mul_ps(x, _mm256_load_ps(ks + v * 8));
-          b = _mm256_fmadd_ps(x, _mm256_load_ps(km + v * 8), b);
-        }
-        bias = hsum8(b);
-      } else {
-        for (int v = 0; v < V; ++v) qv[v] = _mm256_load_ps(qs[g] + v * 8);
-      }
-      // Scores, 8 tokens at a time, summed across lanes together.
-      for (int t0 = 0; t0 < count; t0 += 8) {
-        __m256 part[8];
-        const int n = std::min(8, count - t0);
-        for (int t = 0; t < 8; ++t) {
-          if (t >= n) {
-            part[t] = _mm256_setzero_ps();
-            continue;
+    for (int r = 0; r < R; ++r) {
+      const int n_r = counts[r];
+      for (int g = 0; g < G && n_r > 0; ++g) {
+        __m256 qv[V];
+        float bias = 0.0f;
+        if (folded) {
+          __m256 b = _mm256_setzero_ps();
+          for (int v = 0; v < V; ++v) {
+            const __m256 x = _mm256_load_ps(qs[r][g] + v * 8);
+            qv[v] = _mm256_mul_ps(x, _mm256_load_ps(ks + v * 8));
+            b = _mm256_fmadd_ps(x, _mm256_load_ps(km + v * 8), b);
           }
-          const float* r = rows[t0 + t];
-          __m256 s0 = _mm256_mul_ps(qv[0], _mm256_load_ps(r));
-          __m256 s1 = _mm256_mul_ps(qv[1], _mm256_load_ps(r + 8));
-          for (int v = 2; v < V; v += 2) {
-            s0 = _mm256_fmadd_ps(qv[v], _mm256_load_ps(r + v * 8), s0);
-            s1 = _mm256_fmadd_ps(qv[v + 1], _mm256_load_ps(r + v * 8 + 8), s1);
-          }
-          part[t] = _mm256_add_ps(s0, s1);
+          bias = hsum8(b);
+        } else {
+          for (int v = 0; v < V; ++v) qv[v] = _mm256_load_ps(qs[r][g] + v * 8);
         }
-        __m256 s = row_sums(part);
-        if (!own && scaled) s = _mm256_mul_ps(s, _mm256_load_ps(token_scale + t0));
-        _mm256_store_ps(scores[g] + t0, _mm256_add_ps(s, _mm256_set1_ps(bias)));
+        // Scores, 8 tokens at a time, summed across lanes together.
+        for (int t0 = 0; t0 < n_r; t0 += 8) {
+          __m256 part[8];
+          const int n = std::min(8, n_r - t0);
+          for (int t = 0; t < 8; ++t) {
+            if (t >= n) {
+              part[t] = _mm256_setzero_ps();
+              continue;
+            }
+            const float* row = rows[t0 + t];
+            __m256 s0 = _mm256_mul_ps(qv[0], _mm256_load_ps(row));
+            __m256 s1 = _mm256_mul_ps(qv[1], _mm256_load_ps(row + 8));
+            for (int v = 2; v < V; v += 2) {
+              s0 = _mm256_fmadd_ps(qv[v], _mm256_load_ps(row + v * 8), s0);
+              s1 = _mm256_fmadd_ps(qv[v + 1], _mm256_load_ps(row + v * 8 + 8), s1);
+            }
+            part[t] = _mm256_add_ps(s0, s1);
+          }
+          __m256 s = row_sums(part);
+          if (!own && scaled) s = _mm256_mul_ps(s, _mm256_load_ps(token_scale + t0));
+          _mm256_store_ps(scores[r][g] + t0, _mm256_add_ps(s, _mm256_set1_ps(bias)));
+        }
       }
     }
     // Values as float32 rows, dequantized: codes times the token's scale (int8, fp8), or times
@@ -621,45 +640,58 @@ KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t
       }
       for (int v = 0; v < V; ++v) _mm256_store_ps(rows[t] + v * 8, x[v]);
     }
-    // Online softmax over the block, then the value sum; lanes past `count` are masked out.
-    for (int g = 0; g < G; ++g) {
-      __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int t = 0; t < count; t += 8) {
-        const __m256 live = first_lanes(count - t);
-        top8 = _mm256_max_ps(top8, _mm256_blendv_ps(top8, _mm256_load_ps(scores[g] + t), live));
+    // Online softmax over the block, then the value sum; lanes past the row's count are masked out.
+    for (int r = 0; r < R; ++r) {
+      const int n_r = counts[r];
+      for (int g = 0; g < G && n_r > 0; ++g) {
+        __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int t = 0; t < n_r; t += 8) {
+          const __m256 live = first_lanes(n_r - t);
+          top8 = _mm256_max_ps(top8, _mm256_blendv_ps(top8, _mm256_load_ps(scores[r][g] + t), live));
+        }
+        const float best = std::max(m[r][g], hmax8(top8));
+        __m256 a[V];
+        for (int v = 0; v < V; ++v) a[v] = _mm256_load_ps(acc[r][g] + v * 8);
+        if (best > m[r][g]) {
+          const float c = exp_neg(m[r][g] - best);
+          const __m256 correction = _mm256_set1_ps(c);
+          for (int v = 0; v < V; ++v) a[v] = _mm256_mul_ps(a[v], correction);
+          l[r][g] *= c;
+          m[r][g] = best;
+        }
+        const __m256 top = _mm256_set1_ps(best);
+        __m256 total = _mm256_setzero_ps();
+        for (int t = 0; t < n_r; t += 8) {
+          const __m256 p =
+              _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores[r][g] + t), top)), first_lanes(n_r - t));
+          _mm256_store_ps(scores[r][g] + t, p);
+          total = _mm256_add_ps(total, p);
+        }
+        l[r][g] += hsum8(total);
+        for (int t = 0; t < n_r; ++t) {
+          const __m256 p = _mm256_set1_ps(scores[r][g][t]);
+          const float* row = rows[t];
+          for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(p, _mm256_load_ps(row + v * 8), a[v]);
+        }
+        for (int v = 0; v < V; ++v) _mm256_store_ps(acc[r][g] + v * 8, a[v]);
       }
-      const float best = std::max(m[g], hmax8(top8));
-      __m256 a[V];
-      for (int v = 0; v < V; ++v) a[v] = _mm256_load_ps(acc[g] + v * 8);
-      if (best > m[g]) {
-        const float c = exp_neg(m[g] - best);
-        const __m256 correction = _mm256_set1_ps(c);
-        for (int v = 0; v < V; ++v) a[v] = _mm256_mul_ps(a[v], correction);
-        l[g] *= c;
-        m[g] = best;
-      }
-      const __m256 top = _mm256_set1_ps(best);
-      __m256 total = _mm256_setzero_ps();
-      for (int t = 0; t < count; t += 8) {
-        const __m256 p =
-            _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores[g] + t), top)), first_lanes(count - t));
-        _mm256_store_ps(scores[g] + t, p);
-        total = _mm256_add_ps(total, p);
-      }
-      l[g] += hsum8(total);
-      for (int t = 0; t < count; ++t) {
-        const __m256 p = _mm256_set1_ps(scores[g][t]);
-        const float* r = rows[t];
-        for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(p, _mm256_load_ps(r + v * 8), a[v]);
-      }
-      for (int v = 0; v < V; ++v) _mm256_store_ps(acc[g] + v * 8, a[v]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_out + g * D + v * 8, _mm256_load_ps(acc[g] + v * 8));
-    max_out[g] = m[g];
-    sum_out[g] = l[g];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc_out[r] + g * D + v * 8, _mm256_load_ps(acc[r][g] + v * 8));
+      max_out[r][g] = m[r][g];
+      sum_out[r][g] = l[r][g];
+    }
   }
+}
+
+// One row (the QuantRange signature): quant_rows with R = 1.
+template <typename T, int G, int D>
+KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
+                                  int64_t head, int64_t own_block, int64_t own_row, float scale, float* acc_out,
+                                  float* max_out, float* sum_out) {
+  quant_rows<T, G, D>(L, &q, table, begin, &end, 1, head, own_block, own_row, scale, &acc_out, &max_out, &sum_out);
 }
 
 template <typename T, int D>
@@ -1139,6 +1171,28 @@ QuantRange<T, D> quant_range_of(int isa) {
                                : quant_range_scalar<T, G, D>;
 }
 
+// Several rows of one sequence at once (quant_rows): the AVX2 version, where decoding each block
+// into float32 rows costs as much as attending one row over it; null elsewhere.
+template <typename T, int D>
+using QuantTile = void (*)(const QuantLayer&, const T* const*, const int64_t*, int64_t, const int64_t*, int, int64_t,
+                           int64_t, int64_t, float, float* const*, float* const*, float* const*);
+
+template <typename T, int D>
+QuantTile<T, D> quant_tile_for(int64_t group, int isa) {
+  if (isa != kQuantAvx2 || quant_tile_rows(static_cast<int>(group), D) < 2) return nullptr;
+  switch (group) {
+    case 1: return quant_rows<T, 1, D>;
+    case 2: return quant_rows<T, 2, D>;
+    case 3: return quant_rows<T, 3, D>;
+    case 4: return quant_rows<T, 4, D>;
+    case 5: return quant_rows<T, 5, D>;
+    case 6: return quant_rows<T, 6, D>;
+    case 7: return quant_rows<T, 7, D>;
+    case 8: return quant_rows<T, 8, D>;
+    default: return nullptr;
+  }
+}
+
 // The attention of `group` query heads per KV head, in the given version.
 template <typename T, int D>
 QuantRange<T, D> quant_range_for(int64_t group, int isa) {
@@ -1168,6 +1222,10 @@ struct QuantJob {
   QuantRange<T, 64> range64 = nullptr;
   QuantRange<T, 128> range128 = nullptr;
   QuantRange<T, 256> range256 = nullptr;
+  QuantTile<T, 64> tile64 = nullptr;
+  QuantTile<T, 128> tile128 = nullptr;
+  QuantTile<T, 256> tile256 = nullptr;
+  int tile_rows = 1;
   Partials partials;
 
   QuantJob(const T* q, const int64_t* tables, const int64_t* lens, T* out, int64_t n, int64_t heads_, int64_t group_,
@@ -1178,6 +1236,11 @@ struct QuantJob {
     if (dim == 64) range64 = quant_range_for<T, 64>(group, isa);
     if (dim == 128) range128 = quant_range_for<T, 128>(group, isa);
     if (dim == 256) range256 = quant_range_for<T, 256>(group, isa);
+    if (dim == 64) tile64 = quant_tile_for<T, 64>(group, isa);
+    if (dim == 128) tile128 = quant_tile_for<T, 128>(group, isa);
+    if (dim == 256) tile256 = quant_tile_for<T, 256>(group, isa);
+    if (tile64 != nullptr || tile128 != nullptr || tile256 != nullptr)
+      tile_rows = quant_tile_rows(static_cast<int>(group), static_cast<int>(dim));
   }
 
   int64_t items() const { return partials.items(); }
@@ -1202,7 +1265,59 @@ struct QuantJob {
     }
   }
 
+  // A run of items (ItemQueue::drain_runs): consecutive ones that are rows of one sequence over
+  // the same tokens' blocks (a prefill's rows, same KV head and partition) attended together by the
+  // tile version, where there is one; the rest one at a time. The same bits either way.
+  void run(const int64_t* items, int count, const QuantLayer& L) {
+    for (int k = 0; k < count;) {
+      const int tile = tile_at(items + k, std::min(count - k, tile_rows), L);
+      if (tile < 2) {
+        item(items[k++], L);
+        continue;
+      }
+      const T* q[8];
+      int64_t ends[8];
+      float *acc[8], *maxes[8], *sums[8];
+      int64_t i0 = 0, h = 0, begin = 0;
+      for (int r = 0; r < tile; ++r) {
+        int64_t i, b;
+        partials.span(items[k + r], i, h, b, ends[r]);
+        if (r == 0) i0 = i, begin = b;
+        const int64_t row = items[k + r] * group;
+        q[r] = q_p + (i * heads + h) * group * dim;
+        acc[r] = partials.acc.get() + row * dim;
+        maxes[r] = partials.maxes.get() + row;
+        sums[r] = partials.sums.get() + row;
+      }
+      const int64_t* table = t_p + i0 * width;
+      if (tile64 != nullptr) tile64(L, q, table, begin, ends, tile, h, -1, -1, s, acc, maxes, sums);
+      if (tile128 != nullptr) tile128(L, q, table, begin, ends, tile, h, -1, -1, s, acc, maxes, sums);
+      if (tile256 != nullptr) tile256(L, q, table, begin, ends, tile, h, -1, -1, s, acc, maxes, sums);
+      k += tile;
+    }
+  }
+
   void merge(int64_t pair) { partials.merge(pair, o_p); }
+
+ private:
+  // How many of the first `limit` items (at least the first) can be attended as one tile: same KV
+  // head and first token, no scratch rows (int4/int2 steps read their open blocks from those),
+  // and every row's blocks the first row's, so the tile reads through the first row's table.
+  int tile_at(const int64_t* items, int limit, const QuantLayer& L) {
+    if (limit < 2 || L.own_rows != nullptr || L.format == kInt4 || L.format == kInt2) return 1;
+    int64_t i0, h0, b0, e0;
+    if (!partials.span(items[0], i0, h0, b0, e0)) return 1;
+    const int64_t* first = t_p + i0 * width;
+    int tile = 1;
+    for (; tile < limit; ++tile) {
+      int64_t i, h, b, e;
+      if (!partials.span(items[tile], i, h, b, e) || h != h0 || b != b0) break;
+      const int64_t* own = t_p + i * width;
+      const int64_t from = b / block_size, to = (e + block_size - 1) / block_size;
+      if (i != i0 && !std::equal(own + from, own + to, first + from)) break;
+    }
+    return tile;
+  }
 };
 
 template <typename T>
@@ -1211,7 +1326,7 @@ void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tens
   QuantJob<T> job(q.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0),
                   q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition, isa);
   job.partials.starts = starts;  // rows read from starts[i] on (Partials::starts), or from 0
-  run_items(job.partials, [&](int64_t item) { job.item(item, L); });
+  run_item_runs(job.partials, [&](const int64_t* items, int count) { job.run(items, count, L); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });
