@@ -14,7 +14,7 @@ void dense_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   job.set_starts(starts);
   const Bf16* k_p = k.data_ptr<Bf16>();
   const Bf16* v_p = v.data_ptr<Bf16>();
-  run_item_runs(job.partials(), [&](const int64_t* items, int count) { job.run(items, count, k_p, v_p); });
+  run_items(job.partials(), [&](const int64_t* items, int count) { job.run(items, count, k_p, v_p); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });

@@ -81,7 +81,7 @@ class DenseJob {
     visit([&](auto& job) { job.item(i, k, v); });
   }
 
-  // A run of items (ItemQueue::drain_runs): the quantized kernel's version attends a prefill's
+  // A run of items (ItemQueue::drain): the quantized kernel's version attends a prefill's
   // rows together (QuantJob::run); the others take them one at a time.
   void run(const int64_t* items, int count, const Bf16* k, const Bf16* v) {
     if (quant_) return quant_->run(items, count, layer(k, v));

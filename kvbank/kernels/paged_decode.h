@@ -341,20 +341,13 @@ struct Partials {
 // taken on demand keep every thread busy to the end. Which thread runs an item never changes it.
 class ItemQueue {
  public:
-  // Calls run(item) for items of `partials`, on the calling thread (one of `threads` draining the
-  // queue), until none are left. A run is up to 8 consecutive positions, fewer when there are few
-  // items, so that a decode step's handful still spreads over every thread.
+  // Calls run(items, count) for runs of items of `partials`, on the calling thread (one of
+  // `threads` draining the queue), until none are left. A run is up to 8 consecutive positions,
+  // fewer when there are few items, so that a decode step's handful still spreads over every
+  // thread; consecutive positions are consecutive rows of one KV head and partition
+  // (Partials::scheduled), which a kernel may attend together.
   template <typename F>
   void drain(const Partials& partials, int threads, F&& run) {
-    drain_runs(partials, threads, [&](const int64_t* items, int count) {
-      for (int k = 0; k < count; ++k) run(items[k]);
-    });
-  }
-
-  // The same, handing each run whole to run(items, count): consecutive positions are consecutive
-  // rows of one KV head and partition (Partials::scheduled), which a kernel may attend together.
-  template <typename F>
-  void drain_runs(const Partials& partials, int threads, F&& run) {
     const int64_t count = partials.items();
     const int64_t length = std::max<int64_t>(1, std::min<int64_t>(kRun, count / (4 * std::max(threads, 1))));
     int64_t items[kRun];
@@ -373,20 +366,13 @@ class ItemQueue {
   std::atomic<int64_t> next_{0};
 };
 
-// Every item of `partials` through `run`, on the kernels' threads.
+// Every item of `partials` through run(items, count), in runs (ItemQueue::drain), on the
+// kernels' threads.
 template <typename F>
 void run_items(const Partials& partials, F&& run) {
   ItemQueue queue;
   const int threads = at::get_num_threads();
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { queue.drain(partials, threads, run); });
-}
-
-// The same in runs (ItemQueue::drain_runs).
-template <typename F>
-void run_item_runs(const Partials& partials, F&& run) {
-  ItemQueue queue;
-  const int threads = at::get_num_threads();
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { queue.drain_runs(partials, threads, run); });
 }
 
 // One decode attention over raw pointers, as Partials work items: the tensor entry point and the
@@ -445,7 +431,9 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
                       lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), q.size(1), q.size(2), q.size(3),
                       k_cache.size(1), tables.size(1), scale, partition);
   job.partials.starts = starts;
-  run_items(job.partials, [&](int64_t item) { job.item(item); });
+  run_items(job.partials, [&](const int64_t* items, int count) {
+    for (int k = 0; k < count; ++k) job.item(items[k]);
+  });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });

@@ -1970,11 +1970,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
 #endif
       if (!quantized) {
-        item_queues[l].drain_runs(dense_job->partials(), nt,
-                                  [&](const int64_t* items, int count) { dense_job->run(items, count, kc, vc); });
+        item_queues[l].drain(dense_job->partials(), nt,
+                             [&](const int64_t* items, int count) { dense_job->run(items, count, kc, vc); });
       } else {
 #ifdef KVBANK_X86
-        item_queues[l].drain_runs(quant_job->partials, nt, [&](const int64_t* items, int count) {
+        item_queues[l].drain(quant_job->partials, nt, [&](const int64_t* items, int count) {
           quant_job->run(items, count, quant_layers[l]);
         });
 #endif

@@ -1265,7 +1265,7 @@ struct QuantJob {
     }
   }
 
-  // A run of items (ItemQueue::drain_runs): consecutive ones that are rows of one sequence over
+  // A run of items (ItemQueue::drain): consecutive ones that are rows of one sequence over
   // the same tokens' blocks (a prefill's rows, same KV head and partition) attended together by the
   // tile version, where there is one; the rest one at a time. The same bits either way.
   void run(const int64_t* items, int count, const QuantLayer& L) {
@@ -1326,7 +1326,7 @@ void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tens
   QuantJob<T> job(q.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0),
                   q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition, isa);
   job.partials.starts = starts;  // rows read from starts[i] on (Partials::starts), or from 0
-  run_item_runs(job.partials, [&](const int64_t* items, int count) { job.run(items, count, L); });
+  run_items(job.partials, [&](const int64_t* items, int count) { job.run(items, count, L); });
   at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
     for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
   });
