@@ -537,19 +537,7 @@ KVBANK_AVX2_F16C void quant_rows(const QuantLayer& L, const T* const* q, const i
     const bool own = b.own;
     const T *sk = b.sk, *sv = b.sv;
     const uint8_t *kc = b.kc, *vc = b.vc;
-    const int64_t next = start + count;
-    if (next < end) {
-      // The next block is elsewhere in memory: ask for its rows now, so they arrive while this one computes.
-      const int64_t nb = table[next / bs];
-      const int ahead = static_cast<int>(std::min(end - next, bs));
-      for (int t = 0; t < ahead; ++t) {
-        const int64_t at = (nb * bs + t) * token_codes + head * L.code_bytes;
-        for (int64_t c = 0; c < L.code_bytes; c += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(L.k_codes + at + c), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(L.v_codes + at + c), _MM_HINT_T0);
-        }
-      }
-    }
+    prefetch_ahead(L.k_codes, L.v_codes, table, bs, begin, start, end, token_codes, head * L.code_bytes, L.code_bytes);
     // Keys as float32 rows: codes (int8, fp8: the token's scale comes after the dot product;
     // KIVI: the block's per-channel scale and minimum are folded into the query below).
     for (int t = 0; t < count; ++t) {
@@ -783,21 +771,6 @@ KVBANK_INLINE512 void kivi_key_ranges16(const QuantLayer& L, int64_t block, int6
   }
 }
 
-KVBANK_INLINE512 void prefetch_block(const QuantLayer& L, const int64_t* table, int64_t next, int64_t end,
-                                     int64_t head, int64_t token_codes) {
-  // The next block is elsewhere in memory: ask for its rows now, so they arrive while this one computes.
-  if (next >= end) return;
-  const int64_t bs = L.block_size, nb = table[next / bs];
-  const int ahead = static_cast<int>(std::min(end - next, bs));
-  for (int t = 0; t < ahead; ++t) {
-    const int64_t at = (nb * bs + t) * token_codes + head * L.code_bytes;
-    for (int64_t c = 0; c < L.code_bytes; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(L.k_codes + at + c), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(L.v_codes + at + c), _MM_HINT_T0);
-    }
-  }
-}
-
 // Online softmax of head g over a block's `count` scores (lanes past it masked out); the scores
 // become the weights, times the tokens' value scales when given (the value rows are codes), and
 // the lanes past `count` up to the next multiple of 16 become exactly zero.
@@ -908,7 +881,7 @@ KVBANK_AVX512_Q void quant_range512_f(const QuantLayer& L, const T* q, const int
     const bool own = b.own;
     const T *sk = b.sk, *sv = b.sv;
     const uint8_t *kc = b.kc, *vc = b.vc;
-    prefetch_block(L, table, start + count, end, head, token_codes);
+    prefetch_ahead(L.k_codes, L.v_codes, table, L.block_size, begin, start, end, token_codes, head * L.code_bytes, L.code_bytes);
     // Keys as float32 rows of codes (int8, fp8: the token's scale comes after the dot product;
     // KIVI: the block's per-channel scale and minimum are folded into the query below).
     for (int t = 0; t < count; ++t) {
@@ -1048,7 +1021,7 @@ KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat
     const int64_t block = b.block, first = b.first;
     const int count = b.count;
     const uint8_t *kc = b.kc, *vc = b.vc;
-    prefetch_block(L, table, start + count, end, head, token_codes);
+    prefetch_ahead(L.k_codes, L.v_codes, table, L.block_size, begin, start, end, token_codes, head * L.code_bytes, L.code_bytes);
     for (int t = 0; t < count; ++t) {
       for (int h = 0; h < D / 64; ++h) {
         __m512i k[2];
