@@ -32,6 +32,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -1582,6 +1583,25 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int threads) {
   return {count * tid / threads, count * (tid + 1) / threads};
 }
 
+// A matmul's weight groups handed out in chunks to whichever thread asks next. With fixed shares,
+// a thread the OS preempts (the server's HTTP thread, a client, another process) leaves the others
+// waiting at the next barrier for its whole share; taken on demand, they take the rest of its work
+// and wait only for the chunk it holds. Each group's outputs are its own, so who computes it
+// changes no bit.
+class GroupChunks {
+ public:
+  // Calls run(g0, g1) on chunks of [0, groups) until none are left; every thread of the region
+  // calls it once (the counter is this matmul's alone).
+  template <typename F>
+  void drain(int64_t groups, int threads, F&& run) {
+    const int64_t chunk = std::max<int64_t>(2, groups / (4 * std::max(threads, 1)));
+    for (int64_t g0 = next_.fetch_add(chunk); g0 < groups; g0 = next_.fetch_add(chunk)) run(g0, std::min(groups, g0 + chunk));
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+};
+
 }  // namespace
 
 // Every layer in one parallel region whose threads stay in it from the first layer to the last,
@@ -1813,6 +1833,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   // The attention's work items, taken by the threads on demand: one queue per layer, so no thread
   // resets a queue another may still be reading.
   std::unique_ptr<ItemQueue[]> item_queues(new ItemQueue[num_layers()]);
+  // Each layer's four matmuls' groups (q/k/v, output, gate/up, down), taken on demand.
+  std::unique_ptr<GroupChunks[]> matmuls(new GroupChunks[4 * num_layers()]);
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -1914,10 +1936,9 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         norm_row(r, previous, norm1);
         if (gemma_) round_values(hidden);
       });
-      {
-        const auto [g0, g1] = share(wqkv.groups, tid, nt);
+      matmuls[4 * l + 0].drain(wqkv.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wqkv, isa, g0, g1, a1, acc.data(), width);
-      }
+      });
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
         if (l) {
@@ -2002,10 +2023,9 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const QuantRows& a2 = quantize(shared_attn, local_attn, [&](int64_t r) {
         for (int64_t d = 0; d < q_size; ++d) values[d] = widen(attn[r * q_size + d]);
       });
-      {
-        const auto [g0, g1] = share(wo.groups, tid, nt);
+      matmuls[4 * l + 1].drain(wo.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wo, isa, g0, g1, a2, acc.data(), hidden);
-      }
+      });
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
         store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
@@ -2016,10 +2036,9 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         norm_row(r, residual.data(), norm2);
         if (gemma_) round_values(hidden);
       });
-      {
-        const auto [g0, g1] = share(wgu.groups, tid, nt);
+      matmuls[4 * l + 2].drain(wgu.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wgu, isa, g0, g1, a3, acc.data(), wgu.out_features);
-      }
+      });
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r)
         add_values(h.data() + r * hidden, residual.data() + r * hidden, hidden, wide);
@@ -2033,10 +2052,9 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       if (!split_rows) {
 #pragma omp barrier
       }
-      {
-        const auto [g0, g1] = share(wdown.groups, tid, nt);
+      matmuls[4 * l + 3].drain(wdown.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wdown, isa, g0, g1, a4, acc.data(), hidden);
-      }
+      });
 #pragma omp barrier
       for (int64_t r = row_begin; r < row_end; ++r) {
         store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
