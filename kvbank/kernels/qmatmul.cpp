@@ -1591,10 +1591,11 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int threads) {
 class GroupChunks {
  public:
   // Calls run(g0, g1) on chunks of [0, groups) until none are left; every thread of the region
-  // calls it once (the counter is this matmul's alone).
+  // calls it once (the counter is this matmul's alone). Chunks hold an even number of groups, so
+  // VNNI's two-group kernels keep their pairs.
   template <typename F>
   void drain(int64_t groups, int threads, F&& run) {
-    const int64_t chunk = std::max<int64_t>(2, groups / (4 * std::max(threads, 1)));
+    const int64_t chunk = std::max<int64_t>(2, (groups / (4 * std::max(threads, 1))) & ~int64_t{1});
     for (int64_t g0 = next_.fetch_add(chunk); g0 < groups; g0 = next_.fetch_add(chunk)) run(g0, std::min(groups, g0 + chunk));
   }
 
