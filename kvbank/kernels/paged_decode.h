@@ -358,6 +358,21 @@ struct Partials {
   }
 };
 
+// Hands out [from, to) ranges of [0, count), `length` positions at a time, to whichever thread
+// asks next (each thread of a region calls drain once; one object per pass over the positions).
+class OnDemand {
+ public:
+  template <typename F>
+  void drain(int64_t count, int64_t length, F&& run) {
+    for (int64_t from = next_.fetch_add(length, std::memory_order_relaxed); from < count;
+         from = next_.fetch_add(length, std::memory_order_relaxed))
+      run(from, std::min(count, from + length));
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+};
+
 // Hands out positions of a Partials schedule in runs to whichever thread asks next. Rows of a
 // prefill differ in length (the causal mask), so equal shares of the items are unequal work; runs
 // taken on demand keep every thread busy to the end. Which thread runs an item never changes it.
@@ -373,19 +388,16 @@ class ItemQueue {
     const int64_t count = partials.items();
     const int64_t length = std::max<int64_t>(1, std::min<int64_t>(kRun, count / (4 * std::max(threads, 1))));
     int64_t items[kRun];
-    for (;;) {
-      const int64_t from = next_.fetch_add(length, std::memory_order_relaxed);
-      if (from >= count) return;
-      const int64_t to = std::min(count, from + length);
+    ranges_.drain(count, length, [&](int64_t from, int64_t to) {
       for (int64_t k = from; k < to; ++k) items[k - from] = partials.scheduled(k);
       run(items, static_cast<int>(to - from));
-    }
+    });
   }
 
   static constexpr int64_t kRun = 8;
 
  private:
-  std::atomic<int64_t> next_{0};
+  OnDemand ranges_;
 };
 
 // Every item of `partials` through run(items, count), in runs (ItemQueue::drain), on the

@@ -32,7 +32,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -1595,12 +1594,11 @@ class GroupChunks {
   // VNNI's two-group kernels keep their pairs.
   template <typename F>
   void drain(int64_t groups, int threads, F&& run) {
-    const int64_t chunk = std::max<int64_t>(2, (groups / (4 * std::max(threads, 1))) & ~int64_t{1});
-    for (int64_t g0 = next_.fetch_add(chunk); g0 < groups; g0 = next_.fetch_add(chunk)) run(g0, std::min(groups, g0 + chunk));
+    ranges_.drain(groups, std::max<int64_t>(2, (groups / (4 * std::max(threads, 1))) & ~int64_t{1}), run);
   }
 
  private:
-  std::atomic<int64_t> next_{0};
+  OnDemand ranges_;
 };
 
 }  // namespace
