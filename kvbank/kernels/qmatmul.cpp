@@ -32,10 +32,13 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -1601,6 +1604,43 @@ class GroupChunks {
   OnDemand ranges_;
 };
 
+// The decoder stack's barrier: a waiting thread spins, then yields its core until the others
+// arrive. libgomp's barrier spins only 100 times before it sleeps on a futex once the process has
+// more OpenMP threads than CPUs (GOMP_SPINCOUNT's documented throttling), as a server's
+// does: its engine thread leads a team of its own beside the pools of other threads. Measured in
+// the server under 8 chat clients (sched_switch events): both stack threads went to sleep ~120
+// times per step, a sleep and a wake-up for a partner a few microseconds late, and the two cores
+// were idle 6.6 s of a 33 s run; with this barrier, 3.5 s, and 8-row decode steps 6-12% faster.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int threads) : threads_(threads) {}
+
+  void wait() {
+    const uint32_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spin = 0; generation_.load(std::memory_order_acquire) == generation; ++spin) {
+      if (spin < kSpins) {
+#ifdef KVBANK_X86
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  // pauses (a fraction of a millisecond) before a waiting thread starts yielding its core
+  static constexpr int64_t kSpins = 20000;
+  std::atomic<int> arrived_{0};
+  std::atomic<uint32_t> generation_{0};
+  const int threads_;
+};
+
 }  // namespace
 
 // Every layer in one parallel region whose threads stay in it from the first layer to the last,
@@ -1834,9 +1874,13 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
   std::unique_ptr<ItemQueue[]> item_queues(new ItemQueue[num_layers()]);
   // Each layer's four matmuls' groups (q/k/v, output, gate/up, down), taken on demand.
   std::unique_ptr<GroupChunks[]> matmuls(new GroupChunks[4 * num_layers()]);
+  std::optional<SpinBarrier> spin_barrier;  // for the team OpenMP gives (it may be smaller than asked)
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    spin_barrier.emplace(nt);
+    auto barrier = [&] { spin_barrier->wait(); };
     const auto [row_begin, row_end] = share(rows, tid, nt);
     QuantRows local_hidden, local_attn, local_inter;
     if (!split_rows) {
@@ -1860,7 +1904,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         fill(r);
         shared.quantize_row(r, values.data());
       }
-#pragma omp barrier
+      barrier();
       return shared;
     };
     // RMSNorm of h (+ residual, rounded as an add of two bfloat16 tensors) of row r.
@@ -1938,7 +1982,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       matmuls[4 * l + 0].drain(wqkv.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wqkv, isa, g0, g1, a1, acc.data(), width);
       });
-#pragma omp barrier
+      barrier();
       for (int64_t r = row_begin; r < row_end; ++r) {
         if (l) {
           add_values(h.data() + r * hidden, residual.data() + r * hidden, hidden, wide);
@@ -1980,13 +2024,13 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
           std::memcpy(q.data() + r * q_size, row, q_size * sizeof(T));
         }
       }
-#pragma omp barrier
+      barrier();
 #ifdef KVBANK_X86
       if (kivi) {
         // blocks filled by this step quantized (rows attend them next), the rest back to their slots
         const auto [r0, r1] = share(scratch_rows, tid, nt);
         for (int64_t r = r0; r < r1; ++r) kivi_writes[l].finish(r);
-#pragma omp barrier
+        barrier();
       }
 #endif
       if (!quantized) {
@@ -1999,7 +2043,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         });
 #endif
       }
-#pragma omp barrier
+      barrier();
       {
         int64_t pairs = 0;
 #ifdef KVBANK_X86
@@ -2017,7 +2061,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
           }
         }
       }
-#pragma omp barrier
+      barrier();
       // The output projection, added to the residual; normed; gate/up.
       const QuantRows& a2 = quantize(shared_attn, local_attn, [&](int64_t r) {
         for (int64_t d = 0; d < q_size; ++d) values[d] = widen(attn[r * q_size + d]);
@@ -2025,12 +2069,12 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       matmuls[4 * l + 1].drain(wo.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wo, isa, g0, g1, a2, acc.data(), hidden);
       });
-#pragma omp barrier
+      barrier();
       for (int64_t r = row_begin; r < row_end; ++r) {
         store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
         if (gemma_) norm_in_place(r, norm_after_attn);
       }
-#pragma omp barrier
+      barrier();
       const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) {
         norm_row(r, residual.data(), norm2);
         if (gemma_) round_values(hidden);
@@ -2038,7 +2082,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       matmuls[4 * l + 2].drain(wgu.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wgu, isa, g0, g1, a3, acc.data(), wgu.out_features);
       });
-#pragma omp barrier
+      barrier();
       for (int64_t r = row_begin; r < row_end; ++r)
         add_values(h.data() + r * hidden, residual.data() + r * hidden, hidden, wide);
       const QuantRows& a4 = quantize(shared_inter, local_inter, [&](int64_t r) {
@@ -2049,17 +2093,17 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         for (int64_t d = 0; d < inter; ++d) values[d] = widen(gated[d]);
       });
       if (!split_rows) {
-#pragma omp barrier
+        barrier();
       }
       matmuls[4 * l + 3].drain(wdown.groups, nt, [&](int64_t g0, int64_t g1) {
         qmatmul_span(wdown, isa, g0, g1, a4, acc.data(), hidden);
       });
-#pragma omp barrier
+      barrier();
       for (int64_t r = row_begin; r < row_end; ++r) {
         store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
         if (gemma_) norm_in_place(r, norm_after_mlp);
       }
-#pragma omp barrier
+      barrier();
     }
   }
   // The stack's output: the last layer's output added to the residual stream.
