@@ -13,7 +13,9 @@ from kvbank import LLM, SamplingParams
 from kvbank.attention import quantized
 from kvbank.attention.fast import DECODE_PARTITION
 from kvbank.attention.quantized import NATIVE_FORMATS
+from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache.layers import kivi, token
+from kvbank.cache.layers.dense import NATIVE_DENSE
 from kvbank.cache.quant import codecs_for
 
 TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
@@ -403,6 +405,54 @@ def test_bad_kivi_write_arguments_are_refused_with_the_numbers(kernel):
         _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 0, 0, 3)], [0, 1, 16])
     with pytest.raises(RuntimeError, match=r"got format 1"):
         _kivi_write(kernel, "int8", k, v, sides, residual, [(1, 0, 0, 3)], [0, 1, 2])
+
+
+@pytest.mark.parametrize("isa_level", cpu_levels()[:2], indirect=True)  # the scalar variant and avx2
+@pytest.mark.parametrize("kv", ["bfloat16", "int4", "int2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_key_rotation_equals_the_torch_rotation_bit_for_bit(kernel, kv, dtype, isa_level):
+    # What a shifting policy does at every eviction (KVKind.rotate_keys): blocks dequantized,
+    # rotated, rounded to the model dtype and quantized again, in every layer; the sources
+    # overlap the destinations and one block is rotated in place.
+    generator = torch.Generator().manual_seed(0)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    src, dst = torch.tensor([0, 3, 5, 7]), torch.tensor([3, 1, 5, 11])
+    keys = [torch.randn(12, 16, 3, 64, generator=generator) * torch.logspace(-2, 1, 64) for _ in range(3)]
+    if kv == "bfloat16":
+        native = [k.to(dtype) for k in keys]
+        torch_side = [k.clone() for k in native]
+    else:
+        codec = codecs_for(kv, dtype)[0]
+        native = [codec.quantize(k.to(dtype)) for k in keys]
+        torch_side = [{name: t.clone() for name, t in stored.items()} for stored in native]
+    caches = (
+        (native, NATIVE_DENSE, [], [])
+        if kv == "bfloat16"
+        else (
+            [k["codes"] for k in native],
+            NATIVE_FORMATS[kv],
+            [k["ranges"] for k in native],
+            [k["grid"] for k in native],
+        )
+    )
+    for delta in (16, -1008, 4096):
+        cos, sin = (t[0] for t in rotation_tables(torch.tensor([delta]), inv_freq.float()))
+        if kv == "bfloat16":
+            for k in torch_side:
+                k.index_copy_(0, dst, apply_rope(k.index_select(0, src).float(), cos, sin).to(dtype))
+            kernel.rotate_key_blocks(*caches, src, dst, cos, sin, dtype == torch.bfloat16)
+            assert all(_same_bits(a, b) for a, b in zip(native, torch_side)), (kv, dtype, delta)
+            continue
+        for stored in torch_side:
+            picked = {name: t.index_select(0, src) for name, t in stored.items()}
+            rotated = apply_rope(codec.dequantize(picked, torch.float32), cos, sin).to(dtype)
+            for name, t in codec.quantize(rotated).items():
+                stored[name].index_copy_(0, dst, t)
+        kernel.rotate_key_blocks(*caches, src, dst, cos, sin, dtype == torch.bfloat16)
+        for a, b in zip(native, torch_side):
+            assert all(_same_bits(a[name], b[name]) for name in a), (kv, dtype, delta)
+    with pytest.raises(RuntimeError, match="block 12 is outside the pool's 12 blocks"):
+        kernel.rotate_key_blocks(*caches, src, torch.tensor([3, 1, 5, 12]), cos, sin, dtype == torch.bfloat16)
 
 
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -136,6 +136,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A step's K/V [tokens, heads, dim] into an int4 (4) / int2 (5) KIVI layer: plan rows [block, residual slot, "
         "held, after] get scratch rows (returned, K and V); full blocks are quantized as the codecs do, the others' "
         "new tokens kept in their residual slots");
+  m.def("rotate_key_blocks", &rotate_key_blocks, nogil, py::arg("codes"), py::arg("format"), py::arg("ranges"),
+        py::arg("grids"), py::arg("src"), py::arg("dst"), py::arg("cos"), py::arg("sin"), py::arg("bf16_keys"),
+        "Keys of blocks dst = keys of blocks src rotated by (cos, sin) [dim], in every layer given: dense caches (format 0, "
+        "the layers' key caches) or int4 (4) / int2 (5) KIVI keys (codes, ranges, grids per layer), dequantized, rotated "
+        "and rounded to the model's dtype (bf16_keys) and quantized again as the codecs and apply_rope do, bit for bit");
   m.def("argmax_rows", &argmax_rows, nogil, py::arg("logits"), py::arg("isa") = "auto",
         "Each row's index of its largest value, as torch.argmax picks it (first maximum; first NaN), float32 rows");
   m.def("poison_stacks", &poison_stacks, py::arg("bytes") = 262144,

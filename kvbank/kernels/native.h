@@ -88,6 +88,9 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
                                       torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
                                       torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots);
+void rotate_key_blocks(std::vector<torch::Tensor> codes, int64_t format, std::vector<torch::Tensor> ranges,
+                       std::vector<torch::Tensor> grids, torch::Tensor src, torch::Tensor dst, torch::Tensor cos,
+                       torch::Tensor sin, bool bf16_keys);
 bool has_quant_decode();
 
 // dense_decode.cpp

@@ -222,3 +222,149 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
 #endif
   return {scratch_k, scratch_v};
 }
+
+#ifdef KVBANK_X86
+namespace {
+
+// One block's keys [block_size, heads, dim] of one layer, as float32: a dense cache's as stored,
+// a KIVI block's low + code * scale (torch.addcmul's fused rounding, as KiviKeys.dequantize).
+template <typename T>
+void key_block(int64_t format, const torch::Tensor& codes, const torch::Tensor& ranges, const torch::Tensor& grid,
+               int64_t block, float* out) {
+  const int64_t bs = codes.size(1), heads = codes.size(2);
+  if (format == kBf16) {
+    const int64_t n = bs * heads * codes.size(3);
+    const T* x = codes.data_ptr<T>() + block * n;
+    for (int64_t i = 0; i < n; ++i) out[i] = load(x, i);
+    return;
+  }
+  const int64_t dim = ranges.size(2), code_bytes = codes.size(3);
+  const uint8_t* c = codes.data_ptr<uint8_t>() + block * bs * heads * code_bytes;
+  const uint8_t* r = ranges.data_ptr<uint8_t>() + block * heads * dim;
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(grid.data_ptr()) + block * heads * 3;
+  for (int64_t h = 0; h < heads; ++h) {
+    float scales[16], mins[16];
+    kivi_key_grids(half_value(g[h * 3]), half_value(g[h * 3 + 1]), half_value(g[h * 3 + 2]), scales, mins);
+    for (int64_t t = 0; t < bs; ++t)
+      for (int64_t d = 0; d < dim; ++d) {
+        const uint8_t range = r[h * dim + d];
+        out[(t * heads + h) * dim + d] =
+            std::fma(code_value(format, c + (t * heads + h) * code_bytes, d, dim), scales[range & 15], mins[range >> 4]);
+      }
+  }
+}
+
+// x * cos + (x's halves swapped) * sin per row of `dim`, rounded to T: apply_rope's three float32
+// roundings (two products, one sum), never fused, so the bits are PyTorch's.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_rows(const float* x, int64_t rows, int64_t dim, const float* cos,
+                                                            const float* sin, T* out) {
+  const int64_t half = dim / 2;
+  for (int64_t r = 0; r < rows; ++r, x += dim, out += dim)
+    for (int64_t d = 0; d < dim; ++d) {
+      const float a = x[d] * cos[d];
+      const float b = x[d < half ? d + half : d - half] * sin[d];
+      out[d] = static_cast<T>(a + b);
+    }
+}
+
+template <typename T>
+void rotate_layer_blocks(int64_t format, const torch::Tensor& codes, const torch::Tensor& ranges,
+                         const torch::Tensor& grid, const int64_t* src, const int64_t* dst, int64_t n, const float* cos,
+                         const float* sin) {
+  const int64_t bs = codes.size(1), heads = codes.size(2);
+  const int64_t dim = format == kBf16 ? codes.size(3) : ranges.size(2);
+  const int64_t elems = bs * heads * dim;
+  std::vector<float> keys(elems);
+  std::vector<T> rotated(n * elems);  // every source is read before any destination is written
+  for (int64_t i = 0; i < n; ++i) {
+    key_block<T>(format, codes, ranges, grid, src[i], keys.data());
+    rope_rows<T>(keys.data(), bs * heads, dim, cos, sin, rotated.data() + i * elems);
+  }
+  if (format == kBf16) {
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(codes.data_ptr<T>() + dst[i] * elems, rotated.data() + i * elems, elems * sizeof(T));
+    return;
+  }
+  const int bits = format == kInt4 ? 4 : 2;
+  const int64_t code_bytes = codes.size(3);
+  auto kivi_keys = scalar_writes() ? kivi_keys_scalar<T> : kivi_keys8<T>;
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  uint8_t* r = ranges.data_ptr<uint8_t>();
+  uint16_t* g = reinterpret_cast<uint16_t*>(grid.data_ptr());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      kivi_keys(bits, rotated.data() + i * elems + h * dim, bs, heads * dim, dim,
+                c + (dst[i] * bs * heads + h) * code_bytes, heads * code_bytes, r + (dst[i] * heads + h) * dim,
+                g + (dst[i] * heads + h) * 3);
+}
+
+}  // namespace
+#endif
+
+void rotate_key_blocks(std::vector<torch::Tensor> codes, int64_t format, std::vector<torch::Tensor> ranges,
+                       std::vector<torch::Tensor> grids, torch::Tensor src, torch::Tensor dst, torch::Tensor cos,
+                       torch::Tensor sin, bool bf16_keys) {
+  TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite), "native key rotation needs an x86 CPU");
+  TORCH_CHECK(format == kBf16 || format == kInt4 || format == kInt2,
+              "key rotation takes dense caches (0), int4 (4) or int2 (5), got format ", format);
+  const bool kivi = format != kBf16;
+  TORCH_CHECK(!kivi || (ranges.size() == codes.size() && grids.size() == codes.size()),
+              "KIVI keys need a range and a grid tensor per layer");
+  TORCH_CHECK(src.scalar_type() == torch::kLong && dst.scalar_type() == torch::kLong && src.dim() == 1 &&
+                  dst.sizes() == src.sizes(),
+              "src and dst must be int64 [n] alike, got ", src.sizes(), " and ", dst.sizes());
+  src = src.contiguous();
+  dst = dst.contiguous();
+  const int64_t n = src.size(0);
+  for (size_t l = 0; l < codes.size(); ++l) {
+    const torch::Tensor& k = codes[l];
+    TORCH_CHECK(k.dim() == 4 && k.is_contiguous(), "layer ", l, ": keys must be contiguous [blocks, block_size, heads, x]");
+    if (kivi) {
+      const int64_t heads = k.size(2), dim = ranges[l].size(-1);
+      TORCH_CHECK(dim % 8 == 0 && dim <= 128, "head dim must be a multiple of 8 up to 128, got ", dim);
+      TORCH_CHECK(k.scalar_type() == torch::kByte && k.size(1) <= 64 && k.size(3) == dim * (format == kInt4 ? 4 : 2) / 8,
+                  "layer ", l, ": key codes must be uint8 [blocks, block_size <= 64, heads, dim * bits / 8], got ",
+                  k.sizes());
+      TORCH_CHECK(ranges[l].scalar_type() == torch::kByte && ranges[l].dim() == 3 && ranges[l].size(0) == k.size(0) &&
+                      ranges[l].size(1) == heads && ranges[l].is_contiguous(),
+                  "layer ", l, ": key ranges must be contiguous uint8 [", k.size(0), ", ", heads, ", dim], got ",
+                  ranges[l].sizes());
+      TORCH_CHECK(grids[l].scalar_type() == torch::kHalf && grids[l].dim() == 3 && grids[l].size(0) == k.size(0) &&
+                      grids[l].size(1) == heads && grids[l].size(2) == 3 && grids[l].is_contiguous(),
+                  "layer ", l, ": key grids must be contiguous float16 [", k.size(0), ", ", heads, ", 3], got ",
+                  grids[l].sizes());
+    } else {
+      TORCH_CHECK(k.scalar_type() == (bf16_keys ? torch::kBFloat16 : torch::kFloat),
+                  "layer ", l, ": dense keys must be ", bf16_keys ? "bfloat16" : "float32");
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t id : {src.data_ptr<int64_t>()[i], dst.data_ptr<int64_t>()[i]})
+        TORCH_CHECK(id >= 0 && id < k.size(0), "block ", id, " is outside the pool's ", k.size(0), " blocks");
+    }
+  }
+  const int64_t dim = kivi ? ranges[0].size(2) : codes[0].size(3);
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.numel() == dim &&
+                  sin.numel() == dim,
+              "cos and sin must be float32 [", dim, "]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+#ifdef KVBANK_X86
+  const int64_t* s = src.data_ptr<int64_t>();
+  const int64_t* d = dst.data_ptr<int64_t>();
+  const float* c = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const torch::Tensor none;
+  at::parallel_for(0, static_cast<int64_t>(codes.size()), 1, [&](int64_t from, int64_t to) {
+    for (int64_t l = from; l < to; ++l) {
+      const torch::Tensor& r = kivi ? ranges[l] : none;
+      const torch::Tensor& g = kivi ? grids[l] : none;
+      if (bf16_keys) {
+        rotate_layer_blocks<c10::BFloat16>(format, codes[l], r, g, s, d, n, c, sn);
+      } else {
+        rotate_layer_blocks<float>(format, codes[l], r, g, s, d, n, c, sn);
+      }
+    }
+  });
+#endif
+}

@@ -279,7 +279,24 @@ class KiviKind(KVKind):
         opened = [(residual.of_block[s], residual.slot(d)) for s, d in zip(src, dst) if s in residual.of_block]
         src_ids = torch.tensor([s for s, _ in whole], dtype=torch.long, device=device)
         dst_ids = torch.tensor([d for _, d in whole], dtype=torch.long, device=device)
-        if whole:
+        native = self.layers[0].native
+        if whole and native is not None:
+            # One native call per key format over its layers, bit for bit the torch version
+            # (rotate_block_keys), which took ~2.5 ms at every eviction of a shifting policy.
+            for _, batch in self._codec_batches(0):
+                keys = [layer.sides[0] for layer in batch]
+                native.rotate_key_blocks(
+                    [k["codes"] for k in keys],
+                    batch[0].native_format,
+                    [k["ranges"] for k in keys],
+                    [k["grid"] for k in keys],
+                    src_ids,
+                    dst_ids,
+                    cos.float().contiguous(),
+                    sin.float().contiguous(),
+                    self.spec.dtype == torch.bfloat16,
+                )
+        elif whole:
             rotate_block_keys(self.layers, src_ids, dst_ids, cos, sin)
         for layer in self.layers:
             store = residual.k[layer.index]  # read after residual.slot above, which may grow the table
