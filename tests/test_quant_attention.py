@@ -455,6 +455,53 @@ def test_native_key_rotation_equals_the_torch_rotation_bit_for_bit(kernel, kv, d
         kernel.rotate_key_blocks(*caches, src, torch.tensor([3, 1, 5, 12]), cos, sin, dtype == torch.bfloat16)
 
 
+@pytest.mark.parametrize("isa_level", cpu_levels()[:2], indirect=True)  # the scalar variant and avx2
+@pytest.mark.parametrize("kv", ["int4", "int2"])
+def test_native_key_blocks_read_and_store_as_the_codec_does(kernel, kv, isa_level):
+    # What a stream's edits do to KIVI keys (KiviKind.move_tokens): whole blocks read in float32,
+    # changed, and quantized again.
+    generator = torch.Generator().manual_seed(1)
+    codec = codecs_for(kv, torch.bfloat16)[0]
+    keys = [torch.randn(9, 16, 3, 64, generator=generator) * torch.logspace(-2, 1, 64) for _ in range(3)]
+    stored = [codec.quantize(k.bfloat16()) for k in keys]
+    caches = (
+        [k["codes"] for k in stored],
+        NATIVE_FORMATS[kv],
+        [k["ranges"] for k in stored],
+        [k["grid"] for k in stored],
+    )
+    ids = torch.tensor([4, 0, 8])
+    read = kernel.read_key_blocks(*caches, ids, True)
+    for layer, k in enumerate(stored):
+        want = codec.dequantize({name: t.index_select(0, ids) for name, t in k.items()}, torch.float32)
+        assert _same_bits(read[layer], want)
+    changed = read + torch.randn(read.shape, generator=generator)
+    to = torch.tensor([1, 2, 8])
+    kernel.store_key_blocks(changed, *caches, to)
+    for layer, k in enumerate(stored):
+        want = codec.quantize(changed[layer])
+        assert all(_same_bits(k[name].index_select(0, to), want[name]) for name in k), layer
+    with pytest.raises(RuntimeError, match="a block id appears twice"):
+        kernel.store_key_blocks(changed, *caches, torch.tensor([1, 2, 1]))
+    with pytest.raises(RuntimeError, match="block 9 is outside the pool's 9 blocks"):
+        kernel.read_key_blocks(*caches, torch.tensor([9]), True)
+    with pytest.raises(RuntimeError, match=r"keys must be float32 \[3, 3, 16, 3, 64\]"):
+        kernel.store_key_blocks(changed.bfloat16(), *caches, to)
+
+
+def test_native_row_copies_read_every_source_before_writing(kernel):
+    # A stream's edit moves value codes over slots it also frees (KiviKind/DenseKind.move_tokens).
+    tensors = [torch.arange(48, dtype=torch.uint8).view(12, 2, 2), torch.randn(10, 3).bfloat16()]
+    want = [t.clone() for t in tensors]
+    src, dst = torch.tensor([0, 1, 2, 7]), torch.tensor([1, 2, 3, 0])
+    for t in want:
+        t.index_copy_(0, dst, t.index_select(0, src))
+    kernel.copy_rows(tensors, src, dst)
+    assert all(_same_bits(a, b) for a, b in zip(tensors, want))
+    with pytest.raises(RuntimeError, match="tensor 1: row 10 is outside its 10 rows"):
+        kernel.copy_rows(tensors, src, torch.tensor([1, 2, 3, 10]))
+
+
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0))
     return [

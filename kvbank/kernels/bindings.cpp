@@ -141,6 +141,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Keys of blocks dst = keys of blocks src rotated by (cos, sin) [dim], in every layer given: dense caches (format 0, "
         "the layers' key caches) or int4 (4) / int2 (5) KIVI keys (codes, ranges, grids per layer), dequantized, rotated "
         "and rounded to the model's dtype (bf16_keys) and quantized again as the codecs and apply_rope do, bit for bit");
+  m.def("read_key_blocks", &read_key_blocks, nogil, py::arg("codes"), py::arg("format"), py::arg("ranges"),
+        py::arg("grids"), py::arg("ids"), py::arg("bf16_keys"),
+        "Keys of blocks ids in every layer given, float32 [layers, n, block_size, heads, dim]: dense caches (format 0) "
+        "as stored, int4 (4) / int2 (5) KIVI keys dequantized as KiviKeys.dequantize does, bit for bit");
+  m.def("store_key_blocks", &store_key_blocks, nogil, py::arg("x"), py::arg("codes"), py::arg("format"),
+        py::arg("ranges"), py::arg("grids"), py::arg("ids"),
+        "Keys x, float32 [layers, n, block_size, heads, dim], quantized into int4 (4) / int2 (5) KIVI blocks ids of "
+        "every layer given, as KiviKeys.quantize does, bit for bit");
+  m.def("copy_rows", &copy_rows, nogil, py::arg("tensors"), py::arg("src"), py::arg("dst"),
+        "Rows src -> rows dst (first dimension) in every contiguous tensor given, every source read before any "
+        "destination is written");
   m.def("argmax_rows", &argmax_rows, nogil, py::arg("logits"), py::arg("isa") = "auto",
         "Each row's index of its largest value, as torch.argmax picks it (first maximum; first NaN), float32 rows");
   m.def("poison_stacks", &poison_stacks, py::arg("bytes") = 262144,

@@ -91,6 +91,11 @@ std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t 
 void rotate_key_blocks(std::vector<torch::Tensor> codes, int64_t format, std::vector<torch::Tensor> ranges,
                        std::vector<torch::Tensor> grids, torch::Tensor src, torch::Tensor dst, torch::Tensor cos,
                        torch::Tensor sin, bool bf16_keys);
+torch::Tensor read_key_blocks(std::vector<torch::Tensor> codes, int64_t format, std::vector<torch::Tensor> ranges,
+                              std::vector<torch::Tensor> grids, torch::Tensor ids, bool bf16_keys);
+void store_key_blocks(torch::Tensor x, std::vector<torch::Tensor> codes, int64_t format,
+                      std::vector<torch::Tensor> ranges, std::vector<torch::Tensor> grids, torch::Tensor ids);
+void copy_rows(std::vector<torch::Tensor> tensors, torch::Tensor src, torch::Tensor dst);
 bool has_quant_decode();
 
 // dense_decode.cpp

@@ -160,13 +160,27 @@ class DenseKind(KVKind):
         rotated by `rotation` on the way when given."""
         device = self.spec.device
         src, dst = src.to(device), dst.to(device)
+        flat = lambda cache: cache.view(-1, *cache.shape[2:])
+        native = kernels.native() if device.type == "cpu" else None
+        if native is not None:
+            # values (and unrotated keys) as one native copy over every layer, not 60 index ops
+            moved = [flat(layer.v) for layer in self.layers]
+            if rotation is None:
+                moved += [flat(layer.k) for layer in self.layers]
+            native.copy_rows(moved, src, dst)
+            if rotation is None:
+                return
+            keys = torch.stack([flat(layer.k).index_select(0, src) for layer in self.layers])
+            keys = apply_rope(keys.float(), *(t.to(device) for t in rotation)).to(self.spec.dtype)
+            for layer, k in zip(self.layers, keys):
+                flat(layer.k).index_copy_(0, dst, k)
+            return
         for layer in self.layers:
             for cache in (layer.k, layer.v):
-                flat = cache.view(-1, *cache.shape[2:])
-                moved = flat.index_select(0, src)
+                moved = flat(cache).index_select(0, src)
                 if rotation is not None and cache is layer.k:
                     moved = apply_rope(moved.float(), *(t.to(device) for t in rotation)).to(cache.dtype)
-                flat.index_copy_(0, dst, moved)
+                flat(cache).index_copy_(0, dst, moved)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         device = self.spec.device

@@ -284,12 +284,8 @@ class KiviKind(KVKind):
             # One native call per key format over its layers, bit for bit the torch version
             # (rotate_block_keys), which took ~2.5 ms at every eviction of a shifting policy.
             for _, batch in self._codec_batches(0):
-                keys = [layer.sides[0] for layer in batch]
                 native.rotate_key_blocks(
-                    [k["codes"] for k in keys],
-                    batch[0].native_format,
-                    [k["ranges"] for k in keys],
-                    [k["grid"] for k in keys],
+                    *self._key_tensors(batch),
                     src_ids,
                     dst_ids,
                     cos.float().contiguous(),
@@ -348,7 +344,11 @@ class KiviKind(KVKind):
         keys = self._token_sides(src, values=False)[0]
         if rotation is not None:
             keys = apply_rope(keys, *(t.cpu() for t in rotation)).to(self.spec.dtype).float()
-        if coded.any():
+        native = self.layers[0].native
+        if coded.any() and native is not None:
+            values = [t.view(t.shape[0] * t.shape[1], -1) for layer in self.layers for t in layer.sides[1].values()]
+            native.copy_rows(values, src[coded], dst[coded])
+        elif coded.any():
             code_src, code_dst = src[coded].to(self.spec.device), dst[coded].to(self.spec.device)
             for layer in self.layers:
                 for t in layer.sides[1].values():
@@ -365,13 +365,26 @@ class KiviKind(KVKind):
             batches.setdefault(layer.codecs[side].name, []).append(layer)
         return [(batch[0].codecs[side], batch) for batch in batches.values()]
 
+    @staticmethod
+    def _key_tensors(batch: list[KiviLayer]) -> tuple[list[torch.Tensor], int, list[torch.Tensor], list[torch.Tensor]]:
+        """The key codes, format, ranges and grids of layers of one key codec, as the native
+        key-block calls take them."""
+        keys = [layer.sides[0] for layer in batch]
+        codes, ranges, grids = ([k[name] for k in keys] for name in ("codes", "ranges", "grid"))
+        return codes, batch[0].native_format, ranges, grids
+
     def _read_blocks(self, side: int, ids: torch.Tensor) -> torch.Tensor:
         """Keys (side 0) or values of blocks `ids` in every layer, float32 [layers, n, block, heads,
         dim]; an open block's from its residual slot."""
         n = len(ids)
         out = torch.empty(len(self.layers), n, *self.spec.block_shape, dtype=torch.float32)
         ids = ids.to(self.spec.device)
+        native = self.layers[0].native
         for codec, batch in self._codec_batches(side):
+            if side == 0 and native is not None:
+                x = native.read_key_blocks(*self._key_tensors(batch), ids, self.spec.dtype == torch.bfloat16)
+                out[[layer.index for layer in batch]] = x
+                continue
             stored = {
                 name: torch.cat([layer.sides[side][name].index_select(0, ids) for layer in batch])
                 for name in batch[0].sides[side]
@@ -440,7 +453,13 @@ class KiviKind(KVKind):
             return
         dst = torch.tensor([ids[i] for i in closed], device=self.spec.device)
         picked = torch.tensor(closed)
+        native = self.layers[0].native
         for codec, batch in self._codec_batches(0):
+            if native is not None:
+                x = current[[layer.index for layer in batch]][:, picked]
+                codes, fmt, ranges, grids = self._key_tensors(batch)
+                native.store_key_blocks(x.contiguous(), codes, fmt, ranges, grids, dst)
+                continue
             x = torch.cat([current[layer.index, picked] for layer in batch])
             n = len(closed)
             for name, value in codec.quantize(x).items():
