@@ -334,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         step = self._stack_attention(rows, kv_caches, meta)
         if step is not None:
-            caches = [c.stack_caches() for c in kv_caches]
+            step, caches = step
             # per-layer tensors the format has (scales, grids, zero points, residual slots), by the stack's names
             extra = {
                 f"{name}s": [getattr(c, name) for c in caches]
@@ -387,10 +387,11 @@ class LlamaForCausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return torch.stack(means)
 
-    def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata) -> dict | None:
-        """The step's row attention arguments when this step can run as one native call over every
-        layer: all layers on integer kernels for this many rows, caches attended by rows (bfloat16,
-        or int8/fp8/int4/int2 read in place), one format for every layer, no scores."""
+    def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata) -> tuple[dict, list] | None:
+        """The step's row attention arguments and the layers' caches (StackCache) when this step
+        can run as one native call over every layer: all layers on integer kernels for this many
+        rows, caches attended by rows (bfloat16, or int8/fp8/int4/int2 read in place), one format
+        for every layer, no scores."""
         first = self.layers[0]
         if first.native is None or not first.self_attn.qkv_proj.integer_path(rows):
             return None
@@ -402,7 +403,7 @@ class LlamaForCausalLM(nn.Module):
         caches = [c.stack_caches() for c in kv_caches]
         if rows_attention is None or None in caches or len({c.format for c in caches}) != 1:
             return None  # one cache format, and one the stack takes, for every layer
-        return rows_attention
+        return rows_attention, caches
 
     #: the native stack's layer form: Llama's (False) or Gemma's (True: six norms, GeGLU)
     stack_gemma = False

@@ -8,6 +8,7 @@ when more blocks are open at once (many forks), and gives the extra back once th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -100,13 +101,30 @@ class ResidualPlan:
     residual slot, the new tokens are written in, and then blocks that are now full are quantized
     into the pool while the others go back to their residual slots. `table` says so per row for
     the native writes (kivi_write in kvbank/kernels/quant_decode.cpp): block id, residual slot
-    (-1: none), tokens the block held before the step, tokens it holds after; the index pairs
-    say the same for the PyTorch path.
+    (-1: none), tokens the block held before the step, tokens it holds after; `moves` says the
+    same as index pairs for the PyTorch path.
     """
 
     rows: int
     scratch_slots: torch.Tensor
     table: torch.Tensor
+    block_size: int
+
+    @functools.cached_property
+    def moves(self) -> ResidualMoves:
+        """The table as index pairs (built once per step, and only where a layer writes in torch)."""
+        device = self.scratch_slots.device
+        rows = torch.arange(self.rows)
+        block, slot, held, upto = self.table.unbind(1)
+        full = upto == self.block_size
+        pair = lambda mask, other: (rows[mask].to(device), other[mask].to(device)) if mask.any() else (None, None)
+        return ResidualMoves(*pair(held > 0, slot), *pair(full, block), *pair(~full, slot))
+
+
+@dataclass
+class ResidualMoves:
+    """Scratch rows loaded from residual slots, quantized into blocks, and kept in residual slots."""
+
     preload_rows: torch.Tensor | None
     preload_slots: torch.Tensor | None
     full_rows: torch.Tensor | None
@@ -152,20 +170,20 @@ class KiviLayer(CodecLayer):
                 plan.scratch_slots,
             )
             return scratch_k, scratch_v
+        moves = plan.moves
         scratch = []
         for x, store in zip((k, v), stores):
             rows = x.new_zeros(plan.rows, *store.shape[1:])
-            if plan.preload_rows is not None:
-                rows.index_copy_(0, plan.preload_rows, store.index_select(0, plan.preload_slots))
+            if moves.preload_rows is not None:
+                rows.index_copy_(0, moves.preload_rows, store.index_select(0, moves.preload_slots))
             rows.view(-1, *x.shape[1:]).index_copy_(0, plan.scratch_slots, x)
             scratch.append(rows)
-        if plan.full_rows is not None:
-            self._store_blocks(
-                plan.full_blocks, scratch[0].index_select(0, plan.full_rows), scratch[1].index_select(0, plan.full_rows)
-            )
-        if plan.keep_rows is not None:
+        if moves.full_rows is not None:
+            full = moves.full_rows
+            self._store_blocks(moves.full_blocks, scratch[0].index_select(0, full), scratch[1].index_select(0, full))
+        if moves.keep_rows is not None:
             for rows, store in zip(scratch, stores):
-                store.index_copy_(0, plan.keep_slots, rows.index_select(0, plan.keep_rows))
+                store.index_copy_(0, moves.keep_slots, rows.index_select(0, moves.keep_rows))
         return scratch[0], scratch[1]
 
     def row_attention(self, meta: AttentionMetadata) -> dict[str, torch.Tensor] | None:
@@ -475,9 +493,6 @@ class KiviKind(KVKind):
         rows = 0
         scratch_slots: list[int] = []
         table: list[tuple[int, int, int, int]] = []
-        preload: tuple[list[int], list[int]] = ([], [])
-        full: tuple[list[int], list[int]] = ([], [])
-        keep: tuple[list[int], list[int]] = ([], [])
         filled: list[int] = []
         own_blocks: list[int] = []
         masks: list[torch.Tensor] = []
@@ -494,16 +509,10 @@ class KiviKind(KVKind):
                     slot = residual.of_block.get(block_id)
                     if slot is None:
                         raise RuntimeError(f"block {block_id} holds {held} tokens but has no residual slot")
-                    preload[0].append(rows)
-                    preload[1].append(slot)
                 if upto == bs:
-                    full[0].append(rows)
-                    full[1].append(block_id)
                     filled.append(block_id)
                 else:
                     slot = residual.slot(block_id)
-                    keep[0].append(rows)
-                    keep[1].append(slot)
                 table.append((block_id, slot, held, upto))
                 rows += 1
             scratch_slots.extend((first_row + p // bs - first_block) * bs + p % bs for p in range(s.start, s.end))
@@ -524,14 +533,7 @@ class KiviKind(KVKind):
             chunk_rows.append((first_row, rows))
         for block_id in filled:
             residual.release(block_id)
-        plan = ResidualPlan(
-            rows,
-            _tensor(scratch_slots, device),
-            torch.tensor(table, dtype=torch.long).view(-1, 4),
-            *_pair(preload, device),
-            *_pair(full, device),
-            *_pair(keep, device),
-        )
+        plan = ResidualPlan(rows, _tensor(scratch_slots, device), torch.tensor(table, dtype=torch.long).view(-1, 4), bs)
         view = QuantizedView(masks, chunk_rows, _tensor(own_blocks, device) if own_blocks else None)
         if own_rows:
             view.own_rows = _tensor(own_rows, device)
@@ -539,10 +541,6 @@ class KiviKind(KVKind):
             view.row_tables, view.row_lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, device)
             view.row_starts = row_starts(steps, device)
         return KiviStep(view, plan)
-
-
-def _pair(lists: tuple[list[int], list[int]], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    return (_tensor(lists[0], device), _tensor(lists[1], device)) if lists[0] else (None, None)
 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
