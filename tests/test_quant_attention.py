@@ -392,6 +392,21 @@ def test_native_kivi_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype, isa_l
                 assert _same_bits(tensor[blocks], want[name]), (kv, dtype, dim, group, block, name)
 
 
+def test_the_pytorch_kivi_write_reads_its_moves_off_the_plans_table():
+    # Rows: a block filled whole; an open block taking its first tokens; one taking more; one
+    # filling up from its residual slot. Columns: block, residual slot, held before, held after.
+    table = torch.tensor([(7, -1, 0, 16), (3, 1, 0, 5), (4, 2, 5, 8), (5, 0, 8, 16)])
+    moves = kivi.ResidualPlan(4, torch.arange(4), table, 16).moves
+    pairs = [
+        (moves.preload_rows, moves.preload_slots, [2, 3], [2, 0]),
+        (moves.full_rows, moves.full_blocks, [0, 3], [7, 5]),
+        (moves.keep_rows, moves.keep_slots, [1, 2], [1, 2]),
+    ]
+    for rows, other, want_rows, want_other in pairs:
+        assert rows.tolist() == want_rows and other.tolist() == want_other
+    assert kivi.ResidualPlan(1, torch.arange(1), table[:1], 16).moves.preload_rows is None
+
+
 def test_bad_kivi_write_arguments_are_refused_with_the_numbers(kernel):
     _, sides, residual = _kivi_pool("int4", torch.float32, 4, 16, 2, 64, 32)
     k = v = torch.randn(3, 2, 64)
