@@ -56,6 +56,21 @@ def test_shared_system_prompt_hits_and_outputs_are_identical(llm):
     assert all(o.num_cached_tokens == 0 for o in cold)
 
 
+def test_requests_arriving_together_compute_their_shared_prompt_once(llm):
+    # A cold cache and four chats on one system prompt at once: the first computes it, the others
+    # wait for it to be cached (a step) and take it, instead of computing it beside the first.
+    prompts = [_chat_prompt(llm, q) for q in QUESTIONS]
+    cold = _generate(llm, prompts, caching=False)
+    llm.engine.reset_prefix_cache()
+    waits = llm.engine.stats()["num_prefix_waits"]
+    together = _generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in cold]
+    shared = [_common_prefix(prompts[0], p) for p in prompts[1:]]
+    assert together[0].num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in together[1:]] == [n // 16 * 16 for n in shared]
+    assert llm.engine.stats()["num_prefix_waits"] == waits + 3
+
+
 def test_decodes_sharing_a_long_prefix_read_it_once_and_match_alone(monkeypatch):
     """The cascade decode of the non-invariant path (the default reads every row alone, so a
     shared prefix is read once per row there); float32, where that path still matches alone."""

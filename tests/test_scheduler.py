@@ -76,3 +76,34 @@ def test_a_full_pool_preempts_the_newest_sequence_and_recomputes_it_later():
     assert _step(scheduler) == [("b", BLOCK + 1)]  # its prompt and its sampled token again
     scheduler.finish(b)
     assert scheduler.manager.num_free_blocks == 2
+
+
+def _add_tokens(scheduler: Scheduler, name: str, prompt: list[int]) -> Sequence:
+    seq = Sequence(Request(name, None, prompt, SamplingParams(), b"", 0.0), 0, list(prompt), None)
+    scheduler.add(seq)
+    return seq
+
+
+def test_a_prompt_sharing_blocks_a_running_prefill_computes_waits_for_them_to_be_cached():
+    # a's 40-token prompt takes two steps; b and c share its first 32 tokens, d shares nothing.
+    scheduler = _scheduler(budget=24, prefix_caching=True)
+    shared = list(range(100, 132))
+    _add_tokens(scheduler, "a", shared + list(range(500, 508)))
+    assert _step(scheduler) == [("a", 24)]
+    b = _add_tokens(scheduler, "b", shared + list(range(600, 610)))
+    c = _add_tokens(scheduler, "c", [*shared, 700])
+    _add(scheduler, "d", 6, first=900)
+    assert _step(scheduler) == [("a", 16), ("d", 6)]  # b and c wait for a's blocks 6 and 7; d does not
+    # a's prompt is cached now: b and c take its first 8 blocks and compute only the rest.
+    assert _step(scheduler) == [("a", 1), ("d", 1), ("c", 1), ("b", 10)]
+    assert b.num_computed_tokens == 42 and c.num_computed_tokens == 33
+    assert scheduler.gauges()["num_prefix_waits"] == 2
+
+
+def test_without_prefix_caching_nothing_waits_for_a_running_prefill():
+    scheduler = _scheduler(budget=24)
+    _add(scheduler, "a", 40)
+    assert _step(scheduler) == [("a", 24)]
+    _add(scheduler, "b", 40)
+    assert _step(scheduler) == [("a", 16), ("b", 8)]
+    assert scheduler.gauges()["num_prefix_waits"] == 0

@@ -249,6 +249,18 @@ class KVCacheManager:
         self._hash_blocks(seq, num_blocks)
         return self._walk(seq.token_ids[: num_blocks * self.block_size], seq.root_hash, seq.block_hashes)
 
+    def computing(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the whole prompt blocks `seq` has yet to compute and will index once it has
+        (none when it indexes nothing: no prefix caching, prompt logprobs, evictions, a stream)."""
+        if not self.enable_prefix_caching or seq.no_prefix_cache or seq.num_evicted or seq.frames is not None:
+            return []
+        bs = self.block_size
+        done, full = seq.num_computed_tokens // bs, seq.num_prompt_tokens // bs
+        if full <= done:
+            return []
+        self._hash_blocks(seq, full)
+        return seq.block_hashes[done:full]
+
     def commit(self, seq: Sequence) -> None:
         """Index every block of `seq` that is now full and computed; then release the window blocks
         the next token no longer reads (hybrid layouts)."""

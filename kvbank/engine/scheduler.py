@@ -49,6 +49,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        #: requests that waited for a running prefill to cache prompt blocks they share
+        self.num_prefix_waits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,11 +66,12 @@ class Scheduler:
             )
 
     def gauges(self) -> dict[str, int]:
-        """Requests running and waiting now, and preemptions so far."""
+        """Requests running and waiting now, preemptions so far, and waits for a shared prefix."""
         return {
             "num_requests_running": len({s.request.request_id for s in self.running}),
             "num_requests_waiting": len({s.request.request_id for s in self.waiting}),
             "num_preemptions": self.num_preemptions,
+            "num_prefix_waits": self.num_prefix_waits,
         }
 
     def add_running(self, seq: Sequence) -> None:
@@ -98,12 +101,20 @@ class Scheduler:
             elif seq.status is SequenceStatus.RUNNING:
                 i += 1  # nothing it may preempt: it waits until blocks are freed
         slots = self.num_seq_slots
+        # Prompt blocks this step's prefills compute: a waiting sequence whose prompt shares one
+        # waits for it to be cached instead of computing it a second time beside them.
+        computing = {h for s in scheduled for h in self.manager.computing(s.seq)} if self.waiting else set()
         for seq in list(self.waiting) if not preempted else []:
             if budget <= 0:
                 break
             if seq.loading:  # its prefix is on its way from a tier; later ones need not wait for it
                 continue
             whole = self.swapper is not None and self.swapper.is_whole(seq)
+            if not whole and computing and not computing.isdisjoint(self.manager.computing(seq)):
+                if not seq.waited_for_prefix:
+                    seq.waited_for_prefix = True
+                    self.num_prefix_waits += 1
+                continue
             if slots + _slots(seq) > self.max_num_seqs or not self._fits(seq, whole, budget):
                 break
             slots += _slots(seq)
@@ -118,6 +129,7 @@ class Scheduler:
                     self.swapper.swap_in(seq)
                 num_new, copies = min(seq.num_tokens - seq.num_computed_tokens, budget), []
             seq.status = SequenceStatus.RUNNING
+            computing.update(self.manager.computing(seq))
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             scheduled.append(ScheduledSeq(seq, num_new, copies))
             budget -= num_new

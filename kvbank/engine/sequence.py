@@ -58,6 +58,8 @@ class Sequence:
         self.frames: FrameLog | None = None
         #: a tier load is under way; the scheduler admits the sequence once it lands or times out
         self.loading = False
+        #: it waited for a running prefill to cache prompt blocks it shares (Scheduler)
+        self.waited_for_prefix = False
         self.status = SequenceStatus.WAITING
         self.generator = generator
         self.logprobs: list[TokenLogprobs] | None = [] if request.params.logprobs is not None else None

@@ -108,6 +108,11 @@ _COUNTERS = (
     ("prefix_cache_queries", "kvbank:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "kvbank:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
     ("num_preemptions", "kvbank:num_preemptions_total", "Sequences preempted (swapped out or to be recomputed)."),
+    (
+        "num_prefix_waits",
+        "kvbank:num_prefix_waits_total",
+        "Requests that waited for a running prefill to cache the prompt blocks they share.",
+    ),
     ("num_swaps_out", "kvbank:num_swaps_out_total", "Preempted sequences whose KV blocks went to host RAM."),
     ("num_swaps_in", "kvbank:num_swaps_in_total", "Swapped sequences whose KV blocks came back into the pool."),
     ("prompt_tokens", "kvbank:prompt_tokens_total", "Prompt tokens admitted."),
