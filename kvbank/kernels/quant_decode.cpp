@@ -284,10 +284,11 @@ void key_block(int64_t format, const torch::Tensor& codes, const torch::Tensor& 
 }
 
 // x * cos + (x's halves swapped) * sin per row of `dim`, rounded to T: apply_rope's three float32
-// roundings (two products, one sum), never fused, so the bits are PyTorch's.
+// roundings (two products, one sum), never fused, so the bits are PyTorch's (the model's own
+// rotation, rope_rows in layers.h, rounds each product to the model dtype instead).
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rope_rows(const float* x, int64_t rows, int64_t dim, const float* cos,
-                                                            const float* sin, T* out) {
+__attribute__((optimize("fp-contract=off"))) void rotate_key_rows(const float* x, int64_t rows, int64_t dim,
+                                                                  const float* cos, const float* sin, T* out) {
   const int64_t half = dim / 2;
   for (int64_t r = 0; r < rows; ++r, x += dim, out += dim)
     for (int64_t d = 0; d < dim; ++d) {
@@ -308,7 +309,7 @@ void rotate_layer_blocks(int64_t format, const torch::Tensor& codes, const torch
   std::vector<T> rotated(n * elems);  // every source is read before any destination is written
   for (int64_t i = 0; i < n; ++i) {
     key_block<T>(format, codes, ranges, grid, src[i], keys.data());
-    rope_rows<T>(keys.data(), bs * heads, dim, cos, sin, rotated.data() + i * elems);
+    rotate_key_rows<T>(keys.data(), bs * heads, dim, cos, sin, rotated.data() + i * elems);
   }
   if (format == kBf16) {
     for (int64_t i = 0; i < n; ++i)
