@@ -147,6 +147,7 @@ class KiviLayer(CodecLayer):
     def __init__(self, spec: PoolSpec, codecs: CodecPair, kind: str, residual: ResidualSlots, index: int) -> None:
         super().__init__(spec, codecs, kind, index)
         self.residual = residual
+        self._stack: StackCache | None = None  # stack_caches' answer while the residual slots stay put
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([T, heads, dim]); returns this step's scratch blocks (K, V)."""
@@ -205,19 +206,24 @@ class KiviLayer(CodecLayer):
         """The layer's codes, ranges, scales and residual slots as the fused model step takes them."""
         if self.native is None:
             return None
-        (k, v) = self.sides
-        residual = self.residual
-        return StackCache(
-            self.native_format,
-            k["codes"],
-            v["codes"],
-            k["ranges"],
-            v["scale"],
-            k["grid"],
-            v["zero"],
-            residual.k[self.index],
-            residual.v[self.index],
-        )
+        residual_k, residual_v = self.residual.k[self.index], self.residual.v[self.index]
+        stack = self._stack
+        # Built once per step for every layer; the pool's tensors never move, the residual slots
+        # only when their table grows or shrinks.
+        if stack is None or stack.residual_k is not residual_k or stack.residual_v is not residual_v:
+            (k, v) = self.sides
+            stack = self._stack = StackCache(
+                self.native_format,
+                k["codes"],
+                v["codes"],
+                k["ranges"],
+                v["scale"],
+                k["grid"],
+                v["zero"],
+                residual_k,
+                residual_v,
+            )
+        return stack
 
     def attend(
         self, q: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float
