@@ -11,7 +11,8 @@ Three parts, each in the default configuration (bfloat16, packed GGUF weights, b
   `full` at each of those steps.
 - decode: single-stream decode tok/s and the KV memory the sequence holds against history length
   (--histories), for `full` (within the trained context) and sink_window; median of --rounds
-  rounds of --steps decode steps after the history is prefilled.
+  rounds of --steps decode steps after the history is prefilled (the KV dtypes' engines taking
+  the rounds in turn), and the median of that over --sweeps passes.
 - rope: what keeping RoPE right after evictions costs per decoded token, three ways: rotating
   every cached key at attention time, re-rotating the window at every eviction, and kvbank's
   re-rotation of the sink block alone; against a decode step.
@@ -226,24 +227,39 @@ def run_compress(args, corpus: Path) -> dict:
 # --- decode speed and memory against history ------------------------------------------------------
 
 
-def decode_rates(llm: LLM, history: list[int], policy: str, rounds: int, steps: int) -> tuple[float, int]:
+def start_decode(llm: LLM, history: list[int], policy: str, total: int):
+    """A greedy request of `total` tokens after `history`, its prompt prefilled."""
     engine = llm.engine
-    total = rounds * steps + 8  # still running when the rounds end
     request = engine.add_request(
         history, SamplingParams(max_tokens=total, ignore_eos=True, temperature=0, kv_policy=policy)
     )
     seq = request.seqs[0]
     while seq.num_computed_tokens < seq.num_prompt_tokens:
         engine.step()
-    times = []
+    return request
+
+
+def decode_rates(
+    llms: dict[str, LLM], history: list[int], policy: str, rounds: int, steps: int
+) -> dict[str, tuple[float, int]]:
+    """Per engine: decode tok/s (median over rounds of `steps` steps) and the blocks the sequence
+    holds. Every engine's request is prefilled first, then the rounds alternate between engines,
+    so that the machine's drift falls on all of them alike."""
+    total = rounds * steps + 8  # still running when the rounds end
+    requests = {kv: start_decode(llm, history, policy, total) for kv, llm in llms.items()}
+    times: dict[str, list[float]] = {kv: [] for kv in llms}
     for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        times.append((time.perf_counter() - started) / steps)
-    held = len(seq.block_table) + len(seq.pristine_blocks)
-    engine.abort_request(request.request_id)
-    return 1.0 / statistics.median(times), held
+        for kv, llm in llms.items():
+            started = time.perf_counter()
+            for _ in range(steps):
+                llm.engine.step()
+            times[kv].append((time.perf_counter() - started) / steps)
+    rates = {}
+    for kv, llm in llms.items():
+        seq = requests[kv].seqs[0]
+        rates[kv] = (1.0 / statistics.median(times[kv]), len(seq.block_table) + len(seq.pristine_blocks))
+        llm.engine.abort_request(requests[kv].request_id)
+    return rates
 
 
 def run_decode(args, corpus: Path) -> dict:
@@ -255,17 +271,18 @@ def run_decode(args, corpus: Path) -> dict:
     longest = corpus_tokens(first, corpus, max(histories))
     runs: dict[tuple[str, int], list[tuple[float, int]]] = {}
     block_bytes: dict[str, int] = {}
-    # Two sweeps, ascending then descending, so that drift over the run does not read as a trend.
-    for sweep in (histories, histories[::-1]):
+    # Sweeps alternately ascending and descending, so that drift over the run does not read as a trend.
+    for sweep in [histories if i % 2 == 0 else histories[::-1] for i in range(args.sweeps)]:
         for history in sweep:
-            for kv, llm in llms.items():
-                for base_label, policy in DECODE_POLICIES.items():
-                    if policy == "full" and (history > context or kv != "auto"):
-                        continue
+            for base_label, policy in DECODE_POLICIES.items():
+                engines = {kv: llm for kv, llm in llms.items() if policy != "full" or kv == "auto"}
+                if policy == "full" and history > context:
+                    continue
+                length = min(history, context - args.rounds * args.steps - 8) if policy == "full" else history
+                rates = decode_rates(engines, longest[:length], policy, args.rounds, args.steps)
+                for kv, (rate, blocks) in rates.items():
                     label = dtype_label(base_label, kv)
-                    block_bytes[label] = llm.engine.kv_bytes_per_token * llm.engine.block_size
-                    length = min(history, context - args.rounds * args.steps - 8) if policy == "full" else history
-                    rate, blocks = decode_rates(llm, longest[:length], policy, args.rounds, args.steps)
+                    block_bytes[label] = llms[kv].engine.kv_bytes_per_token * llms[kv].engine.block_size
                     runs.setdefault((label, history), []).append((rate, blocks))
                     print(f"  {label:34s} history {history:6d}  {rate:6.1f} tok/s", flush=True)
     results: dict[str, list[dict]] = {label: [] for label, _ in runs}
@@ -292,6 +309,7 @@ def run_decode(args, corpus: Path) -> dict:
     ratio = ratios.get("auto", {}).get("last_over_first")
     return {
         "rounds": args.rounds,
+        "sweeps": args.sweeps,
         "steps": args.steps,
         "policies": results,
         "sink_ratio_last_first": ratio,
@@ -411,6 +429,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--histories", default="1024,2048,4096,8192,16384,32768")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--sweeps",
+        type=int,
+        default=2,
+        help="decode: passes over the histories (alternately up and down); medians over them",
+    )
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
