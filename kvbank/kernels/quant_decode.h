@@ -1215,10 +1215,11 @@ KVBANK_AVX512_LUT void kivi4_range512_bf16(const QuantLayer& L, const c10::BFloa
       for (int t = 0; t < n; t += 16) top = _mm512_mask_max_ps(top, first16(n - t), top, _mm512_load_ps(scores[g] + t));
       const float best = std::max(H.m[g], _mm512_reduce_max_ps(top));
       if (best > H.m[g]) {
-        const __m512 c = _mm512_set1_ps(exp_neg(H.m[g] - best));
+        const float shrink = exp_neg(H.m[g] - best);
+        const __m512 c = _mm512_set1_ps(shrink);
         for (int v = 0; v < V; ++v) H.acc[g][v] = _mm512_mul_ps(H.acc[g][v], c);
         for (int v = 0; v < C; ++v) zero_share[g][v] = _mm512_mul_ps(zero_share[g][v], c);
-        H.l[g] *= exp_neg(H.m[g] - best);
+        H.l[g] *= shrink;
         H.m[g] = best;
       }
       __m512 total = _mm512_setzero_ps();
