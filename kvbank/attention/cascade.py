@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvbank.attention.fast import DenseStep, padded_key_length, padded_length
-from kvbank.attention.metadata import SharedPrefix, additive_mask
+from kvbank.attention.metadata import SharedPrefix, additive_mask, index_tensor, table_tensor
 
 #: A group shares at least this many tokens; below that the extra kernel call costs more than it saves.
 MIN_SHARED_TOKENS = 128
@@ -79,16 +79,13 @@ def share_prefixes(
         return
     skip = [0] * len(tables)
     for rows, shared in groups:
-        step.shared_prefixes.append(SharedPrefix(_tensor(rows, device), _tensor(tables[rows[0]][:shared], device)))
+        prefix = SharedPrefix(index_tensor(rows, device), index_tensor(tables[rows[0]][:shared], device))
+        step.shared_prefixes.append(prefix)
         for i in rows:
             skip[i] = shared
     suffixes = [table[s:] for table, s in zip(tables, skip)]
-    width = max(map(len, suffixes))
-    step.suffix_block_tables = _tensor([t + [0] * (width - len(t)) for t in suffixes], device)
-    remaining = _tensor([n - s * block_size for n, s in zip(lens, skip)], device)
+    step.suffix_block_tables = table_tensor(suffixes, device)
+    width = step.suffix_block_tables.shape[1]
+    remaining = index_tensor([n - s * block_size for n, s in zip(lens, skip)], device)
     hidden = torch.arange(width * block_size, device=device).unsqueeze(0) >= remaining.unsqueeze(1)
     step.suffix_mask = additive_mask(~hidden, mask_dtype)[:, None, None, :]
-
-
-def _tensor(values: list, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

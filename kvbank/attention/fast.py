@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbank import kernels
-from kvbank.attention.metadata import AttentionMetadata, SharedPrefix
+from kvbank.attention.metadata import AttentionMetadata, SharedPrefix, index_tensor, table_tensor
 
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -60,11 +60,10 @@ def row_tables(spans: list[tuple[int, int, list[int]]], block_size: int, device:
     """Every new token's block table and context length (its slot + 1), for sequences given as
     (start, end, block_table) in batch order: what the decode kernels need to attend by rows."""
     tables = [table[: -(-end // block_size)] for _, end, table in spans]
-    width = max(map(len, tables))
-    per_seq = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     if all(end - start == 1 for start, end, _ in spans):  # decodes only: one row per sequence
-        return per_seq.to(device), torch.tensor([end for _, end, _ in spans], dtype=torch.long).to(device)
-    owner = torch.repeat_interleave(torch.tensor([end - start for start, end, _ in spans]))
+        return table_tensor(tables, device), index_tensor([end for _, end, _ in spans], device)
+    per_seq = table_tensor(tables)
+    owner = torch.repeat_interleave(index_tensor([end - start for start, end, _ in spans]))
     lens = torch.cat([torch.arange(start + 1, end + 1) for start, end, _ in spans])
     return per_seq.index_select(0, owner).to(device), lens.to(device)
 
@@ -75,7 +74,7 @@ def row_starts(steps, device: torch.device) -> torch.Tensor | None:
     if not any(s.lead for s in steps):
         return None
     if all(s.end - s.start == 1 for s in steps):
-        return torch.tensor([s.lead for s in steps], dtype=torch.long).to(device)
+        return index_tensor([s.lead for s in steps], device)
     return torch.cat([torch.full((s.end - s.start,), s.lead, dtype=torch.long) for s in steps]).to(device)
 
 

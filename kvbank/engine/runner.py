@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbank.attention import AttentionMetadata, PrefillChunk
+from kvbank.attention.metadata import index_tensor, table_tensor
 from kvbank.cache.layers import StepSeq
 from kvbank.cache.storage import KVStorage
 from kvbank.engine.scheduler import ScheduledSeq
@@ -46,7 +47,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.storage.layers, meta, self._embeds(batch))
         rows, sample_rows, prompt_rows = self._logit_rows(batch)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        logits = self.model.compute_logits(self._rows(hidden, rows)) if rows else None
         return StepLogits(logits, sample_rows, prompt_rows)
 
     def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -107,8 +108,7 @@ class ModelRunner:
             dtype=self.dtype,
         )
         if decode_tables:
-            width = max(map(len, decode_tables))
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            meta.decode_block_tables = table_tensor(decode_tables, self.device)
             meta.decode_context_lens = self._tensor(decode_lens)
             if any(decode_starts):
                 meta.decode_starts = self._tensor(decode_starts)
@@ -166,4 +166,10 @@ class ModelRunner:
         return rows, sample_rows, prompt_rows
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        return index_tensor(values, self.device)
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """hidden[rows]: a view where the rows are consecutive (every decode step's), else a gather."""
+        if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+            return hidden[rows[0] : rows[-1] + 1]
+        return hidden[self._tensor(rows)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbank.attention.fast import row_starts, row_tables
-from kvbank.attention.metadata import AttentionMetadata, additive_mask
+from kvbank.attention.metadata import AttentionMetadata, additive_mask, index_tensor
 from kvbank.attention.quantized import QuantizedView, attend_quantized, pad_visibility
 from kvbank.attention.rope import apply_rope
 from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq
@@ -498,7 +498,7 @@ class KiviKind(KVKind):
         residual = self.residual
         rows = 0
         scratch_slots: list[int] = []
-        table: list[tuple[int, int, int, int]] = []
+        table: list[int] = []  # per row: block id, residual slot, tokens held before, after
         filled: list[int] = []
         own_blocks: list[int] = []
         masks: list[torch.Tensor] = []
@@ -519,11 +519,13 @@ class KiviKind(KVKind):
                     filled.append(block_id)
                 else:
                     slot = residual.slot(block_id)
-                table.append((block_id, slot, held, upto))
+                table += (block_id, slot, held, upto)
                 rows += 1
-            scratch_slots.extend((first_row + p // bs - first_block) * bs + p % bs for p in range(s.start, s.end))
+            # position p's scratch slot: row first_row + p // bs - first_block, offset p % bs
+            mine = range((first_row - first_block) * bs + s.start, (first_row - first_block) * bs + s.end)
+            scratch_slots += mine
             if self.attend_rows:
-                own_rows.extend(first_row + p // bs - first_block for p in range(s.start, s.end))
+                own_rows += [first_row] if len(mine) == 1 else [slot // bs for slot in mine]
                 continue
             if s.num_tokens == 1:
                 own_blocks.append(first_block)
@@ -539,15 +541,14 @@ class KiviKind(KVKind):
             chunk_rows.append((first_row, rows))
         for block_id in filled:
             residual.release(block_id)
-        plan = ResidualPlan(rows, _tensor(scratch_slots, device), torch.tensor(table, dtype=torch.long).view(-1, 4), bs)
-        view = QuantizedView(masks, chunk_rows, _tensor(own_blocks, device) if own_blocks else None)
+        # one tensor for the plan's table, the scratch slots and the own rows (views into it)
+        table_end, scratch_end = len(table), len(table) + len(scratch_slots)
+        flat = index_tensor(table + scratch_slots + own_rows, device)
+        plan = ResidualPlan(rows, flat[table_end:scratch_end], flat[:table_end].view(-1, 4), bs)
+        view = QuantizedView(masks, chunk_rows, index_tensor(own_blocks, device) if own_blocks else None)
         if own_rows:
-            view.own_rows = _tensor(own_rows, device)
+            view.own_rows = flat[scratch_end:]
         if self.attend_rows:
             view.row_tables, view.row_lens = row_tables([(s.start, s.end, s.block_table) for s in steps], bs, device)
             view.row_starts = row_starts(steps, device)
         return KiviStep(view, plan)
-
-
-def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
