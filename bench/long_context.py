@@ -12,7 +12,9 @@ Three parts, each in the default configuration (bfloat16, packed GGUF weights, b
 - decode: single-stream decode tok/s and the KV memory the sequence holds against history length
   (--histories), for `full` (within the trained context) and sink_window; median of --rounds
   rounds of --steps decode steps after the history is prefilled (the KV dtypes' engines taking
-  the rounds in turn), and the median of that over --sweeps passes.
+  the rounds in turn), and the median of that over --sweeps passes; each quantized pool also
+  against the model-dtype pool round by round (its round over the adjacent bfloat16 round, median
+  over every round of every sweep: the comparison the machine's drift does not move).
 - rope: what keeping RoPE right after evictions costs per decoded token, three ways: rotating
   every cached key at attention time, re-rotating the window at every eviction, and kvbank's
   re-rotation of the sink block alone; against a decode step.
@@ -241,10 +243,11 @@ def start_decode(llm: LLM, history: list[int], policy: str, total: int):
 
 def decode_rates(
     llms: dict[str, LLM], history: list[int], policy: str, rounds: int, steps: int
-) -> dict[str, tuple[float, int]]:
-    """Per engine: decode tok/s (median over rounds of `steps` steps) and the blocks the sequence
-    holds. Every engine's request is prefilled first, then the rounds alternate between engines,
-    so that the machine's drift falls on all of them alike."""
+) -> dict[str, tuple[float, int, list[float]]]:
+    """Per engine: decode tok/s (median over rounds of `steps` steps), the blocks the sequence
+    holds, and each round's tok/s. Every engine's request is prefilled first, then the rounds
+    alternate between engines, so that the machine's drift falls on all of them alike (and round i
+    of two engines can be compared as a pair)."""
     total = rounds * steps + 8  # still running when the rounds end
     requests = {kv: start_decode(llm, history, policy, total) for kv, llm in llms.items()}
     times: dict[str, list[float]] = {kv: [] for kv in llms}
@@ -257,7 +260,8 @@ def decode_rates(
     rates = {}
     for kv, llm in llms.items():
         seq = requests[kv].seqs[0]
-        rates[kv] = (1.0 / statistics.median(times[kv]), len(seq.block_table) + len(seq.pristine_blocks))
+        blocks = len(seq.block_table) + len(seq.pristine_blocks)
+        rates[kv] = (1.0 / statistics.median(times[kv]), blocks, [1.0 / t for t in times[kv]])
         llm.engine.abort_request(requests[kv].request_id)
     return rates
 
@@ -270,6 +274,8 @@ def run_decode(args, corpus: Path) -> dict:
     histories = [int(h) for h in args.histories.split(",")]
     longest = corpus_tokens(first, corpus, max(histories))
     runs: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    # sink_window rounds, per KV dtype and history: tok/s over the model-dtype pool's adjacent round
+    paired: dict[tuple[str, int], list[list[float]]] = {}
     block_bytes: dict[str, int] = {}
     # Sweeps alternately ascending and descending, so that drift over the run does not read as a trend.
     for sweep in [histories if i % 2 == 0 else histories[::-1] for i in range(args.sweeps)]:
@@ -280,7 +286,11 @@ def run_decode(args, corpus: Path) -> dict:
                     continue
                 length = min(history, context - args.rounds * args.steps - 8) if policy == "full" else history
                 rates = decode_rates(engines, longest[:length], policy, args.rounds, args.steps)
-                for kv, (rate, blocks) in rates.items():
+                if policy != "full" and "auto" in rates:
+                    for kv in rates:
+                        pairs = [r / a for r, a in zip(rates[kv][2], rates["auto"][2])]
+                        paired.setdefault((kv, history), []).append(pairs)
+                for kv, (rate, blocks, _) in rates.items():
                     label = dtype_label(base_label, kv)
                     block_bytes[label] = llms[kv].engine.kv_bytes_per_token * llms[kv].engine.block_size
                     runs.setdefault((label, history), []).append((rate, blocks))
@@ -304,8 +314,21 @@ def run_decode(args, corpus: Path) -> dict:
         line += f"{ratios[kv]['last_over_first']:.2f}x"
         if auto_sink and kv != "auto":
             ratios[kv]["last_over_auto"] = sink[-1]["tok_s"] / auto_sink[-1]["tok_s"]
-            line += f"; against the model-dtype pool at {sink[-1]['history']}: {ratios[kv]['last_over_auto']:.2f}x"
+            line += f"; medians' ratio to the model-dtype pool at {sink[-1]['history']}: "
+            line += f"{ratios[kv]['last_over_auto']:.2f}x"
         print(line)
+        for (pkv, history), sweeps in sorted(paired.items(), key=lambda item: item[0][1]):
+            if pkv != kv or kv == "auto":
+                continue
+            # the drift-free comparison: each round against the model-dtype pool's round beside it
+            every = [r for sweep in sweeps for r in sweep]
+            ratios[kv][f"paired_over_auto_{history}"] = statistics.median(every)
+            ratios[kv][f"paired_over_auto_{history}_sweeps"] = [statistics.median(sweep) for sweep in sweeps]
+            per_sweep = ", ".join(f"{statistics.median(sweep):.3f}" for sweep in sweeps)
+            print(
+                f"  sink_window [{kv}] against the model-dtype pool at {history}, round by round: "
+                f"median {statistics.median(every):.3f}x of {len(every)} rounds (per sweep {per_sweep})"
+            )
     ratio = ratios.get("auto", {}).get("last_over_first")
     return {
         "rounds": args.rounds,
@@ -337,7 +360,8 @@ def run_rope(args, corpus: Path) -> dict:
 
     whole_window = seconds(window_blocks)  # every layer's window keys, once
     sinks = seconds(sink_blocks)
-    rate, _ = decode_rates(llm, corpus_tokens(llm, corpus, 2048), "sink_window(sinks=4,window=1020)", 3, 32)
+    history = corpus_tokens(llm, corpus, 2048)
+    rate = decode_rates({"auto": llm}, history, "sink_window(sinks=4,window=1020)", 3, 32)["auto"][0]
     step = 1.0 / rate
     per_token = {
         # Pre-rotation keys: every decode step rotates the whole window in every layer.
