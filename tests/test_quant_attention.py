@@ -361,7 +361,8 @@ def _kivi_write(kernel, kv, k, v, sides, residual, plan, slots):
         *_stored_args(ks, vs),
         residual[0],
         residual[1],
-        torch.tensor(plan).view(-1, 4),
+        # rows given as (block, slot, held, upto) are not read early
+        torch.tensor([(*row, 0)[: kivi.PLAN_FIELDS] for row in plan]).view(-1, kivi.PLAN_FIELDS),
         torch.tensor(slots),
     )
 
@@ -416,8 +417,8 @@ def test_native_kivi_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype, isa_l
 
 def test_the_pytorch_kivi_write_reads_its_moves_off_the_plans_table():
     # Rows: a block filled whole; an open block taking its first tokens; one taking more; one
-    # filling up from its residual slot. Columns: block, residual slot, held before, held after.
-    table = torch.tensor([(7, -1, 0, 16), (3, 1, 0, 5), (4, 2, 5, 8), (5, 0, 8, 16)])
+    # filling up from its residual slot. Columns: block, residual slot, held before, held after, read early.
+    table = torch.tensor([(7, -1, 0, 16, 0), (3, 1, 0, 5, 0), (4, 2, 5, 8, 0), (5, 0, 8, 16, 0)])
     moves = kivi.ResidualPlan(4, torch.arange(4), table, 16).moves
     pairs = [
         (moves.preload_rows, moves.preload_slots, [2, 3], [2, 0]),
@@ -438,6 +439,19 @@ def test_bad_kivi_write_arguments_are_refused_with_the_numbers(kernel):
         _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 9, 0, 3)], [0, 1, 2])
     with pytest.raises(RuntimeError, match="tokens held 5 -> 3 do not fit a block of 16"):
         _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 0, 5, 3)], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="only a block this step fills can be read early, got early 1 with 3 of 16"):
+        _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 0, 0, 3, 1)], [0, 1, 2])
+    with pytest.raises(RuntimeError, match=r"the plan must be contiguous int64 \[rows, 5\], got \[1, 4\]"):
+        kernel.kivi_write(
+            k,
+            v,
+            NATIVE_FORMATS["int4"],
+            *_stored_args(*sides),
+            residual[0],
+            residual[1],
+            torch.tensor([[1, 0, 0, 3]]),
+            torch.tensor([0, 1, 2]),
+        )
     with pytest.raises(RuntimeError, match="scratch slot 16 is outside the step's 16"):
         _kivi_write(kernel, "int4", k, v, sides, residual, [(1, 0, 0, 3)], [0, 1, 16])
     with pytest.raises(RuntimeError, match=r"got format 1"):

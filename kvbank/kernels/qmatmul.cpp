@@ -1748,6 +1748,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                              static_cast<int64_t>(v_scales.size()) == layers),
               "quantized caches need one K and one V scale tensor per layer: ", layers);
   int64_t scratch_rows = 0;
+  bool kivi_early = false;  // some row's block is read from the pool by a later row (kPlanEarly)
   if (kivi) {
     TORCH_CHECK(static_cast<int64_t>(k_grids.size()) == layers && static_cast<int64_t>(v_zeros.size()) == layers &&
                     static_cast<int64_t>(residual_ks.size()) == layers && static_cast<int64_t>(residual_vs.size()) == layers,
@@ -1764,6 +1765,8 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
                 "the partition must be a multiple of the block size");
     scratch_rows = check_kivi_plan(*kivi_plan, *scratch_slots, tokens, k_caches[0].size(0), k_caches[0].size(1),
                                    residual_ks[0].size(0));
+    const int64_t* plan_rows = kivi_plan->data_ptr<int64_t>();
+    for (int64_t r = 0; r < scratch_rows; ++r) kivi_early = kivi_early || plan_rows[r * kPlanFields + kPlanEarly] != 0;
     const int64_t* own = own_rows->data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t)
       TORCH_CHECK(own[t] >= 0 && own[t] < scratch_rows, "own row ", own[t], " is outside the step's ", scratch_rows, " rows");
@@ -2026,10 +2029,11 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       }
       barrier();
 #ifdef KVBANK_X86
-      if (kivi) {
-        // blocks filled by this step quantized (rows attend them next), the rest back to their slots
+      if (kivi_early) {
+        // blocks that later rows of a prefill chunk attend from the pool, quantized before attention
         const auto [r0, r1] = share(scratch_rows, tid, nt);
-        for (int64_t r = r0; r < r1; ++r) kivi_writes[l].finish(r);
+        for (int64_t r = r0; r < r1; ++r)
+          if (kivi_writes[l].early(r)) kivi_writes[l].finish(r);
         barrier();
       }
 #endif
@@ -2041,6 +2045,14 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
         item_queues[l].drain(quant_job->partials, nt, [&](const int64_t* items, int count) {
           quant_job->run(items, count, quant_layers[l]);
         });
+        if (kivi) {
+          // The other rows: filled blocks quantized, open ones back to their residual slots. Rows
+          // attend their own block in the scratch rows, so this waits for no barrier; the next
+          // layer's preload reuses the scratch rows only after the barriers below.
+          const auto [r0, r1] = share(scratch_rows, tid, nt);
+          for (int64_t r = r0; r < r1; ++r)
+            if (!kivi_writes[l].early(r)) kivi_writes[l].finish(r);
+        }
 #endif
       }
       barrier();

@@ -37,7 +37,17 @@ namespace {
 
 enum QuantFormat : int64_t { kBf16 = 0, kInt8 = 1, kFp8E4M3 = 2, kFp8E5M2 = 3, kInt4 = 4, kInt2 = 5 };
 // The columns of a KIVI write plan's rows (see KiviWrite).
-enum KiviPlanField : int64_t { kPlanBlock = 0, kPlanSlot = 1, kPlanHeld = 2, kPlanUpto = 3, kPlanFields = 4 };
+// A KIVI write plan's columns per scratch row (KiviWrite). kPlanEarly: 1 when a later row of the
+// same step attends this row's block from the pool (a prefill chunk over several blocks), so the
+// fused stack quantizes it before attention; the other rows are finished after attention.
+enum KiviPlanField : int64_t {
+  kPlanBlock = 0,
+  kPlanSlot = 1,
+  kPlanHeld = 2,
+  kPlanUpto = 3,
+  kPlanEarly = 4,
+  kPlanFields = 5
+};
 
 // One layer's quantized K and V, and the step's full-precision scratch blocks (KIVI).
 struct QuantLayer {
@@ -1637,7 +1647,8 @@ void quant_write(int64_t format, const torch::Tensor& x, torch::Tensor& codes, t
 // pool and any other row's new tokens go back to its residual slot. KiviLayer.write
 // (kvbank/cache/layers/kivi.py) runs these three phases through kivi_write, the fused stack
 // (qmatmul.cpp) inside its layer loop; the scratch rows are what attention reads a row's own
-// block from. Quantization is bit for bit KiviKeys / KiviValues.quantize (kvbank/cache/quant.py):
+// block from, so the stack finishes a row after attention unless a later row reads its block
+// from the pool (kPlanEarly). Quantization is bit for bit KiviKeys / KiviValues.quantize (kvbank/cache/quant.py):
 // the same float32 operations in the same order, float16 roundings toward the side that keeps
 // every value inside its range, codes rounded to nearest even and clamped, packed planar.
 KVBANK_AVX2_F16C inline float hmin8(__m256 v) {
@@ -1770,6 +1781,9 @@ struct KiviWrite {
     std::memcpy(scratch_v + scratch_slots[t] * heads * dim, v, heads * dim * sizeof(T));
   }
 
+  // Whether row r's block is read from the pool by a later row of this step (kPlanEarly).
+  bool early(int64_t r) const { return plan[r * kPlanFields + kPlanEarly] != 0; }
+
   // Phase 3: row r quantized into its block when full, else its new tokens back to the residual slot.
   void finish(int64_t r) const {
     const int64_t* p = plan + r * kPlanFields;
@@ -1802,7 +1816,7 @@ struct KiviWrite {
 int64_t check_kivi_plan(const torch::Tensor& plan, const torch::Tensor& scratch_slots, int64_t tokens, int64_t blocks,
                         int64_t block_size, int64_t residual_slots) {
   TORCH_CHECK(plan.scalar_type() == torch::kLong && plan.dim() == 2 && plan.size(1) == kPlanFields && plan.is_contiguous(),
-              "the plan must be contiguous int64 [rows, 4], got ", plan.sizes());
+              "the plan must be contiguous int64 [rows, ", kPlanFields, "], got ", plan.sizes());
   TORCH_CHECK(scratch_slots.scalar_type() == torch::kLong && scratch_slots.dim() == 1 &&
                   scratch_slots.size(0) == tokens && scratch_slots.is_contiguous(),
               "scratch slots must be contiguous int64 [", tokens, "], got ", scratch_slots.sizes());
@@ -1813,6 +1827,9 @@ int64_t check_kivi_plan(const torch::Tensor& plan, const torch::Tensor& scratch_
                 " is outside the pool's ", blocks, " blocks");
     TORCH_CHECK(p[kPlanHeld] >= 0 && p[kPlanHeld] < p[kPlanUpto] && p[kPlanUpto] <= block_size, "plan row ", r,
                 ": tokens held ", p[kPlanHeld], " -> ", p[kPlanUpto], " do not fit a block of ", block_size);
+    TORCH_CHECK(p[kPlanEarly] == 0 || (p[kPlanEarly] == 1 && p[kPlanUpto] == block_size), "plan row ", r,
+                ": only a block this step fills can be read early, got early ", p[kPlanEarly], " with ",
+                p[kPlanUpto], " of ", block_size, " tokens");
     const bool needs_slot = p[kPlanHeld] > 0 || p[kPlanUpto] < block_size;
     TORCH_CHECK(!needs_slot || (p[kPlanSlot] >= 0 && p[kPlanSlot] < residual_slots), "plan row ", r,
                 ": residual slot ", p[kPlanSlot], " is outside the ", residual_slots, " slots");

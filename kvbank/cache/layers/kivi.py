@@ -93,6 +93,10 @@ class ResidualSlots:
         return torch.zeros(slots, *self.shape, dtype=self.dtype, device=self.device)
 
 
+#: columns of a ResidualPlan's table (kPlanFields in kvbank/kernels/quant_decode.h)
+PLAN_FIELDS = 5
+
+
 @dataclass
 class ResidualPlan:
     """How this step's new K/V reach the KIVI layers.
@@ -101,7 +105,9 @@ class ResidualPlan:
     residual slot, the new tokens are written in, and then blocks that are now full are quantized
     into the pool while the others go back to their residual slots. `table` says so per row for
     the native writes (kivi_write in kvbank/kernels/quant_decode.cpp): block id, residual slot
-    (-1: none), tokens the block held before the step, tokens it holds after; `moves` says the
+    (-1: none), tokens the block held before the step, tokens it holds after, and 1 where a later
+    row of the same sequence attends the block from the pool (a chunk over several blocks: the
+    fused stack quantizes those rows before attention, the others after it); `moves` says the
     same as index pairs for the PyTorch path.
     """
 
@@ -115,7 +121,7 @@ class ResidualPlan:
         """The table as index pairs (built once per step, and only where a layer writes in torch)."""
         device = self.scratch_slots.device
         rows = torch.arange(self.rows)
-        block, slot, held, upto = self.table.unbind(1)
+        block, slot, held, upto = self.table[:, :4].unbind(1)
         full = upto == self.block_size
         pair = lambda mask, other: (rows[mask].to(device), other[mask].to(device)) if mask.any() else (None, None)
         return ResidualMoves(*pair(held > 0, slot), *pair(full, block), *pair(~full, slot))
@@ -498,7 +504,7 @@ class KiviKind(KVKind):
         residual = self.residual
         rows = 0
         scratch_slots: list[int] = []
-        table: list[int] = []  # per row: block id, residual slot, tokens held before, after
+        table: list[int] = []  # per row: block id, residual slot, tokens held before, after, early
         filled: list[int] = []
         own_blocks: list[int] = []
         masks: list[torch.Tensor] = []
@@ -519,7 +525,7 @@ class KiviKind(KVKind):
                     filled.append(block_id)
                 else:
                     slot = residual.slot(block_id)
-                table += (block_id, slot, held, upto)
+                table += (block_id, slot, held, upto, int(j < last_block))
                 rows += 1
             # position p's scratch slot: row first_row + p // bs - first_block, offset p % bs
             mine = range((first_row - first_block) * bs + s.start, (first_row - first_block) * bs + s.end)
@@ -544,7 +550,7 @@ class KiviKind(KVKind):
         # one tensor for the plan's table, the scratch slots and the own rows (views into it)
         table_end, scratch_end = len(table), len(table) + len(scratch_slots)
         flat = index_tensor(table + scratch_slots + own_rows, device)
-        plan = ResidualPlan(rows, flat[table_end:scratch_end], flat[:table_end].view(-1, 4), bs)
+        plan = ResidualPlan(rows, flat[table_end:scratch_end], flat[:table_end].view(rows, PLAN_FIELDS), bs)
         view = QuantizedView(masks, chunk_rows, index_tensor(own_blocks, device) if own_blocks else None)
         if own_rows:
             view.own_rows = flat[scratch_end:]
