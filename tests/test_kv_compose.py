@@ -26,9 +26,16 @@ RUNS = {"int8": SHIFTING + SCORED, "fp8_e4m3": SHIFTING + SCORED, "int4": SHIFTI
 def llm(request):
     # The default configuration (bfloat16, packed weights, batch-invariant) with a quantized pool;
     # a small context so that context_shift shifts and every policy evicts within 250 tokens; a host
-    # tier takes what the policies' sequences share and what streams evict.
+    # tier takes what the policies' sequences share and what streams evict. A tier load waits as
+    # long as it takes (by default one slower than recomputing is abandoned, which on a busy
+    # machine would turn a served prefix into a recomputed one).
     return LLM(
-        kv_cache_dtype=request.param, max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64, kv_host_gb=0.05
+        kv_cache_dtype=request.param,
+        max_model_len=256,
+        num_gpu_blocks=96,
+        max_num_batched_tokens=64,
+        kv_host_gb=0.05,
+        kv_tier_load_timeout=120.0,
     )
 
 
@@ -109,7 +116,9 @@ def test_the_prefix_an_evicting_sequence_computed_before_evicting_reaches_the_ti
     assert engine.offload.flush()
     assert llm.reset_prefix_cache() > 0  # the pool forgets; the tier keeps
     loads = llm.tier_stats()["offload"]["loads"]
+    timeouts = llm.tier_stats()["offload"]["load_timeouts"]
     again = llm.generate([{"prompt_token_ids": ids + [13, 14, 15]}], _params("full", 2))[0]
+    assert llm.tier_stats()["offload"]["load_timeouts"] == timeouts
     bs = engine.block_size
     if policy.startswith("sink_window"):
         # the window evicted during the prompt: its later blocks were never published
