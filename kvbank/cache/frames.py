@@ -91,6 +91,11 @@ class FrameLog:
         done = [f for f in self.frames if not f.sink and f.end <= computed]
         return done[: max(0, len(done) - window)]
 
+    def pending_ends(self, computed: int) -> list[int]:
+        """Where each part not computed yet ends (token counts): the system prompt, then each frame."""
+        ends = [self.system_len] if computed < self.system_len else []
+        return ends + [f.end for f in self.frames if f.end > computed]
+
     def evicted(self, victims: list[Frame]) -> None:
         """Forget `victims` (the oldest non-sink frames); later frames move down by their tokens."""
         count = sum(f.length for f in victims)

@@ -49,7 +49,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs come back in the order of `prompts`."""
+        """Run every prompt to completion, batched; outputs come back in the order of `prompts`.
+
+        A request that fails inside the engine fails alone: its output has `error` set and its
+        completions end with finish_reason "error"; the others run on unaffected."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         ids = self._add_all(prompts, params)
@@ -131,6 +134,8 @@ class LLM:
             while True:
                 for output in self.engine.step():
                     if output.request_id == request_id:
+                        if output.error is not None:
+                            raise RuntimeError(f"request {request_id}: {output.error}")
                         yield output
                         if output.finished:
                             return

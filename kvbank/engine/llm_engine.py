@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import torch
@@ -25,7 +26,7 @@ from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import PromptType
 from kvbank.engine.runner import StepLogits
 from kvbank.engine.scheduler import ScheduledSeq
-from kvbank.engine.sequence import Request
+from kvbank.engine.sequence import Request, Sequence
 from kvbank.engine.streams import FrameRequest, FrameType, Stream
 from kvbank.kernels import isa
 from kvbank.kernels.allocator import keep_freed_memory
@@ -186,9 +187,11 @@ class LLMEngine:
         self, stream_id: str, frame: FrameType, skip_repeat: bool = False, request_id: str | None = None
     ) -> FrameRequest:
         """Queue one frame after the stream's others; the request finishes once it is computed (or skipped)."""
-        request, output = self.streams_host.append(stream_id, frame, skip_repeat, request_id)
+        request, output, evicted = self.streams_host.append(stream_id, frame, skip_repeat, request_id)
         if output is not None:
             self._ready.append(output)
+        if evicted:
+            self.counters.evicted_tokens[request.stream.policy.name] += evicted
         return request
 
     def ask_stream(
@@ -235,12 +238,9 @@ class LLMEngine:
             self.scheduler.check_stalled()  # admission checks make stalling unreachable; fail, never spin
             return []
         started = time.perf_counter()
-        try:
-            result = self.runner.execute(batch)
-        except Exception:
-            for item in batch:
-                self.abort_request(item.seq.request.request_id)
-            raise
+        batch, result = self._execute(batch)
+        if result is None:
+            return ready + self._take_ready()
         if self.offload is not None:
             prompt_tokens = sum(item.num_tokens for item in batch if item.num_tokens > 1)
             self.offload.observe_prefill(prompt_tokens, time.perf_counter() - started)
@@ -248,7 +248,12 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         streams: list[Stream] = []
         for i, item in enumerate(batch):
-            self._record_progress(item, result, i, now)
+            try:
+                self._record_progress(item, result, i, now)
+            except Exception as error:
+                result.sample_rows[i], result.prompt_rows[i] = -1, None
+                self._fail(item.seq, error)
+                continue
             if item.seq.frames is not None:
                 streams.append(self.streams_host.get(item.seq.request.stream_id))
             else:
@@ -257,6 +262,7 @@ class LLMEngine:
         outputs = ready
         for stream in streams:
             outputs.extend(self.streams_host.progress(stream, now))
+        outputs.extend(self._take_ready())
         for request in touched.values():
             outputs.append(request.output())
             if request.finished:
@@ -264,6 +270,68 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
                 self.counters.finished_requests += 1
         return outputs
+
+    def _execute(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], StepLogits | None]:
+        """Run the step for every scheduled sequence that can run: one whose metadata would reach
+        outside the tables or the pool fails alone beforehand (`ModelRunner.check`), and if the
+        model still raises, each sequence runs alone to find the ones it raises for, those fail,
+        and the others run together again, so a failure caused by one sequence costs the others
+        nothing but time. Returns the sequences that ran and their logits (None: none ran).
+
+        A rerun writes the same K/V to the same slots. Only the attention-score sums of the scored
+        policies (h2o, snapkv, ...) also count the failed attempt's rows."""
+        runnable = []
+        for item in batch:
+            try:
+                self.runner.check(item)
+                runnable.append(item)
+            except Exception as error:
+                self._fail(item.seq, error)
+        if not runnable:
+            return [], None
+        try:
+            return runnable, self.runner.execute(runnable)
+        except Exception as error:
+            if len(runnable) == 1:
+                self._fail(runnable[0].seq, error)
+                return [], None
+        survivors = []
+        for item in runnable:
+            try:
+                self.runner.execute([item])
+                survivors.append(item)
+            except Exception as error:
+                self._fail(item.seq, error)
+        if not survivors:
+            return [], None
+        return survivors, self.runner.execute(survivors)
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End what `seq` belongs to because of `error` (the engine's fault, not the caller's): a
+        request fails whole, a stream closes with its waiting frames and questions. Their callers
+        get an output with `error` set to a generic message quoting an id under which the log
+        holds the details; everything else goes on."""
+        incident = uuid.uuid4().hex[:16]
+        log.error("request %s failed (incident %s)", seq.request.request_id, incident, exc_info=error)
+        message = f"internal error while running this request (incident {incident})"
+        stream_id = seq.request.stream_id if seq.frames is not None else None
+        if stream_id is not None and stream_id in self.streams_host.streams:
+            outputs = self.streams_host.close(stream_id)[1]
+        else:
+            request = self.requests.get(seq.request.request_id)
+            if request is None:
+                self.scheduler.finish(seq)
+                return
+            outputs = [self.abort_request(request.request_id)]
+        for output in outputs:
+            output.error = message
+            for completion in output.outputs:
+                completion.finish_reason = "error"
+        self._ready.extend(outputs)
+
+    def _take_ready(self) -> list[RequestOutput]:
+        ready, self._ready = self._ready, []
+        return ready
 
     def _record_progress(self, item: ScheduledSeq, result: StepLogits, i: int, now: float) -> None:
         seq, request = item.seq, item.seq.request

@@ -82,6 +82,9 @@ class RequestOutput:
     #: a stream question that asked to recall evicted frames: the frames it got back (empty when
     #: none came back and it ran on the kept frames alone); None for every other request
     recalled_frames: list[int] | None = None
+    #: set when the request failed inside the engine (it is finished): a generic message quoting
+    #: the incident id the engine's log holds the details under
+    error: str | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold the next delta of the same request into this one, so that it covers both."""
@@ -96,7 +99,7 @@ class RequestOutput:
                 self.outputs.append(completion)
         self.outputs.sort(key=lambda c: c.index)
         self.finished, self.metrics, self.num_cached_tokens = later.finished, later.metrics, later.num_cached_tokens
-        self.recalled_frames = later.recalled_frames
+        self.recalled_frames, self.error = later.recalled_frames, later.error
 
 
 class Reports:

@@ -38,6 +38,28 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.dtype = storage.dtype
 
+    def check(self, item: ScheduledSeq) -> None:
+        """RuntimeError naming what is wrong if scheduled sequence `item` would read or write outside
+        the rotary tables, its block table or the pool: the engine fails that sequence alone
+        rather than the whole step."""
+        seq, n, bs = item.seq, item.num_tokens, self.block_size
+        first = seq.num_computed_tokens - seq.num_evicted + seq.lead
+        lowest, highest = first + seq.rope_offset, first + n - 1 + seq.rope_offset
+        rope_len = self.model.rope_cos.shape[0]
+        if n < 1 or lowest < 0 or highest >= rope_len:
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: {n} tokens at positions {lowest}..{highest}, outside the rotary "
+                f"tables' 0..{rope_len - 1}"
+            )
+        table = seq.block_table
+        if first < 0 or first + n > len(table) * bs:
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: slots {first}..{first + n - 1} beyond its {len(table)} blocks of {bs}"
+            )
+        num_blocks = self.storage.num_blocks
+        if any(not 0 <= b < num_blocks for b in table[first // bs : -(-(first + n) // bs)]):
+            raise RuntimeError(f"sequence {seq.seq_id}: a block id outside the pool's {num_blocks} blocks")
+
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> StepLogits:
         """Make the batch's copy-on-write copies, run the model once over it, and return the logits asked for."""

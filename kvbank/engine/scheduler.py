@@ -91,7 +91,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_schedulable, budget)
+            if num_new == 0:  # a stream whose next frame waits for room (StreamHost.fit)
+                i += 1
+                continue
             room, preempted_some = self._make_room(i, num_new)
             preempted = preempted or preempted_some
             if room:
@@ -121,13 +124,13 @@ class Scheduler:
             self.waiting.remove(seq)
             if whole:  # an edited sequence comes back exactly as it left, and grows from there
                 self.swapper.swap_in(seq)
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                num_new = min(seq.num_schedulable, budget)
                 copies = self.manager.append_slots(seq, num_new)
             else:
                 self.manager.allocate(seq, budget)
                 if self.swapper is not None and self.swapper.is_swapped(seq):
                     self.swapper.swap_in(seq)
-                num_new, copies = min(seq.num_tokens - seq.num_computed_tokens, budget), []
+                num_new, copies = min(seq.num_schedulable, budget), []
             seq.status = SequenceStatus.RUNNING
             computing.update(self.manager.computing(seq))
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)

@@ -56,6 +56,9 @@ class Sequence:
         self.lead = 0
         #: a streaming session's frames (engine/streams.py); its sequence never samples
         self.frames: FrameLog | None = None
+        #: tokens up to which the next step may compute (None: all): a stream's frames that fit
+        #: beside the ones it holds (StreamHost.fit)
+        self.compute_limit: int | None = None
         #: a tier load is under way; the scheduler admits the sequence once it lands or times out
         self.loading = False
         #: it waited for a running prefill to cache prompt blocks it shares (Scheduler)
@@ -144,6 +147,12 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens not yet computed."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_schedulable(self) -> int:
+        """Tokens the next step may compute: the pending ones, up to `compute_limit`."""
+        end = len(self.token_ids) if self.compute_limit is None else min(len(self.token_ids), self.compute_limit)
+        return max(0, end - self.num_computed_tokens)
 
     def reset_cache(self) -> None:
         """Forget every computed token (after the blocks are freed): the sequence is recomputed."""

@@ -277,11 +277,12 @@ class StreamHost:
 
     def append(
         self, stream_id: str, frame: FrameType, skip_repeat: bool, request_id: str | None
-    ) -> tuple[FrameRequest, RequestOutput | None]:
+    ) -> tuple[FrameRequest, RequestOutput | None, int]:
         """Queue one frame after the stream's others: text (the stream's separator is added), token
         ids, embedding rows [tokens, hidden], or a prompt dict of one of them. The request finishes
         once the frame is computed; with `skip_repeat`, a frame identical to one the stream holds
-        finishes at once, uncomputed (its final output is returned beside it)."""
+        finishes at once, uncomputed (its final output is returned beside it). Also returns the
+        tokens evicted to make room for the frame (`fit`)."""
         stream, admit = self.get(stream_id), self.admission
         if isinstance(frame, str):
             frame = admit.continuation(frame, frame + stream.separator)
@@ -301,28 +302,32 @@ class StreamHost:
             held = next(f for f in log.frames if f.index == repeat)
             skipped = FrameRequest(request_id, stream, held, parsed.text, parsed.token_ids, metrics, repeat, True)
             skipped.finished, metrics.finished_time = True, metrics.arrival_time
-            return skipped, skipped.output()
+            return skipped, skipped.output(), 0
         added = log.add(seq.num_tokens, len(parsed.token_ids), digest, parsed.embeds)
         seq.token_ids.extend(parsed.token_ids)
         request = FrameRequest(request_id, stream, added, parsed.text, parsed.token_ids, metrics, repeat)
         stream.pending.append(request)
         self.frame_requests[request_id] = request
+        evicted = self.fit(stream)
         if seq.status is SequenceStatus.PARKED:
             self.scheduler.add_running(seq)
-        return request, None
+        return request, None, evicted
 
     def _check_frame(self, stream: Stream, num_tokens: int) -> None:
         # What the stream holds once this frame is in and the window has evicted: it must fit the
         # model's positions (with a question's first token) and the pool.
+        # A block less than the context: the cache may start up to a block into its first block
+        # (Sequence.lead), and positions count those slots.
         log, window = stream.seq.frames, stream.policy.frames
         recent = [f.length for f in log.frames if not f.sink][-(window - 1) :] if window > 1 else []
         held = log.keep_tokens + sum(recent) + num_tokens
-        if held > self.max_model_len - 1:
+        room = min(self.max_model_len, self.editor.rope_len) - self.block_size
+        if held > room:
             raise ValueError(
                 f"a frame of {num_tokens} tokens would make the stream hold {held} tokens "
                 f"({log.keep_tokens} kept for good, the last {len(recent)} frames and this one), "
-                f"over max_model_len={self.max_model_len} less one for a question: send shorter frames "
-                "or open the stream with fewer frames"
+                f"over max_model_len={self.max_model_len} less a block ({self.block_size}): send shorter "
+                "frames or open the stream with fewer frames"
             )
         seq = stream.seq
         if stream.reserve_tokens is not None:
@@ -374,7 +379,7 @@ class StreamHost:
             raise ValueError("a question cannot carry a cache_salt: give it to open_stream")
         admit.check_sampling(params)
         kept = stream.seq.num_tokens
-        room = self.max_model_len - kept - len(parsed.token_ids)
+        room = self._room(stream.seq) - kept - len(parsed.token_ids)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(room, 1))
         if params.max_tokens > room:
@@ -414,7 +419,7 @@ class StreamHost:
             self.editor.rebase_tokens(source, source.frames.keep_tokens)
         request.prompt_token_ids = source.token_ids + question
         request.embedded_spans = source.frames.embedded_spans()
-        room = self.max_model_len - len(request.prompt_token_ids)
+        room = self._room(source) - len(request.prompt_token_ids)
         if params.max_tokens > room:  # frames longer than those the question was checked against
             request.params = dataclasses.replace(params, max_tokens=max(room, 1))
         seq = self.admission.sequence(request, 0, request.prompt_token_ids)
@@ -438,7 +443,7 @@ class StreamHost:
             text = NEUTRAL_QUESTION + stream.question_suffix
             neutral = self.admission.parse(self.admission.continuation(text, text)).token_ids
             stream.neutral_queries = self._mean_queries(neutral)
-        room = self.max_model_len - source.num_computed_tokens - len(question) - params.max_tokens
+        room = self._room(source) - source.num_computed_tokens - len(question) - params.max_tokens
         chosen, total = [], 0
         for archived in reversed(stream.archive.choose(queries, stream.neutral_queries, request.recall, question)):
             if total + len(archived.token_ids) <= room:  # the newest fit first
@@ -472,12 +477,51 @@ class StreamHost:
     # --- stepping -------------------------------------------------------------------------------
 
     def after_step(self, seq: Sequence) -> int:
-        """Evict the frames the stream's window lets go, archiving them first; returns tokens evicted."""
+        """Evict the frames the stream's window lets go, archiving them first, and fit what it
+        computes next (`fit`); returns tokens evicted."""
         stream = self.streams[seq.request.stream_id]
-        victims = stream.policy.victims(seq)
+        return self._evict(stream, stream.policy.victims(seq)) + self.fit(stream)
+
+    def _evict(self, stream: Stream, victims: list) -> int:
         if victims and stream.archive is not None:
-            stream.archive.archive(self.storage, seq, victims)
-        return stream.policy.evict(seq, self.editor, victims)
+            stream.archive.archive(self.storage, stream.seq, victims)
+        return stream.policy.evict(stream.seq, self.editor, victims)
+
+    def fit(self, stream: Stream) -> int:
+        """Bound what the stream computes next by what it can hold: its frames are computed while
+        the window's older frames are still in the cache, so when the next frame would not fit
+        beside them (in max_model_len or in the rotary tables' positions) the oldest leave first,
+        as they would once it is in; positions restart at the first slot when they would run past
+        the tables; and the sequence's `compute_limit` stops the scheduler at the last pending
+        frame that fits, so the frame after it is fitted again once that one is in. Returns tokens
+        evicted."""
+        seq, log = stream.seq, stream.seq.frames
+        evicted = 0
+        ends = log.pending_ends(seq.num_computed_tokens)
+        while ends and not self._holds(seq, ends[0]):
+            oldest = log.evictable(seq.num_computed_tokens, 0)[:1]
+            if not oldest:
+                break  # the frame is too long to ever fit (refused at append); attention refuses it
+            evicted += self._evict(stream, oldest)
+            ends = log.pending_ends(seq.num_computed_tokens)
+        if not ends:
+            seq.compute_limit = None
+            return evicted
+        rope_len = self.editor.rope_len
+        if seq.lead + seq.rope_offset + ends[0] > rope_len:
+            self.editor.rebase_tokens(seq, log.keep_tokens)
+        fitting = [e for e in ends if self._holds(seq, e) and seq.lead + seq.rope_offset + e <= rope_len]
+        seq.compute_limit = fitting[-1] if fitting else ends[0]
+        return evicted
+
+    def _holds(self, seq: Sequence, end: int) -> bool:
+        """Whether the stream can hold its first `end` tokens at once."""
+        return end <= self._room(seq)
+
+    def _room(self, seq: Sequence) -> int:
+        """Most tokens `seq` (or a question forked from it) can hold: its positions start at its
+        lead once they restart at the first slot."""
+        return min(self.max_model_len, self.editor.rope_len - seq.lead)
 
     def progress(self, stream: Stream, now: float) -> list[RequestOutput]:
         """Finish the frame requests a step completed; park the stream once it has no frame left to compute."""

@@ -10,6 +10,7 @@ on the engine thread (where it would stall every running request's decoding) nor
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from kvbank.engine.outputs import RequestOutput, RequestOutputKind
 from kvbank.engine.params import SamplingParams
 
 T = TypeVar("T")
+log = logging.getLogger("kvbank")
 TOKENIZER_THREADS = 2
 #: how often tier gauges that cost a round trip (Redis memory and key count) are refreshed, and
 #: the stats snapshot republished while the engine is idle
@@ -33,6 +35,11 @@ TIER_REFRESH_S = 2.0
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can run any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (its fault, not the caller's); the message is generic and
+    quotes the incident id the server's log holds the details under."""
 
 
 class QueueFullError(RuntimeError):
@@ -466,9 +473,12 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as error:
-            # A failed step is an engine bug, not a request's fault; failing everyone in flight
-            # (rather than guessing who) keeps every caller from waiting forever.
-            self._fail_all(error)
+            # The engine contains what one sequence causes (LLMEngine._execute); a step that still
+            # fails is the engine's own bug: failing everyone in flight keeps every caller from
+            # waiting forever, and they hear only an incident id (the details are in the log).
+            incident = uuid.uuid4().hex[:16]
+            log.error("engine step failed (incident %s)", incident, exc_info=error)
+            self._fail_all(RequestFailedError(f"internal error in the engine (incident {incident})"))
             return
         # Before anyone hears of these outputs, so a caller never sees stats older than its output.
         self._publish_stats()
@@ -480,6 +490,9 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._mailboxes[output.request_id]
+            if output.error is not None:
+                mailbox.post(RequestFailedError(output.error))
+                continue
             if not mailbox.post(output) and not output.finished:
                 self._abort(output.request_id)
 

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvbank.server.async_engine import QueueFullError
+from kvbank.server.async_engine import QueueFullError, RequestFailedError
 from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS
 from kvbank.server.limits import host_of
 
@@ -149,12 +149,18 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
-        # The detail (paths, internals) goes to the log only, under an id the client can quote.
-        request_id = uuid.uuid4().hex
-        logger.error("internal error %s", request_id, exc_info=error)
-        return error_response(
-            f"internal error (request id {request_id})", 500, code=request_id, error_type="internal_server_error"
-        )
+        return error_response(internal_error_message(error), 500, error_type="internal_server_error")
+
+
+def internal_error_message(error: Exception) -> str:
+    """What a client hears of a failure that is not its fault: the engine's own generic message
+    for a request it failed, else a new incident id, with the details logged under it (never sent:
+    they can name paths, internals or another request's data)."""
+    if isinstance(error, RequestFailedError):
+        return str(error)
+    incident = uuid.uuid4().hex[:16]
+    logger.error("internal error (incident %s)", incident, exc_info=error)
+    return f"internal error (incident {incident})"
 
 
 def _field_path(loc: tuple | list) -> str | None:

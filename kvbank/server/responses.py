@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from kvbank.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import RequestStream, merged
-from kvbank.server.errors import APIError, error_body
+from kvbank.server.errors import APIError, error_body, internal_error_message
 
 logger = logging.getLogger("kvbank.server")
 
@@ -285,9 +285,9 @@ async def _server_sent_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]
         async for chunk in chunks:
             yield _sse(chunk)
     except Exception as error:
-        # The status line is long gone, so a failure mid-stream is reported in-band.
-        logger.exception("stream failed")
-        yield _sse(error_body(f"internal error: {error}", error_type="internal_server_error"))
+        # The status line is long gone, so a failure mid-stream is reported in-band, generically:
+        # the details (which may be another request's) stay in the log.
+        yield _sse(error_body(internal_error_message(error), error_type="internal_server_error"))
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
