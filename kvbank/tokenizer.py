@@ -65,6 +65,20 @@ _END_MARKERS = {
 }
 
 
+def check_unicode(text: str, name: str = "text") -> str:
+    """`text`, if it is valid Unicode; else a ValueError naming `name` and where it is not. JSON's
+    "\\ud800" escapes without their pair decode to lone surrogates, which no tokenizer, hash or
+    UTF-8 answer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        where = error.start
+        raise ValueError(
+            f"{name} holds a lone surrogate ({text[where]!r} at character {where}), which is not valid Unicode"
+        ) from None
+    return text
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its chat template."""
 
@@ -236,22 +250,36 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Special tokens written in the text become their single ids; BOS is
         prepended when the model asks for it and `add_special_tokens` is set."""
-        ids = self._engine.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._engine.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if isinstance(text, str):
+                check_unicode(text)  # the tokenizers library says only "must be str" of a lone surrogate
+            raise
         if add_special_tokens and self._add_bos:
             ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text for `ids`; special tokens (BOS, EOS, chat markers) are dropped unless asked for."""
-        return self._engine.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text for `ids`; special tokens (BOS, EOS, chat markers) are dropped unless asked for.
+        An id no vocabulary holds (a negative one, or one past 32 bits) is a ValueError naming it."""
+        return self._decode(list(ids), skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """The text one token stands for, leading space included (for logprob displays). A token
         holding part of a multi-byte character gives U+FFFD."""
-        text = self._engine.decode([*self._anchor_ids, token_id], skip_special_tokens=False)
+        text = self._decode([*self._anchor_ids, token_id], False)
         if text.startswith(self._anchor_text):
             return text[len(self._anchor_text) :]
-        return self._engine.decode([token_id], skip_special_tokens=False)
+        return self._decode([token_id], False)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        try:
+            return self._engine.decode(ids, skip_special_tokens=skip_special_tokens)
+        except OverflowError:
+            # The tokenizers library takes ids as unsigned 32-bit integers and names none it cannot.
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})") from None
 
     def apply_chat_template(
         self,

@@ -345,18 +345,27 @@ def test_client_that_disconnects_mid_stream_frees_its_blocks_within_a_second(ser
     assert metrics["kvbank:generation_tokens_total"] > 0
 
 
+# Text as JSON can carry it: "\ud800" escapes without their pair decode to lone surrogates.
+_surrogates = st.sampled_from(["\ud800", "a\udfffb", "\udc00\ud800x"])
+# Token ids, and ids no vocabulary (nor a 64-bit integer) holds.
+_ids = st.integers(-5, 60000) | st.sampled_from([-1, 2**64])
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=False, width=32) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 70)
+    | st.floats(allow_nan=False, width=32)
+    | st.text(max_size=8)
+    | _surrogates,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6) | _surrogates, inner, max_size=3),
     max_leaves=6,
 )
 _fields = {
-    "model": st.just(MODEL) | st.text(max_size=5),
+    "model": st.just(MODEL) | st.text(max_size=5) | _surrogates,
     "max_tokens": st.integers(-2, 6) | _json_values,
     "temperature": st.floats(-1, 3) | _json_values,
     "top_p": st.floats(-0.5, 1.5) | _json_values,
     "n": st.integers(-1, 4) | _json_values,
-    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5),
+    "stop": st.text(max_size=3) | _surrogates | st.lists(st.text(max_size=3) | _surrogates, max_size=5),
     "seed": st.integers(-5, 2**70) | _json_values,
     "presence_penalty": st.floats(-3, 3) | _json_values,
     "frequency_penalty": st.floats(-3, 3) | _json_values,
@@ -371,7 +380,8 @@ _fields = {
     "min_tokens": st.integers(-1, 9),
 }
 _completion_bodies = st.fixed_dictionaries(
-    {"prompt": st.text(max_size=20) | st.lists(st.integers(-5, 60000), max_size=6) | _json_values}, optional=_fields
+    {"prompt": st.text(max_size=20) | st.lists(_ids, max_size=6) | _json_values},
+    optional={**_fields, "echo": st.booleans()},
 )
 _messages = st.lists(
     st.fixed_dictionaries(
@@ -406,7 +416,7 @@ def test_fuzzed_request_bodies_never_cause_a_server_error(server, route, data):
         assert set(response["error"]) == {"message", "type", "param", "code"}, response
 
 
-_token_lists = st.lists(st.integers(-5, 60000), max_size=6)
+_token_lists = st.lists(_ids, max_size=6)
 _embeds = st.fixed_dictionaries(
     {
         "data": st.sampled_from(["", "AAAA", "AACAPw==", "not base64!", "A" * 4 * 576]) | _json_values,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvbank.tokenizer import Tokenizer
+from kvbank.tokenizer import Tokenizer, check_unicode
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -64,6 +64,8 @@ def parse_prompt(
         salt = prompt.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"cache_salt={salt!r} must be a string")
+        if salt is not None:
+            check_unicode(salt, "cache_salt")  # it is hashed as UTF-8 into every block's key
         if "prompt_embeds" in prompt:
             if "prompt_token_ids" in prompt or prompt.get("prompt") is not None:
                 raise ValueError("give prompt_embeds alone, not with prompt or prompt_token_ids")
@@ -77,14 +79,15 @@ def parse_prompt(
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
-        text, token_ids = prompt, tokenizer.encode(prompt)
+        text, token_ids = check_unicode(prompt, "prompt"), tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         token_ids = list(prompt)
     else:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
     if not token_ids:
         raise ValueError("prompt is empty: it must have at least one token")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
+    # min and max run in C, and a server parses every prompt on its engine thread.
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
     return ParsedPrompt(text, token_ids, salt)

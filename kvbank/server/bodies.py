@@ -6,6 +6,16 @@ checked here: its own limits (`ServerLimits`), the model it serves, fields it do
 
 Embeddings travel as {"data": base64 of the raw little-endian bytes, "dtype": "float32" |
 "bfloat16" | "float16", "shape": [tokens, hidden]}: never a pickle, whose loading runs code.
+
+Beyond decoding its JSON (which --max-body-mb bounds), a body costs work in proportion to what the
+server's limits allow, not to its size: every list in it is counted before any item is looked at.
+Lists with a fixed bound (stop strings, stop ids, biases, a shape) are refused while the body is
+parsed; token ids, chat messages and a completion's prompts reach the routes unvalidated
+(`TokenIds`, `list[Any]`, `Any`), which count them against the limits and then check their items
+on the tokenizer pool, never on the engine thread (where it would stall every running request).
+Every text is valid Unicode: a typed field is `Text`, and the untyped parts (a completion's prompt,
+chat messages) pass `check_unicode` when their items are checked; JSON's "\\ud800" escapes decode
+to lone surrogates that no tokenizer, hash or answer could take.
 """
 
 from __future__ import annotations
@@ -15,14 +25,19 @@ import binascii
 import hashlib
 import logging
 import sys
-from typing import Any
+from typing import Annotated, Any
 
+import jinja2
 import torch
-from pydantic import BaseModel, ConfigDict
+from fastapi.exceptions import RequestValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
 
-from kvbank.engine.params import SamplingParams
+from kvbank.engine.params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from kvbank.models.loader import same_model
+from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.errors import APIError
 from kvbank.server.limits import ServerLimits
+from kvbank.tokenizer import check_unicode
 
 logger = logging.getLogger("kvbank.server")
 
@@ -60,6 +75,41 @@ _SAMPLING_FIELDS = (
     "skip_special_tokens",
     "kv_policy",
 )
+_PROMPT_SHAPE = "prompt must be a string, a list of token ids, or a non-empty list of either"
+
+
+def _unicode(value: Any) -> Any:
+    # Only a text is looked at: the other types a field may take (token ids, parts) are checked apart.
+    if isinstance(value, str):
+        check_unicode(value, "the text")
+    return value
+
+
+def _unicode_each(value: Any) -> Any:
+    # A text, or the texts of a list or the keys of a dict whose length `_at_most` bounded.
+    for item in [value] if isinstance(value, str) else value or ():
+        _unicode(item)
+    return value
+
+
+def _at_most(limit: int, unit: str) -> BeforeValidator:
+    """Refuses a list or dict of more than `limit` items before pydantic validates any of them."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise ValueError(f"has {len(value)} {unit}; at most {limit} are allowed")
+        return value
+
+    return BeforeValidator(check)
+
+
+# On a union it goes outside: pydantic would name the member that failed in the error's field path.
+_UNICODE = AfterValidator(_unicode)
+#: a body's text, refused unless it is valid Unicode
+Text = Annotated[str, _UNICODE]
+#: token ids as a body holds them, items unchecked: `checked_token_ids` counts them first
+TokenIds = list[Any]
+TextOrIds = Annotated[str | TokenIds, _UNICODE]
 
 
 # --- generation --------------------------------------------------------------------------------
@@ -76,30 +126,32 @@ class SamplingBody(BaseModel):
     # in an OpenAI-shaped error, or in a warning if they are harmless.
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, _at_most(MAX_STOP_STRINGS, "strings"), AfterValidator(_unicode_each)] = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    cache_salt: str | None = None
-    stop_token_ids: list[int] | None = None
+    cache_salt: Text | None = None
+    stop_token_ids: Annotated[list[int] | None, _at_most(MAX_STOP_TOKEN_IDS, "ids")] = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-    kv_policy: str | None = None
+    logit_bias: Annotated[
+        dict[str, float] | None, _at_most(MAX_LOGIT_BIAS, "entries"), AfterValidator(_unicode_each)
+    ] = None
+    kv_policy: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -119,7 +171,7 @@ def _token_id(key: str) -> int | str:
 
 
 class CompletionRequest(SamplingBody):
-    # Checked by `completion_prompts`, which can say in one sentence what is allowed.
+    # Checked by `completion_prompts` and `check_prompts`, which can say in one sentence what is allowed.
     prompt: Any = None
     #: instead of prompt: {"data": base64 raw little-endian bytes, "dtype", "shape"} or a list of them
     prompt_embeds: Any = None
@@ -137,29 +189,30 @@ class CompletionRequest(SamplingBody):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, ...) go through to the chat template untouched.
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Text
+    content: Annotated[str | list[TextPart] | None, _UNICODE] = None
 
 
 class ChatCompletionRequest(SamplingBody):
-    messages: list[ChatMessage]
+    #: ChatMessage items, validated by `chat_messages` once it has counted them
+    messages: list[Any]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     # Accepted only in the values that mean "plain text, no tools"; see `unsupported_field`.
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Annotated[str | dict[str, Any] | None, _UNICODE] = None
     functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
+    function_call: Annotated[str | dict[str, Any] | None, _UNICODE] = None
 
     def unsupported_field(self) -> str | None:
         """The first field asking for what this server cannot do (structured output, tool calls)."""
@@ -187,7 +240,7 @@ class RequestChecks:
         max_n = self.limits.max_n
         if max_n is not None and body.n is not None and body.n > max_n:
             raise APIError(f"n={body.n} is over this server's limit of {max_n} (--max-n)", param="n")
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and not same_model(body.model, self.model_name):
             raise APIError(
                 f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
                 status=404,
@@ -232,17 +285,75 @@ def _check_extra_fields(body: SamplingBody) -> None:
         logger.warning("ignoring request fields that cannot change the answer: %s", ", ".join(sorted(extra)))
 
 
-def completion_prompts(prompt: Any) -> list[PromptInput]:
-    """The prompts of a completions body: one string or token-id list, or a non-empty list of them."""
-    if isinstance(prompt, str) or _is_token_ids(prompt):
+def check_count(count: int, field: str, unit: str, limit: int | None) -> None:
+    """Refuse a list of more than the prompt limit's items (--max-prompt-tokens) by its count alone,
+    before any item is looked at."""
+    if limit is not None and count > limit:
+        raise APIError(
+            f"{field} has {count} {unit}, over this server's limit of {limit} (--max-prompt-tokens)", param=field
+        )
+
+
+def check_token_range(ids: list, field: str, vocab_size: int) -> list[int]:
+    """`ids`, if each is an integer in [0, vocab_size); else APIError naming the first that is not.
+    It looks at every id: count them first (`check_count`), and run it off the event loop."""
+    for position, token in enumerate(ids):
+        if type(token) is not int:
+            raise APIError(
+                f"{field}[{position}] must be a token id (an integer), not {type(token).__name__}", param=field
+            )
+        if not 0 <= token < vocab_size:
+            raise APIError(f"{field}[{position}]={token} is out of range [0, {vocab_size})", param=field)
+    return ids
+
+
+async def checked_token_ids(async_engine: AsyncEngine, ids: list, field: str) -> list[int]:
+    """`ids` counted against the server's prompt limit, then checked against the model's vocabulary
+    on the tokenizer pool; APIError 400 naming `field` otherwise."""
+    check_count(len(ids), field, "tokens", async_engine.max_prompt_tokens)
+    vocab_size = async_engine.engine.model_config.vocab_size
+    return await async_engine.run_tokenizer(check_token_range, ids, field, vocab_size)
+
+
+def checked_text(text: str, field: str) -> str:
+    """`text`, if it is valid Unicode; else APIError 400 naming `field`."""
+    try:
+        return check_unicode(text, field)
+    except ValueError as error:
+        raise APIError(str(error), param=field) from None
+
+
+def completion_prompts(prompt: Any) -> list[Any]:
+    """The prompts of a completions body told apart by shape alone (one string or token-id list, or a
+    non-empty list of them), so that they are counted before `check_prompts` looks into each."""
+    if isinstance(prompt, str) or _is_token_list(prompt):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+    if isinstance(prompt, list) and prompt:
         return prompt
-    raise APIError("prompt must be a string, a list of token ids, or a non-empty list of either", param="prompt")
+    raise APIError(_PROMPT_SHAPE, param="prompt")
 
 
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+def _is_token_list(value: Any) -> bool:
+    # By its first item: `check_prompts` refuses a list whose other items are not token ids.
+    return isinstance(value, list) and bool(value) and type(value[0]) is int
+
+
+def check_prompts(prompts: list[Any], limit: int | None, vocab_size: int) -> list[PromptInput]:
+    """The prompts of `completion_prompts`, each valid Unicode text or at most `limit` token ids of the
+    vocabulary; APIError 400 naming the prompt otherwise. It looks at every item: run it off the event loop."""
+    return [
+        _check_prompt(prompt, "prompt" if len(prompts) == 1 else f"prompt.{i}", limit, vocab_size)
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def _check_prompt(prompt: Any, field: str, limit: int | None, vocab_size: int) -> PromptInput:
+    if isinstance(prompt, str):
+        return checked_text(prompt, field)
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError(_PROMPT_SHAPE, param="prompt")
+    check_count(len(prompt), field, "tokens", limit)
+    return check_token_range(prompt, field, vocab_size)
 
 
 def with_salt(prompt: PromptInput | dict, cache_salt: str | None) -> PromptInput | dict:
@@ -263,11 +374,51 @@ def tenant_of(cache_salt: str | None) -> str:
     return "tenant-" + hashlib.sha256(b"kvbank tenant\0" + cache_salt.encode()).hexdigest()[:32]
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template sees them; raises APIError for a role or content it must not see."""
+def chat_messages(async_engine: AsyncEngine, messages: list[Any]) -> list[dict]:
+    """`template_messages`, once the messages (and their content parts in all) are counted against the
+    prompt limit, refused if their texts' byte count alone proves them over it (before the template
+    and the tokenizer spend time on them). It validates every message: run it off the event loop."""
+    limit = async_engine.max_prompt_tokens
+    check_count(len(messages), "messages", "messages", limit)
+    parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    check_count(parts, "messages", "content parts in all", limit)
+    rendered = template_messages(messages)
+    try:
+        async_engine.check_text_length([m["content"] for m in rendered if isinstance(m.get("content"), str)])
+    except ValueError as error:
+        raise APIError(str(error), param="messages") from error
+    return rendered
+
+
+def render_chat(async_engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+    """The token ids of `messages` (see `chat_messages`) rendered by the model's chat template; APIError
+    400 for what the template refuses. Run it off the event loop."""
+    tokenizer = async_engine.engine.tokenizer
+    if tokenizer is None:
+        raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
+    rendered = chat_messages(async_engine, messages)
+    try:
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except (ValueError, jinja2.TemplateError) as error:
+        raise APIError(f"cannot render the chat template: {error}", param="messages") from error
+
+
+def template_messages(messages: list[Any]) -> list[dict]:
+    """The messages (`ChatMessage` items) as the chat template sees them; raises APIError for a role
+    or content it must not see, or text that is not valid Unicode. It validates every message:
+    count them first (as `chat_messages` does), and run it off the event loop."""
     if not messages:
         raise APIError("messages must not be empty", param="messages")
-    return [_template_message(i, m) for i, m in enumerate(messages)]
+    return [_template_message(i, _chat_message(i, m)) for i, m in enumerate(messages)]
+
+
+def _chat_message(position: int, item: Any) -> ChatMessage:
+    try:
+        return ChatMessage.model_validate(item)
+    except ValidationError as error:
+        # Answered as the rest of the body's validation errors are (`errors.install_error_handlers`).
+        problems = [{**p, "loc": ("body", "messages", position, *p["loc"])} for p in error.errors()]
+        raise RequestValidationError(problems) from None
 
 
 def _template_message(position: int, message: ChatMessage) -> dict:
@@ -282,6 +433,8 @@ def _template_message(position: int, message: ChatMessage) -> dict:
             f"messages[{position}].content must not be null in a {message.role} message",
             param=f"messages.{position}.content",
         )
+    for key, value in (message.model_extra or {}).items():
+        _check_json_text(value, f"messages.{position}.{key}")
     rendered = message.model_dump(exclude_none=True)
     # Chat templates know "system"; OpenAI's "developer" role is its newer name.
     rendered["role"] = "system" if message.role == "developer" else message.role
@@ -301,6 +454,21 @@ def _message_text(position: int, content: str | list[TextPart] | None) -> str:
     return "\n".join(part.text for part in content)
 
 
+def _check_json_text(value: Any, field: str) -> None:
+    """Refuse a string that is not valid Unicode anywhere in `value` (keys too): a message's extra
+    keys go to the chat template as they are. A loop, not recursion: a body may nest about as deep
+    as Python's recursion limit."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            checked_text(item, field)
+        elif isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            pending += item
+
+
 # --- embeddings --------------------------------------------------------------------------------
 
 
@@ -309,9 +477,9 @@ class EmbedsBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data: str
-    dtype: str
-    shape: list[int]
+    data: Text
+    dtype: Text
+    shape: Annotated[list[int], _at_most(2, "dimensions")]
 
 
 def decode_embeds(body: EmbedsBody, hidden_size: int, max_tokens: int, param: str = "prompt_embeds") -> torch.Tensor:
@@ -353,11 +521,12 @@ class SessionSaveRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    session: str
-    prompt: str | list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    cache_salt: str | None = None
+    session: Text
+    prompt: TextOrIds | None = None
+    prompt_token_ids: TokenIds | None = None
+    #: ChatMessage items (see `ChatCompletionRequest.messages`)
+    messages: list[Any] | None = None
+    cache_salt: Text | None = None
 
 
 class SessionRestoreRequest(BaseModel):
@@ -365,8 +534,8 @@ class SessionRestoreRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    session: str
-    cache_salt: str | None = None
+    session: Text
+    cache_salt: Text | None = None
 
 
 class SessionDeleteRequest(SessionRestoreRequest):
@@ -378,10 +547,10 @@ class StreamOpenRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    system: str | list[int]
-    policy: str | None = None
-    cache_salt: str | None = None
-    separator: str = "\n"
+    system: TextOrIds
+    policy: Text | None = None
+    cache_salt: Text | None = None
+    separator: Text = "\n"
     chat: bool = True
     #: the most tokens the stream holds at once, promised to it in the KV pool when it opens
     reserve_tokens: int | None = None
@@ -392,19 +561,19 @@ class FrameRequestBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    text: str | None = None
-    token_ids: list[int] | None = None
+    text: Text | None = None
+    token_ids: TokenIds | None = None
     prompt_embeds: EmbedsBody | None = None
     skip_repeat: bool = False
     #: the stream's tenant: the cache_salt it was opened with
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
 
 
 class AskRequest(SamplingBody):
     """`POST /v1/streams/{id}/ask`: a question and the sampling fields of a completion; `cache_salt`
     names the stream's tenant (the salt it was opened with)."""
 
-    question: str | list[int]
+    question: TextOrIds
     logprobs: int | None = None
     #: evicted frames to bring back from the stream's tier before answering
     recall: int = 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -22,9 +21,10 @@ from kvbank.server.bodies import (
     EmbedsBody,
     PromptInput,
     RequestChecks,
+    check_prompts,
     completion_prompts,
     decode_embeds,
-    template_messages,
+    render_chat,
     with_salt,
 )
 from kvbank.server.errors import APIError
@@ -88,7 +88,7 @@ class Completions:
         params = self.checks.sampling_params(
             body, self.checks.max_tokens(max_tokens, "max_tokens"), body.logprobs, body.effective_prompt_logprobs
         )
-        prompts = await self._completion_inputs(body)
+        prompts = await self._completion_inputs(body, params.n)
         job = Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
         echoes = [await self._echo(p) for p in prompts] if body.echo else None
         streams = await self._start([with_salt(p, body.cache_salt) for p in prompts], params, job.id)
@@ -119,12 +119,9 @@ class Completions:
         max_tokens = self.checks.max_tokens(getattr(body, field), field)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.checks.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
-        messages = template_messages(body.messages)
-        try:
-            self.async_engine.check_text_length([m["content"] for m in messages if isinstance(m.get("content"), str)])
-        except ValueError as error:
-            raise APIError(str(error), param="messages") from error
-        prompt = with_salt(await self.async_engine.run_tokenizer(self._render_chat, messages), body.cache_salt)
+        self._check_prompt_count(1, params.n)
+        ids = await self.async_engine.run_tokenizer(render_chat, self.async_engine, body.messages, True)
+        prompt = with_salt(ids, body.cache_salt)
         job = Job("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params, body.include_usage)
         streams = await self._start([prompt], params, job.id)
         if body.stream:
@@ -134,10 +131,14 @@ class Completions:
         choices = [{**chat_choice(c, logprobs), "prompt_logprobs": prompt_logprobs} for c in finals[0].outputs]
         return JSONResponse(job.body(choices, usage=usage_json([Usage().add(o) for o in finals])))
 
-    async def _completion_inputs(self, body: CompletionRequest) -> list[Any]:
-        """The prompts of a completions body: text or token ids, or embeddings given as raw bytes."""
+    async def _completion_inputs(self, body: CompletionRequest, n: int) -> list[Any]:
+        """The prompts of a completions body: text or token ids, or embeddings given as raw bytes;
+        counted first, then checked one by one off the event loop."""
         if body.prompt_embeds is None:
-            return completion_prompts(body.prompt)
+            prompts = completion_prompts(body.prompt)
+            self._check_prompt_count(len(prompts), n)
+            limit, vocab_size = self.async_engine.max_prompt_tokens, self.engine.model_config.vocab_size
+            return await self.async_engine.run_tokenizer(check_prompts, prompts, limit, vocab_size)
         if body.prompt not in (None, "", []):
             raise APIError("give prompt or prompt_embeds, not both", param="prompt_embeds")
         if body.echo:
@@ -145,6 +146,7 @@ class Completions:
         items = body.prompt_embeds if isinstance(body.prompt_embeds, list) else [body.prompt_embeds]
         if not items:
             raise APIError("prompt_embeds must not be an empty list", param="prompt_embeds")
+        self._check_prompt_count(len(items), n)
         hidden, limit = self.engine.model_config.hidden_size, self.engine.max_model_len
         prompts = []
         for i, item in enumerate(items):
@@ -158,39 +160,35 @@ class Completions:
             )
         return prompts
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
-        try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except (ValueError, jinja2.TemplateError) as error:
-            raise APIError(f"cannot render the chat template: {error}", param="messages") from error
-
     async def _echo(self, prompt: PromptInput) -> Echo:
-        """The prompt as `echo` shows it (token ids are decoded off the event loop)."""
+        """The prompt as `echo` shows it (token ids, checked against the vocabulary already, are decoded
+        off the event loop)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError("echo needs a tokenizer, and this model has none", param="echo")
         text = prompt if isinstance(prompt, str) else await self.async_engine.run_tokenizer(tokenizer.decode, prompt)
         return Echo(text, tokenizer.token_text)
 
-    async def _start(self, prompts: list[Any], params: SamplingParams, job_id: str) -> list[RequestStream]:
-        """Submit every prompt; if the engine refuses one, abort those already accepted."""
+    def _check_prompt_count(self, count: int, n: int) -> None:
+        """Refuse more prompts, or prompts x n sequences, than one request may start, by the count alone."""
         limit = self.limits.max_queued_requests
-        if limit is not None and len(prompts) > limit:
+        if limit is not None and count > limit:
             raise APIError(
-                f"{len(prompts)} prompts in one request can never fit in this server's queue of {limit} "
+                f"{count} prompts in one request can never fit in this server's queue of {limit} "
                 "(--max-queued-requests); send fewer prompts per request",
                 param="prompt",
             )
-        choices, max_choices = len(prompts) * params.n, self.limits.max_choices
+        choices, max_choices = count * n, self.limits.max_choices
         if max_choices is not None and choices > max_choices:
             raise APIError(
-                f"{len(prompts)} prompts x n={params.n} would start {choices} sequences, over this server's "
+                f"{count} prompts x n={n} would start {choices} sequences, over this server's "
                 f"limit of {max_choices} per request (--max-choices)",
                 param="n",
             )
+
+    async def _start(self, prompts: list[Any], params: SamplingParams, job_id: str) -> list[RequestStream]:
+        """Submit every prompt (counted by `_check_prompt_count`); if the engine refuses one, abort those
+        already accepted."""
         self.async_engine.admit(len(prompts))
         streams: list[RequestStream] = []
         try:

@@ -50,7 +50,8 @@ class ServerLimits:
     max_prompt_tokens: int | None = option(
         None,
         "longest prompt (in tokens) a request may send; the engine already refuses prompts over the "
-        "context unless a policy that evicts runs them, and this bounds those too",
+        "context unless a policy that evicts runs them, and this bounds those too. A list of token ids, "
+        "chat messages or content parts is counted against it before any item is read",
         default_text="twice the model's context",
     )
     max_body_mb: float | None = option(

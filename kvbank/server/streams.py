@@ -39,6 +39,8 @@ from kvbank.server.bodies import (
     FrameRequestBody,
     RequestChecks,
     StreamOpenRequest,
+    check_count,
+    checked_token_ids,
     decode_embeds,
     tenant_of,
 )
@@ -155,9 +157,8 @@ class Streams:
             encode = self.engine.tokenizer.encode
             frame = await self.async_engine.run_tokenizer(encode, body.text + state.separator, False)
             self._check_length("text", frame)
-        else:
-            frame = body.text if body.text is not None else body.token_ids
-            self._check_length("text" if body.text is not None else "token_ids", frame)
+        else:  # token ids, or text the engine refuses without a tokenizer
+            frame = await self._given(given[0], getattr(body, given[0]))
         request_id = f"{stream_id}-frame-{uuid.uuid4().hex}"
         state.busy += 1
         try:
@@ -196,8 +197,7 @@ class Streams:
             raise APIError(f"{name} cannot be given for a stream question: it runs on the stream's cache", param=name)
         job = Job("ask", "text_completion", "text_completion", self.checks.model_name, params, body.include_usage)
         request_id = f"{job.id}-0"
-        question: Any = body.question
-        self._check_length("question", question)
+        question = await self._given("question", body.question)
         if isinstance(question, str) and self.engine.tokenizer is not None:
             # Tokenized here, off the engine thread, with the end of turn the engine adds to text.
             text = question + state.question_suffix
@@ -247,17 +247,14 @@ class Streams:
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _check_length(self, field: str, value: Any) -> None:
+    def _check_length(self, field: str, value: str | list[int]) -> None:
         """A text or token list of a stream is bounded by --max-prompt-tokens as a prompt is: a text
         from its byte count before it is tokenized, a token list by its length."""
-        limit = self.async_engine.max_prompt_tokens
+        if isinstance(value, list):
+            check_count(len(value), field, "tokens", self.async_engine.max_prompt_tokens)
+            return
         try:
-            if isinstance(value, str):
-                self.async_engine.check_text_length([value], what=field)
-            elif isinstance(value, list) and limit is not None and len(value) > limit:
-                raise ValueError(
-                    f"{field} has {len(value)} tokens, over this server's limit of {limit} (--max-prompt-tokens)"
-                )
+            self.async_engine.check_text_length([value], what=field)
         except ValueError as error:
             raise APIError(str(error), param=field) from error
 
