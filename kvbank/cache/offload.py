@@ -400,9 +400,12 @@ class KVOffload:
         plan = self._longest_run(job, where)
         blobs: dict[bytes, Buffer | None] = {}
         for tier in self.tiers:
-            wanted = [job.keys[end] for _, end in plan if where[job.keys[end]] is tier]
-            if wanted and time.monotonic() < job.deadline:
-                blobs.update(zip(wanted, tier.get(wanted)))
+            runs = [(start, end) for start, end in plan if where[job.keys[end]] is tier]
+            if runs and time.monotonic() < job.deadline:
+                wanted = [job.keys[end] for _, end in runs]
+                # a value larger than its chunk can be is refused before it is read (a shared store's writer)
+                limits = [self.format.max_entry_bytes(end - start + 1) for start, end in runs]
+                blobs.update(zip(wanted, tier.get(wanted, limits)))
         chunks: list[LoadedChunk] = []
         for position, end in plan:
             key = job.keys[end]

@@ -226,11 +226,13 @@ class FrameArchive:
         """(archived, unrotated keys, values) of each chosen frame the tier still holds intact."""
         found = []
         self.offload.flush()  # frames evicted just now may still be on their way to the tier
-        for archived, blob in zip(chosen, self.tier.get([a.key for a in chosen])):
+        shapes = [(layout[0], len(archived.token_ids), *layout[1:]) for archived in chosen]
+        sizes = [self._frame_bytes(shape) for shape in shapes]  # a longer value is refused before it is read
+        for archived, shape, blob in zip(chosen, shapes, self.tier.get([a.key for a in chosen], sizes)):
             if blob is None:
                 self.stats.missing += 1
                 continue
-            unpacked = self._unpack(blob, (layout[0], len(archived.token_ids), *layout[1:]), dtype, archived.namespace)
+            unpacked = self._unpack(blob, shape, dtype, archived.namespace)
             if unpacked is None:
                 self.stats.corrupt += 1
                 self.offload.delete_later(self.tier, [archived.key])
@@ -260,16 +262,22 @@ class FrameArchive:
         header[_DIGEST_AT : _DIGEST_AT + 16] = digest(self.key, _undigested(header), payload)
         return bytes(header) + payload
 
+    def _parts(self, shape: tuple[int, ...]) -> list[list[tuple]]:
+        """Each codec's components in name order, as _pack writes them: (name, shape, dtype, bytes)."""
+        _, tokens, heads, dim = shape
+        return [
+            [(name, size, kind, torch.Size(size).numel() * kind.itemsize) for name, (size, kind) in sorted(c.items())]
+            for c in (codec.components(tokens, heads, dim) for pair in self.codecs for codec in pair)
+        ]
+
+    def _frame_bytes(self, shape: tuple[int, ...]) -> int:
+        """The bytes of a frame of `shape` as _pack writes it."""
+        return _HEADER.size + sum(part[3] for side in self._parts(shape) for part in side)
+
     def _unpack(self, blob, shape: tuple[int, ...], dtype: torch.dtype, namespace: bytes):
         data = memoryview(blob).cast("B")
-        _, tokens, heads, dim = shape
         codecs = [codec for pair in self.codecs for codec in pair]  # K, V of layer 0, then layer 1, ...
-        # each codec's components in name order, as _pack wrote them: (name, shape, dtype, bytes)
-        parts = [
-            [(name, size, kind, torch.Size(size).numel() * kind.itemsize) for name, (size, kind) in sorted(c.items())]
-            for c in (codec.components(tokens, heads, dim) for codec in codecs)
-        ]
-        if len(codecs) != 2 * shape[0] or len(data) != _HEADER.size + sum(p[3] for side in parts for p in side):
+        if len(codecs) != 2 * shape[0] or len(data) != self._frame_bytes(shape):
             return None
         magic, version, flags, tag, stored_digest, *stored = _HEADER.unpack_from(data)
         ours = (MAGIC, VERSION, KEYED if self.key is not None else 0, self._tag(namespace), shape)
@@ -280,7 +288,7 @@ class FrameArchive:
             return None
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         sides, at = [], 0
-        for codec, side in zip(codecs, parts):
+        for codec, side in zip(codecs, self._parts(shape)):
             stored = {}
             for name, size, kind, count in side:
                 piece = raw[at : at + count]

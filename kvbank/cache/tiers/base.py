@@ -60,8 +60,12 @@ class Tier(ABC):
         """Whether each key has an entry (a False for every key while the tier is unreachable)."""
 
     @abstractmethod
-    def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """Each key's entry, or None; counts hits, misses, load bytes and seconds."""
+    def get(self, keys: Sequence[bytes], max_bytes: Sequence[int] | None = None) -> list[Buffer | None]:
+        """Each key's entry, or None; counts hits, misses, load bytes and seconds.
+
+        `max_bytes`, one per key, is the largest entry the caller can use: a stored value larger than
+        that is never served (None, counted as corrupt), and a tier that reads from a medium others can
+        write refuses it before it reads it whole."""
 
     @abstractmethod
     def put(self, entries: Sequence[tuple[bytes, Buffer]]) -> int:

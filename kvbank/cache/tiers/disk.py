@@ -16,7 +16,7 @@ Privacy: a header holds the prompt's token ids, so the directory is created 0700
 0600, whatever the umask. A directory owned by another user, or writable by group or others, is
 refused at startup (whoever can write it can plant or swap entries); one readable by others is
 made 0700. A read opens only a regular file (no symlinks, FIFOs or devices) and checks its size
-against the tier's capacity before allocating for it.
+against the tier's capacity, and the largest entry the caller asked for, before allocating for it.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class DiskTier(Tier):
         with self.lock:
             return [key in self._index for key in keys]
 
-    def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        return [self._get_one(key) for key in keys]
+    def get(self, keys: Sequence[bytes], max_bytes: Sequence[int] | None = None) -> list[Buffer | None]:
+        limits = max_bytes if max_bytes is not None else [self._capacity] * len(keys)
+        return [self._get_one(key, min(limit, self._capacity)) for key, limit in zip(keys, limits)]
 
     def put(self, entries: Sequence[tuple[bytes, Buffer]]) -> int:
         return sum(self._put_one(key, memoryview(blob).cast("B")) for key, blob in entries)
@@ -93,7 +94,7 @@ class DiskTier(Tier):
                 self._paused_until = 0.0
         self._unlink([self._path(key) for key in forgotten])
 
-    def _get_one(self, key: bytes) -> bytearray | None:
+    def _get_one(self, key: bytes, max_bytes: int) -> bytearray | None:
         with self.lock:
             if key not in self._index:
                 self.stats.misses += 1
@@ -102,7 +103,7 @@ class DiskTier(Tier):
             stamp = self._stamp()
         start = time.perf_counter()
         try:
-            blob = self._read(self._path(key), stamp)
+            blob = self._read(self._path(key), stamp, max_bytes)
         except OSError as e:
             self._read_failed(key, e)
             return None
@@ -116,7 +117,7 @@ class DiskTier(Tier):
             self._resize(key, len(blob))
         return blob
 
-    def _read(self, path: Path, stamp: int) -> bytearray:
+    def _read(self, path: Path, stamp: int, max_bytes: int) -> bytearray:
         try:  # O_NONBLOCK: opening a FIFO planted under the name must not wait for a writer
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
@@ -127,8 +128,8 @@ class DiskTier(Tier):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise _NotAnEntry(f"{path}, not a regular file")
-            if st.st_size > self._capacity:
-                raise _NotAnEntry(f"{path} of {st.st_size} bytes, more than the tier's {self._capacity}")
+            if st.st_size > max_bytes:
+                raise _NotAnEntry(f"{path} of {st.st_size} bytes, more than the {max_bytes} its entry can have")
             blob = bytearray(st.st_size)
             with open(fd, "rb", buffering=0, closefd=False) as f:
                 n = f.readinto(blob)

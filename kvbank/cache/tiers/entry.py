@@ -94,11 +94,12 @@ class EntryFormat:
         tokens = (payload_len // max(1, _block_bytes(self.layout)) + 1) * self.block_size
         return _HEADER_BASE_BYTES + _TOKEN_BYTES * tokens
 
-    def max_entry_bytes(self) -> int | None:
-        """The largest entry of at most `max_blocks` blocks (None: no bound)."""
-        if self.max_blocks is None:
+    def max_entry_bytes(self, num_blocks: int | None = None) -> int | None:
+        """The largest entry of at most `num_blocks` blocks, by default `max_blocks` (None: no bound)."""
+        blocks = self.max_blocks if num_blocks is None else num_blocks
+        if blocks is None:
             return None
-        payload = self.payload_bytes(self.max_blocks)
+        payload = self.payload_bytes(blocks)
         return PREFIX_BYTES + self.max_header_bytes(payload) + payload
 
 
@@ -218,6 +219,12 @@ def check_prefix(fmt: EntryFormat, prefix: Buffer, size: int) -> tuple[int, int]
     if header_len > fmt.max_header_bytes(payload_len):
         raise BadEntry("header", f"a {header_len}-byte header is more than {payload_len} payload bytes can need")
     return header_len, payload_len
+
+
+def unverified_info(header: bytes) -> EntryInfo:
+    """What an entry's header (the `check_prefix` header length of bytes after its prefix) says it holds,
+    parsed as untrusted input but not checked against the digest: for listing entries, never for serving."""
+    return _info(_parse_header(header))
 
 
 def _parse_header(text: bytes) -> dict:

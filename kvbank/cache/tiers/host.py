@@ -33,12 +33,15 @@ class HostTier(Tier):
         with self.lock:
             return [key in self._entries for key in keys]
 
-    def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+    def get(self, keys: Sequence[bytes], max_bytes: Sequence[int] | None = None) -> list[Buffer | None]:
         start = time.perf_counter()
         found: list[Buffer | None] = []
         with self.lock:
-            for key in keys:
+            for i, key in enumerate(keys):
                 blob = self._entries.get(key)
+                if blob is not None and max_bytes is not None and blob.nbytes > max_bytes[i]:
+                    self.stats.corrupt += 1
+                    blob = None
                 if blob is not None:
                     self._entries.move_to_end(key)
                     self.stats.hits += 1

@@ -17,17 +17,25 @@ read from a small scratch buffer and its value is received straight into a buffe
 again by the RESP parser. A Redis Cluster gets the same per master (keys routed by slot). Anything the
 direct path cannot answer (a redirect of a migrating slot, an error reply, a dropped pooled socket) goes
 the redis-py way for that batch; a timeout is an outage as before.
+
+Whoever can write the Redis can put anything under a key, so a read never takes more than the caller can
+use: given each key's largest acceptable entry (`max_bytes`), a load asks `GETRANGE key 0 max` instead of
+`GET key`, in the same single pipeline (no extra round trip, the same on a cluster, where GETRANGE routes
+by its one key like GET). A value of any size then costs at most one byte more than the largest entry,
+and one over it is refused there, before its version, lengths or MAC are looked at: counted as corrupt,
+answered as a miss and deleted. (GETRANGE answers an empty string for a missing key: no entry is empty.)
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -70,7 +78,7 @@ class RedisTier(Tier):
     ):
         super().__init__()
         self.direct_reads = direct_reads
-        self.url = _redacted(url)
+        self.url = redacted(url)
         scheme = urlsplit(url).scheme
         if scheme not in SCHEMES:
             raise ValueError(f"redis URL {self.url!r}: scheme {scheme!r} is not one of redis://, rediss://, unix://")
@@ -91,9 +99,12 @@ class RedisTier(Tier):
             "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         }
         # from_url does not connect: a bad URL fails here, an absent server only on first use.
-        self._client: redis.Redis | RedisCluster = redis.Redis.from_url(
-            url, command_packer=_ZERO_COPY_PACKER, **self._options
-        )
+        try:
+            self._client: redis.Redis | RedisCluster = redis.Redis.from_url(
+                url, command_packer=_ZERO_COPY_PACKER, **self._options
+            )
+        except ValueError as e:  # redis-py's message may quote the URL
+            raise ValueError(f"redis URL {self.url!r}: {redacted(str(e))}") from None
         self._mode_known = False
         self._connect_lock = threading.Lock()
         self._down = False
@@ -104,20 +115,31 @@ class RedisTier(Tier):
         replies = self._pipelined([("EXISTS", self._name(key)) for key in keys])
         return [reply == 1 for reply in replies]
 
-    def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+    def get(self, keys: Sequence[bytes], max_bytes: Sequence[int] | None = None) -> list[Buffer | None]:
         start = time.perf_counter()
-        names = [self._name(key) for key in keys]
-        replies = self._direct_gets(names) if self.direct_reads and names else None
+        limits = max_bytes if max_bytes is not None else [None] * len(keys)
+        commands = [_read_command(self._name(key), limit) for key, limit in zip(keys, limits)]
+        replies = self._direct_gets(commands) if self.direct_reads and commands else None
         if replies is None:
-            replies = self._pipelined([("GET", name) for name in names])
+            replies = self._pipelined(commands)
         blobs = [reply if isinstance(reply, (bytes, bytearray)) else None for reply in replies]
+        oversize: list[bytes] = []
+        for i, (blob, limit) in enumerate(zip(blobs, limits)):
+            if blob is not None and limit is not None and (not blob or len(blob) > limit):
+                blobs[i] = None
+                if blob:
+                    oversize.append(keys[i])
         elapsed = time.perf_counter() - start
         with self.lock:
             hits = sum(blob is not None for blob in blobs)
             self.stats.hits += hits
             self.stats.misses += len(keys) - hits
+            self.stats.corrupt += len(oversize)
             self.stats.load_bytes += sum(len(blob) for blob in blobs if blob is not None)
             self.stats.load_seconds += elapsed
+        if oversize:
+            log.warning("redis tier: removed %d values larger than the entries asked for", len(oversize))
+            self.delete(oversize)
         return blobs
 
     def put(self, entries: Sequence[tuple[bytes, Buffer]]) -> int:
@@ -166,8 +188,8 @@ class RedisTier(Tier):
                 self.stats.errors += failed
         return [None if isinstance(reply, Exception) else reply for reply in replies]
 
-    def _direct_gets(self, names: list[str]) -> list[bytearray | None] | None:
-        """Each name's value (a bytearray) or None, read by the direct path; None when the batch must go the
+    def _direct_gets(self, commands: list[tuple]) -> list[bytearray | None] | None:
+        """Each read's value (a bytearray) or None, read by the direct path; None when the batch must go the
         redis-py way instead (an error reply, a redirect, a dropped pooled socket, a refused connection: that
         way retries and decides whether it is an outage) or the tier is backing off (it then skips the network).
         """
@@ -175,7 +197,7 @@ class RedisTier(Tier):
             if time.monotonic() < self._retry_at:
                 return None
         try:
-            replies = _direct_get(self._connected(), names)
+            replies = _direct_get(self._connected(), commands)
         except (TimeoutError, redis.TimeoutError) as e:  # a stalled server: the redis-py way would wait again
             self._fault(e)
             return None
@@ -224,7 +246,7 @@ class RedisTier(Tier):
                 self._backoff_s = min(2 * self._backoff_s, BACKOFF_MAX_S)
             self._retry_at = now + self._backoff_s
         if outage_starts:
-            reason = f"{type(error).__name__}: {error}"
+            reason = redacted(f"{type(error).__name__}: {error}")
             log.warning("redis tier at %s unreachable (%s); serving by recompute until it is back", self.url, reason)
 
     def _recovered(self) -> None:
@@ -273,22 +295,23 @@ def _send(cluster: RedisCluster, commands: list[tuple], follow_redirects: bool) 
     return pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=follow_redirects)
 
 
-def _direct_get(client: redis.Redis | RedisCluster, names: list[str]) -> list[bytearray | None] | None:
-    """GET every name over pooled connections (one per cluster master), values received in place; None if
-    any reply was not a value or nil (a redirect, an error): the caller then asks the redis-py way.
+def _direct_get(client: redis.Redis | RedisCluster, commands: list[tuple]) -> list[bytearray | None] | None:
+    """Send every read (GET or GETRANGE, `_read_command`) over pooled connections (one per cluster master),
+    values received in place; None if any reply was not a value or nil (a redirect, an error): the caller then
+    asks the redis-py way.
 
-    A cluster's masters get all their GETs before any reply is read, so they send in parallel."""
+    A cluster's masters get all their reads before any reply is read, so they send in parallel."""
     if not isinstance(client, RedisCluster):
-        groups = [(client.connection_pool, list(range(len(names))))]
+        groups = [(client.connection_pool, list(range(len(commands))))]
     else:
         by_node: dict[str, tuple[redis.ConnectionPool, list[int]]] = {}
-        for i, name in enumerate(names):
-            node = client.get_node_from_key(name)
+        for i, command in enumerate(commands):
+            node = client.get_node_from_key(command[1])
             if node.name not in by_node:
                 by_node[node.name] = (client.get_redis_connection(node).connection_pool, [])
             by_node[node.name][1].append(i)
         groups = list(by_node.values())
-    replies: list[bytearray | None] = [None] * len(names)
+    replies: list[bytearray | None] = [None] * len(commands)
     taken: list[tuple[redis.ConnectionPool, Any]] = []
     complete = True
     try:
@@ -297,7 +320,7 @@ def _direct_get(client: redis.Redis | RedisCluster, names: list[str]) -> list[by
             taken.append((pool, connection))
             if connection._sock is None:
                 connection.connect()
-            connection._sock.sendall(b"".join(_get_command(names[i]) for i in positions))
+            connection._sock.sendall(b"".join(_resp_command(commands[i]) for i in positions))
         for (_, connection), (_, positions) in zip(taken, groups):
             got = _ReplyReader(connection._sock).values(len(positions))
             if got is None:
@@ -315,14 +338,21 @@ def _direct_get(client: redis.Redis | RedisCluster, names: list[str]) -> list[by
     return replies if complete else None
 
 
-def _get_command(name: str) -> bytes:
-    key = name.encode()
-    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(key), key)
+def _read_command(name: str, max_bytes: int | None) -> tuple:
+    """GET, or for a bounded read the value's first `max_bytes` + 1 bytes: one more than an entry may have
+    tells a value over the bound from one exactly at it."""
+    return ("GET", name) if max_bytes is None else ("GETRANGE", name, 0, max_bytes)
+
+
+def _resp_command(command: tuple) -> bytes:
+    parts = [str(part).encode() for part in command]
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%b\r\n" % (len(part), part) for part in parts)
 
 
 class _ReplyReader:
-    """RESP replies to GETs from a socket: headers through a small scratch buffer, each value received into its
-    own buffer of exactly its length, so the scratch never holds more than a header and a value's first bytes."""
+    """RESP replies to GETs (and GETRANGEs) from a socket: headers through a small scratch buffer, each value
+    received into its own buffer of exactly its length, so the scratch never holds more than a header and a
+    value's first bytes."""
 
     SCRATCH_BYTES = 64 * 1024
     MAX_LINE = 1024
@@ -414,13 +444,24 @@ def _bytes_view(blob: Buffer) -> memoryview:
     return memoryview(blob).cast("B")
 
 
-def _redacted(url: str) -> str:
-    """The URL with its password masked, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+def redacted(text: str) -> str:
+    """`text` with the credentials of every URL in it masked: the password of `scheme://user:password@`
+    (all of the user part when it has no password) and the value of a `password=`-like query parameter.
+
+    The user part runs to the last `@` before the next space, so a password holding `@`, `/`, `?` or `#`
+    is masked whole, however a URL parser would have split it. Every output that shows a URL (logs, error
+    messages, /server_info) goes through here."""
+    text = _USERINFO.sub(_mask_userinfo, text)
+    return _SECRET_QUERY.sub(r"\g<1>***", text)
+
+
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>\S*)@")
+_SECRET_QUERY = re.compile(r"(?i)([?&;](?:password|passwd|pass|pwd|secret|token|key)=)[^&;#\s'\"]*")
+
+
+def _mask_userinfo(match: re.Match) -> str:
+    user, colon, _ = match["userinfo"].partition(":")
+    return f"{match['scheme']}{user}:***@" if colon else f"{match['scheme']}***@"
 
 
 # With hiredis installed redis-py also packs commands with it, which copies every value twice (a 6 MB
