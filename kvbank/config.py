@@ -3,12 +3,18 @@
 `EngineConfig` is the one place engine options and their defaults live: `LLM(model, **kw)`
 builds it, and the `kvbank` command generates its flags from the fields and their metadata
 (`help`, and optionally `choices`, `metavar`, `default_text` for a default that is not a value,
-`env` for an environment variable that the command's flag defaults to, and `plan=False` for options
-that change none of the numbers `kvbank plan` prints).
+`env` for an environment variable that the command's flag defaults to, `plan=False` for options
+that change none of the numbers `kvbank plan` prints, and `secret` for a value never shown: True
+leaves it out of every output, "url" shows it with its credentials masked).
+
+A secret on the command line is visible to every local user (`ps`, /proc/PID/cmdline), so each
+one can also come from an environment variable (`env`) or from a file: a `NAME_file` field names
+the file, which is read when the options are built (`load_secret_file`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +40,43 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 #: most tokens one step computes unless `max_num_batched_tokens` says otherwise
 DEFAULT_PREFILL_CHUNK = 2048
 TIER_KEY_ENV = "KVBANK_TIER_KEY"
+REDIS_URL_ENV = "KVBANK_REDIS_URL"
 #: a shorter tier key could be guessed from one entry and its MAC
 MIN_TIER_KEY_CHARS = 16
+EVENTS_TOKEN_IDS = ("on", "off")
+#: what --help says of every secret that a flag can carry
+COMMAND_LINE_SECRET = "a value given on the command line is visible to other local users (ps)"
+
+log = logging.getLogger("kvbank")
 
 
 def option(default: Any, help_text: str, **metadata: Any) -> Any:
     """A config field with its command-line help; see the module docstring for the metadata keys."""
-    return field(default=default, metadata={"help": help_text, **metadata})
+    # a secret stays out of the dataclass repr, so that no log line or traceback shows it
+    return field(default=default, repr=not metadata.get("secret"), metadata={"help": help_text, **metadata})
+
+
+def load_secret_file(options: Any, name: str) -> None:
+    """Set `options.<name>` to the content of the file `options.<name>_file` names (without the whitespace
+    around it), then clear the `_file` field: the secret is read once. Refused (ValueError naming the
+    option, never the content) when both are given or the file is unreadable or empty."""
+    path = getattr(options, f"{name}_file")
+    if path is None:
+        return
+    if getattr(options, name) is not None:
+        raise ValueError(
+            f"{name} and {name}_file are both given (the command line also takes {name} from the environment): give one"
+        )
+    try:
+        with open(path, encoding="utf-8") as file:
+            secret = file.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ValueError(f"{name}_file {str(path)!r} cannot be read: {why}") from None
+    if not secret:
+        raise ValueError(f"{name}_file {str(path)!r} is empty")
+    setattr(options, name, secret)
+    setattr(options, f"{name}_file", None)
 
 
 @dataclass
@@ -126,9 +162,17 @@ class EngineConfig:
     kv_disk_gb: float = option(16.0, "most disk space the disk tier may use, in GiB", plan=False)
     kv_redis_url: str | None = option(
         None,
-        "Redis (or Valkey) shared by many servers: redis://, rediss://, unix:// or a cluster node",
-        default_text="no Redis tier",
+        "Redis (or Valkey) shared by many servers: redis://, rediss://, unix:// or a cluster node; without "
+        "--kv-tier-key whoever can write it can change what is served (warned at start); its password is "
+        f"masked in every output, but {COMMAND_LINE_SECRET}: prefer ${REDIS_URL_ENV} or --kv-redis-url-file",
+        env=REDIS_URL_ENV,
+        metavar="URL",
+        default_text=f"${REDIS_URL_ENV}, else no Redis tier",
+        secret="url",
         plan=False,
+    )
+    kv_redis_url_file: str | None = option(
+        None, "a file holding --kv-redis-url", metavar="PATH", default_text="none", plan=False
     )
     kv_redis_ttl: float | None = option(
         None, "seconds a Redis entry lives after it is written", default_text="no expiry", plan=False
@@ -150,18 +194,20 @@ class EngineConfig:
         default_text="as long as computing it would take, at least 0.1",
         plan=False,
     )
-    kv_tier_key: str | None = field(
-        default=None,
-        repr=False,  # a secret: never in a log line or a traceback
-        metadata={
-            "help": "secret that signs every tier entry, stream frame and session file (keyed BLAKE2b): "
-            "entries without its MAC are refused; without a key, whoever can write the store can change "
-            f"what is served (at least {MIN_TIER_KEY_CHARS} characters, e.g. `openssl rand -hex 32`)",
-            "env": TIER_KEY_ENV,
-            "metavar": "KEY",
-            "default_text": f"${TIER_KEY_ENV}, else no key",
-            "plan": False,
-        },
+    kv_tier_key: str | None = option(
+        None,
+        "secret that signs every tier entry, stream frame and session file (keyed BLAKE2b): "
+        "entries without its MAC are refused; without a key, whoever can write the store can change "
+        f"what is served (at least {MIN_TIER_KEY_CHARS} characters, e.g. `openssl rand -hex 32`); "
+        f"{COMMAND_LINE_SECRET}: prefer ${TIER_KEY_ENV} or --kv-tier-key-file",
+        env=TIER_KEY_ENV,
+        metavar="KEY",
+        default_text=f"${TIER_KEY_ENV}, else no key",
+        secret=True,
+        plan=False,
+    )
+    kv_tier_key_file: str | None = option(
+        None, "a file holding --kv-tier-key", metavar="PATH", default_text="none", plan=False
     )
     preemption_mode: str = option(
         "auto",
@@ -183,9 +229,24 @@ class EngineConfig:
         None,
         "ZMQ endpoint to bind a PUB socket on that publishes KV cache events in vLLM's format "
         "(BlockStored, BlockRemoved, AllBlocksCleared; msgpack), e.g. tcp://127.0.0.1:5557, "
-        "for routers that score replicas by their cache (needs pyzmq and msgpack)",
+        "for routers that score replicas by their cache (needs pyzmq and msgpack); the events carry every "
+        "tenant's token ids to whoever connects, so an address other than loopback needs --kv-events-public "
+        "(and --kv-events-token-ids off sends hashes only)",
         metavar="ENDPOINT",
         default_text="no events",
+        plan=False,
+    )
+    kv_events_public: bool = option(
+        False,
+        "let --kv-events-endpoint and --kv-events-replay-endpoint bind an address other than loopback, "
+        "where anyone who reaches it reads the events",
+        plan=False,
+    )
+    kv_events_token_ids: str = option(
+        "on",
+        "whether a BlockStored event lists its blocks' token ids (vLLM's format); off sends an empty list: "
+        "the block hashes, all a router matching kvbank's events needs, without the prompts' tokens",
+        choices=EVENTS_TOKEN_IDS,
         plan=False,
     )
     kv_events_replay_endpoint: str | None = option(
@@ -239,12 +300,22 @@ class EngineConfig:
         if not isinstance(self.kv_offload_min_hits, int) or self.kv_offload_min_hits < 0:
             raise ValueError(f"kv_offload_min_hits={self.kv_offload_min_hits!r} must be an integer >= 0")
         chunk_blocks_for(self.kv_tier_chunk_tokens, self.block_size)  # raises if bad
+        load_secret_file(self, "kv_tier_key")
+        load_secret_file(self, "kv_redis_url")
         _check_tier_key(self.kv_tier_key)
+        if self.kv_redis_url and self.kv_tier_key is None:
+            log.warning(
+                "the Redis tier has no tier key: whoever can write that Redis can change the K/V this engine "
+                "serves; set kv_tier_key (--kv-tier-key-file or $%s) on every server that shares it",
+                TIER_KEY_ENV,
+            )
         parse_policy(self.kv_policy)  # raises if bad
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {', '.join(PREEMPTION_MODES)}")
-        check_endpoint("kv_events_endpoint", self.kv_events_endpoint)
-        check_endpoint("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
+        check_endpoint("kv_events_endpoint", self.kv_events_endpoint, self.kv_events_public)
+        check_endpoint("kv_events_replay_endpoint", self.kv_events_replay_endpoint, self.kv_events_public)
+        if self.kv_events_token_ids not in EVENTS_TOKEN_IDS:
+            raise ValueError(f"kv_events_token_ids={self.kv_events_token_ids!r} is not one of on, off")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the PUB socket it replays)")
         if self.kv_events_replay_endpoint is not None and self.kv_events_replay_endpoint == self.kv_events_endpoint:

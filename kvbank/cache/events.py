@@ -10,7 +10,8 @@ element is its tag:
 - `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`:
   full blocks that became findable in the prefix cache, one chain in order; `parent_block_hash`
   is the hash of the block before the first one (None at the start of a sequence), `token_ids`
-  the blocks' tokens one after the other, `lora_id` and `lora_name` None.
+  the blocks' tokens one after the other (an empty list when the publisher sends hashes only:
+  vLLM's decoders require the field, not its content), `lora_id` and `lora_name` None.
 - `["BlockRemoved", block_hashes, medium]`: blocks that left the prefix cache (evicted, reset).
 - `["AllBlocksCleared"]`: the cache is empty (sent once when the engine starts).
 
@@ -19,6 +20,10 @@ big-endian, the form vLLM sends by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 consumers index by. `medium` names where the blocks live: "GPU" for a pool on a CUDA device,
 "CPU" for a pool in host memory (vLLM's names). Blocks a tier loads back into the pool are stored
 events of the pool like any other; the tiers themselves publish nothing.
+
+Whoever connects reads every tenant's token ids (as with vLLM's events; ZMQ has no authentication
+here), so an endpoint is bound only on loopback (or ipc://, inproc://) unless the caller says it may
+be public, and `token_ids=False` keeps the prompts' tokens out of the events altogether.
 
 A ROUTER socket (the replay endpoint, optional) resends the last batches: a request
 `(identity, b"", start sequence as 8 bytes big-endian)` is answered with one
@@ -31,6 +36,7 @@ publisher thread encodes and sends (a PUB socket drops what a slow subscriber ca
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import threading
@@ -66,8 +72,9 @@ def external_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & _HASH_MASK
 
 
-def check_endpoint(name: str, endpoint: str | None) -> None:
-    """Raise ValueError naming `name` unless `endpoint` is None or a ZMQ address this engine can bind."""
+def check_endpoint(name: str, endpoint: str | None, public: bool = False) -> None:
+    """Raise ValueError naming `name` unless `endpoint` is None or a ZMQ address this engine can bind: a
+    loopback one (tcp://127.x.x.x, tcp://[::1], tcp://localhost; ipc://, inproc://), or with `public` any."""
     if endpoint is None:
         return
     if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
@@ -79,6 +86,22 @@ def check_endpoint(name: str, endpoint: str | None) -> None:
         host, sep, port = endpoint[len("tcp://") :].rpartition(":")
         if not sep or not host or not (port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(f"{name}={endpoint!r} needs a host and a port from 1 to 65535 (tcp://HOST:PORT)")
+        if not public and not _is_loopback(host):
+            raise ValueError(
+                f"{name}={endpoint!r} is not a loopback address: KV events carry every tenant's token ids to "
+                "whoever connects; bind tcp://127.0.0.1:PORT (or ipc://PATH), or pass kv_events_public=True "
+                "(--kv-events-public) to publish to the network (consider kv_events_token_ids='off')"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    name = host.removeprefix("[").removesuffix("]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:  # an interface name or a wildcard ("*", "eth0"): anything may reach it
+        return False
 
 
 def _require(module: str, option: str) -> Any:
@@ -100,10 +123,12 @@ class ZmqEventPublisher:
         medium: str,
         replay_endpoint: str | None = None,
         topic: str = "",
+        token_ids: bool = True,
     ) -> None:
         self._zmq = zmq = _require("zmq", "kv_events_endpoint")
         self._msgpack = _require("msgpack", "kv_events_endpoint")
         self.block_size, self.medium = block_size, medium
+        self.token_ids = token_ids
         self._topic = topic.encode()
         self._pending: list[tuple] = []
         self._queue: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
@@ -166,7 +191,8 @@ class ZmqEventPublisher:
                     run = ["BlockStored", [], parent_id, [], self.block_size, None, self.medium, None]
                     out.append(run)
                 run[1].append(external_hash(block_hash))
-                run[3].extend(tokens)
+                if self.token_ids:
+                    run[3].extend(tokens)
                 last_hash = block_hash
             elif kind == "removed":
                 if not (out and out[-1][0] == "BlockRemoved"):
@@ -223,12 +249,18 @@ class ZmqEventPublisher:
 
 
 def build_events(
-    endpoint: str | None, replay_endpoint: str | None, topic: str, block_size: int, device_type: str
+    endpoint: str | None,
+    replay_endpoint: str | None,
+    topic: str,
+    block_size: int,
+    device_type: str,
+    token_ids: bool = True,
 ) -> ZmqEventPublisher | None:
-    """The publisher the options ask for, or None when `endpoint` is None."""
+    """The publisher the options ask for, or None when `endpoint` is None; `token_ids=False` publishes
+    hashes only (BlockStored's token ids an empty list)."""
     if endpoint is None:
         if replay_endpoint is not None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         return None
     medium = "GPU" if device_type == "cuda" else "CPU"
-    return ZmqEventPublisher(endpoint, block_size, medium, replay_endpoint, topic)
+    return ZmqEventPublisher(endpoint, block_size, medium, replay_endpoint, topic, token_ids)

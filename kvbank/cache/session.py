@@ -12,15 +12,22 @@ verifying a file touch neither, so a server does them off that thread.
 A session file holds a conversation's tokens, so it is written 0600. A name may come from a
 client, so reading opens only a regular file (never through a symlink), refuses one larger than
 the pool could hold before allocating for it, and never echoes a refused file's bytes.
+
+A server keeps its sessions in a `SessionFolder`: one private folder (checked like the disk tier's:
+ours alone, not writable by others) with a private subfolder per tenant. Whoever could plant a symlink
+there could send a save elsewhere or a load to another file, so every component below the folder is
+opened relative to its parent's descriptor (`dir_fd`) with O_NOFOLLOW: a symlink anywhere under it is
+refused, never followed, and a save replaces one planted under its name instead of writing through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 import stat
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,12 +36,24 @@ import torch
 from kvbank.cache.blocks import Block, BlockPool
 from kvbank.cache.prefix import block_hash
 from kvbank.cache.storage import KVStorage
-from kvbank.cache.tiers.entry import PREFIX_BYTES, BadEntry, EntryFormat, EntryInfo, check_prefix, pack, unpack
+from kvbank.cache.tiers.disk import DIR_MODE, check_private, private_directory
+from kvbank.cache.tiers.entry import (
+    PREFIX_BYTES,
+    BadEntry,
+    EntryFormat,
+    EntryInfo,
+    check_prefix,
+    pack,
+    unpack,
+    unverified_info,
+)
 
 SESSION_KIND = "session"
 FILE_MODE = 0o600
+SUFFIX = ".kv"
 #: no symlink followed, and no wait for a writer if the name is a FIFO
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class PrefixNotCached(ValueError):
@@ -93,25 +112,32 @@ def pack_session(
     return pack(fmt, info, lambda views: storage.read_blocks(ids, views))
 
 
-def write_session(path: str | Path, blob: torch.Tensor) -> int:
-    """Write `blob` to `path` atomically (a temp file in the same folder, then a rename); returns its bytes."""
+def write_session(path: str | Path, blob: torch.Tensor, dir_fd: int | None = None) -> int:
+    """Write `blob` to `path` (relative to the folder `dir_fd` when given) atomically: a temp file in the
+    same folder, then a rename, which replaces whatever has the name (a symlink too) without following it;
+    returns its bytes."""
     path = Path(path)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temp = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
     try:
-        os.fchmod(fd, FILE_MODE)  # mkstemp's mode too, but this file must be private whatever Python does
+        os.fchmod(fd, FILE_MODE)  # the umask may have taken bits off: exact either way
         with os.fdopen(fd, "wb") as file:
             file.write(memoryview(blob.numpy()))
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temp, path)
+        os.replace(temp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        Path(temp).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
         raise
     return blob.numel()
 
 
-def read_session(path: str | Path, fmt: EntryFormat, root: bytes, name: str | None = None) -> Session:
-    """Read and verify a session file for the chain starting at `root` (this model, format and salt).
+def read_session(
+    path: str | Path, fmt: EntryFormat, root: bytes, name: str | None = None, dir_fd: int | None = None
+) -> Session:
+    """Read and verify a session file (at `path` relative to the folder `dir_fd` when given) for the chain
+    starting at `root` (this model, format and salt).
 
     Raises FileNotFoundError for a missing file and ValueError naming the file (as `name`, by
     default "session file PATH") and the reason for anything else: a symlink or other non-regular
@@ -119,7 +145,7 @@ def read_session(path: str | Path, fmt: EntryFormat, root: bytes, name: str | No
     """
     name = name or f"session file {path}"
     try:
-        info, views = unpack(fmt, _read_entry(path, fmt))
+        info, views = unpack(fmt, _read_entry(path, fmt, dir_fd))
     except BadEntry as error:
         raise ValueError(f"{name} cannot be loaded: {error}") from None
     except OSError as error:
@@ -137,9 +163,9 @@ def read_session(path: str | Path, fmt: EntryFormat, root: bytes, name: str | No
     return Session(list(info.token_ids), root, keys, views)
 
 
-def _read_entry(path: str | Path, fmt: EntryFormat) -> bytearray:
+def _read_entry(path: str | Path, fmt: EntryFormat, dir_fd: int | None = None) -> bytearray:
     """The file's bytes, once it is known to be a regular file whose prefix fits `fmt` (BadEntry if not)."""
-    fd = os.open(path, _READ_FLAGS)
+    fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -152,6 +178,120 @@ def _read_entry(path: str | Path, fmt: EntryFormat) -> bytearray:
         os.close(fd)
     del blob[n:]  # shorter than its size said (written meanwhile): unpack refuses it as truncated
     return blob
+
+
+def session_tokens(path: str | Path, fmt: EntryFormat, dir_fd: int | None = None) -> int | None:
+    """How many tokens a session file says it holds, from its prefix and header alone (not verified against
+    its digest: for a listing, never for a load); None for a file that cannot be a session of `fmt`."""
+    try:
+        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        header_len, _ = check_prefix(fmt, os.pread(fd, PREFIX_BYTES, 0), size)
+        info = unverified_info(os.pread(fd, header_len, PREFIX_BYTES))
+    except (OSError, BadEntry):
+        return None
+    finally:
+        os.close(fd)
+    return len(info.token_ids) if info.kind == SESSION_KIND else None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionFile:
+    """One session file as a folder lists it: its name (without the suffix), bytes and mtime (Unix seconds)."""
+
+    name: str
+    size: int
+    modified: float
+
+
+class UnsafeFolder(ValueError):
+    """A folder under the session folder that is not a private directory of ours: a symlink, a file, or one
+    others own or may write. Nothing is read from it or written to it."""
+
+
+class SessionFolder:
+    """Session files in one private folder (`directory` itself for the top level, `sub` for a subfolder of
+    it); see the module docstring for how every path below `directory` is opened."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        private_directory(self.directory, "session directory")  # created 0700; refused if others may write it
+
+    @contextlib.contextmanager
+    def opened(self, sub: str | None, create: bool = False) -> Iterator[int]:
+        """A descriptor of the folder `sub` (None: the top level), made 0700 if `create` and missing.
+
+        FileNotFoundError when it is missing (and not `create`); UnsafeFolder when it, or the top level,
+        is not a private directory of ours."""
+        root = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._check(root, "session directory", self.directory)
+            if sub is None:
+                yield root
+                return
+            with self._subfolder(root, sub, create) as fd:
+                yield fd
+        finally:
+            os.close(root)
+
+    def files(self, dir_fd: int) -> list[SessionFile]:
+        """The session files in the folder `dir_fd` (regular files with the suffix; temp files and anything
+        else left out), by name."""
+        found = []
+        with os.scandir(dir_fd) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.startswith(".") or not name.endswith(SUFFIX):
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        found.append(SessionFile(name.removesuffix(SUFFIX), st.st_size, st.st_mtime))
+        return sorted(found, key=lambda f: f.name)
+
+    def all_files(self) -> dict[str | None, list[SessionFile]]:
+        """Every session file in the folder and its subfolders, by subfolder (None: the top level); a
+        subfolder that is not a private directory (a symlink included) is left out, not entered."""
+        with self.opened(None) as root:
+            out: dict[str | None, list[SessionFile]] = {None: self.files(root)}
+            with os.scandir(root) as entries:
+                subs = [e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+            for sub in subs:
+                with contextlib.suppress(FileNotFoundError, UnsafeFolder), self._subfolder(root, sub, False) as fd:
+                    out[sub] = self.files(fd)
+        return out
+
+    @contextlib.contextmanager
+    def _subfolder(self, root: int, sub: str, create: bool) -> Iterator[int]:
+        assert "/" not in sub and not sub.startswith("."), sub
+        created = False
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(sub, DIR_MODE, dir_fd=root)
+                created = True
+        try:
+            fd = os.open(sub, _DIR_FLAGS, dir_fd=root)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafeFolder(f"{self.directory / sub} is not a directory (a symbolic link or a file)") from None
+            raise
+        try:
+            if created:
+                os.fchmod(fd, DIR_MODE)  # the umask may have taken bits off mkdir's mode
+            self._check(fd, "session subfolder", self.directory / sub)
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _check(fd: int, what: str, path: Path) -> None:
+        try:
+            check_private(path, os.fstat(fd), what)
+        except ValueError as e:
+            raise UnsafeFolder(str(e)) from None
 
 
 def install_session(pool: BlockPool, storage: KVStorage, session: Session) -> int:

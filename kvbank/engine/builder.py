@@ -70,7 +70,7 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
     # fmt: off
     events = build_events(
         config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic, config.block_size,
-        device.type,
+        device.type, config.kv_events_token_ids == "on",
     )
     manager = KVCacheManager(
         num_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction, storage.release,

@@ -71,14 +71,21 @@ class SessionFiles:
         returns the bytes written."""
         return write_session(path, self.pack(tokens_or_request, cache_salt))
 
-    def read(self, path: str | os.PathLike, cache_salt: str | None = None, name: str | None = None) -> Session:
-        """Read and verify a session file (safe off the engine thread: it does not touch the pool).
+    def read(
+        self,
+        path: str | os.PathLike,
+        cache_salt: str | None = None,
+        name: str | None = None,
+        dir_fd: int | None = None,
+    ) -> Session:
+        """Read and verify a session file, at `path` relative to the folder `dir_fd` when given (safe off
+        the engine thread: it does not touch the pool).
 
         A missing file is FileNotFoundError; a corrupted, truncated, foreign or wrongly salted
         one a ValueError naming the file (as `name`, by default its path) and the reason.
         """
         self._require()
-        return read_session(path, self.entry_format, root_hash(self.namespace, cache_salt), name)
+        return read_session(path, self.entry_format, root_hash(self.namespace, cache_salt), name, dir_fd)
 
     def install(self, session: Session) -> list[int]:
         """Put a read session's blocks in the pool as cached prefix blocks; returns its token ids.

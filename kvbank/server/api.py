@@ -5,8 +5,9 @@
     GET  /metrics                Prometheus text
     GET  /v1/models              POST /v1/completions, /v1/chat/completions   (`completions`)
     POST /v1/sessions/save, /v1/sessions/restore, /v1/sessions/delete          (`sessions`)
+    GET  /v1/sessions            a tenant's saved sessions                     (`sessions`)
     *    /v1/streams...                                                          (`streams`)
-    POST /flush_cache            (GET too, as SGLang) empties the prefix cache -> {"blocks", "tokens"}
+    POST /flush_cache            empties the prefix cache -> {"blocks", "tokens"}
     GET  /dashboard              the live cache page                           (`dashboard`)
 
 Bodies, streamed chunks and errors follow OpenAI's shapes, so the official clients work unchanged.

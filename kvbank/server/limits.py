@@ -11,28 +11,34 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from kvbank.config import option
+from kvbank.config import COMMAND_LINE_SECRET, load_secret_file, option
 
 
 @dataclass
 class ServerLimits:
-    """An optional API key, a queue bound, per-request caps, and the streams' and sessions' limits.
+    """An optional API key, a queue bound, per-request caps, the streams' and sessions' limits, and
+    the connections' (`kvbank.server.connections`).
 
     `max_queued_requests`: requests accepted but still waiting for their first token (queued or
     being prefilled) beyond which new ones get 429 with Retry-After. `max_tokens_cap` bounds
     max_tokens (and is the default when a chat request names none); `max_n` bounds n. None means
     no limit, except for `max_streams_per_tenant`, where it means a quarter of `max_streams`
-    (`tenant_stream_limit`). A tenant is a `cache_salt` (no salt: the default tenant); its quotas
-    keep one tenant from taking every stream slot or filling the session folder.
+    (`tenant_stream_limit`), and `max_connections`, where it means 1024 or what the open-file limit
+    leaves (`connections.connection_limit`). A tenant is a `cache_salt` (no salt: the default tenant); its quotas
+    keep one tenant from taking every stream slot or filling the session folder. A client may name any
+    salt, so the sessions also have quotas per client (`quotas.client_of`) and caps over the whole folder.
     """
 
     api_key: str | None = option(
         None,
-        "require 'Authorization: Bearer KEY' on every route but /health",
+        "require 'Authorization: Bearer KEY' on every route but /health; 5 wrong keys in 60 s from one "
+        f"address get it 429; {COMMAND_LINE_SECRET}: prefer $KVBANK_API_KEY or --api-key-file",
         env="KVBANK_API_KEY",
         metavar="KEY",
         default_text="$KVBANK_API_KEY, else no key",
+        secret=True,
     )
+    api_key_file: str | None = option(None, "a file holding --api-key", metavar="PATH", default_text="none")
     allowed_hosts: str | None = option(
         None,
         "host names a request's Host header may carry, comma-separated ('*': any); others get 400, so a "
@@ -72,6 +78,12 @@ class ServerLimits:
         "streams one tenant (cache_salt) may hold open; more get 429",
         default_text="a quarter of --max-streams, at least 1",
     )
+    max_streams_per_client: int | None = option(
+        None,
+        "streams one client (its address, and its API key when it sends one) may hold open under all the tenants "
+        "(cache_salt) it names; more get 429",
+        default_text="half of --max-streams, at least --max-streams-per-tenant",
+    )
     max_sessions_per_tenant: int | None = option(
         64, "session files one tenant (cache_salt) may keep in --session-dir; a save of a new name beyond gets 429"
     )
@@ -80,8 +92,41 @@ class ServerLimits:
         "GiB of session files one tenant (cache_salt) may keep in --session-dir; a save beyond gets 507",
         metavar="GIB",
     )
+    max_sessions_per_client: int | None = option(
+        64,
+        "session files one client (its address, and its bearer key when it sends one) may have saved, "
+        "whatever cache_salts it names; a save of a new name beyond gets 429",
+    )
+    max_session_gb_per_client: float | None = option(
+        4.0, "GiB of session files one client may have saved; a save beyond gets 507", metavar="GIB"
+    )
+    max_sessions: int | None = option(1024, "session files --session-dir may hold in all; a save beyond gets 429")
+    max_session_gb: float | None = option(
+        64.0, "GiB of session files --session-dir may hold in all; a save beyond gets 507", metavar="GIB"
+    )
     stream_idle_timeout_s: float | None = option(
         600.0, "close a streaming session unused for this long", flag="--stream-idle-timeout", metavar="SECONDS"
+    )
+    max_connections: int | None = option(
+        None,
+        "HTTP connections open at once (each holds a file descriptor); at the limit a new connection closes "
+        "the one that has waited longest for a request, or, when every one carries a request, gets 503; keep "
+        "it above --max-num-seqs + --max-queued-requests so /health always gets through",
+        default_text="1024, or what the open-file limit (ulimit -n) leaves",
+    )
+    header_timeout_s: float = option(
+        10.0,
+        "close a connection that has not sent a request's complete headers this long after it opened or "
+        "after its previous response",
+        flag="--header-timeout",
+        metavar="SECONDS",
+    )
+    keep_alive_timeout_s: float = option(
+        5.0,
+        "close a kept-alive connection that sends nothing this long after a response (behind a load balancer: "
+        "longer than its idle timeout)",
+        flag="--keep-alive-timeout",
+        metavar="SECONDS",
     )
 
     def __post_init__(self) -> None:
@@ -91,8 +136,13 @@ class ServerLimits:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
         if self.allowed_hosts is not None and not all(_host_name(n) for n in self.allowed_hosts.split(",")):
             raise ValueError(f"allowed_hosts={self.allowed_hosts!r} has an empty name")
-        if self.max_session_gb_per_tenant is not None and self.max_session_gb_per_tenant <= 0:
-            raise ValueError(f"max_session_gb_per_tenant={self.max_session_gb_per_tenant} must be positive")
+        load_secret_file(self, "api_key")
+        for name in ("max_session_gb_per_tenant", "max_session_gb_per_client", "max_session_gb"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        for name in ("header_timeout_s", "keep_alive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
         for name in (
             "max_queued_requests",
             "max_tokens_cap",
@@ -101,7 +151,11 @@ class ServerLimits:
             "max_choices",
             "max_streams",
             "max_streams_per_tenant",
+            "max_streams_per_client",
             "max_sessions_per_tenant",
+            "max_sessions_per_client",
+            "max_sessions",
+            "max_connections",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -119,7 +173,7 @@ class ServerLimits:
         if self.allowed_hosts is not None:
             names = frozenset(_host_name(name) for name in self.allowed_hosts.split(","))
             return None if "*" in names else names
-        if self.api_key is not None or bind_host is None or not _is_loopback(bind_host):
+        if self.api_key is not None or bind_host is None or not is_loopback(bind_host):
             return None
         return frozenset({"localhost", "127.0.0.1", "::1", _host_name(bind_host)})
 
@@ -128,6 +182,13 @@ class ServerLimits:
         if self.max_streams_per_tenant is not None or self.max_streams is None:
             return self.max_streams_per_tenant
         return max(1, self.max_streams // 4)
+
+    def client_stream_limit(self) -> int | None:
+        """Streams one client may hold: `max_streams_per_client`, else half of `max_streams` (at
+        least a tenant's limit: a client that names one tenant is bounded by that)."""
+        if self.max_streams_per_client is not None or self.max_streams is None:
+            return self.max_streams_per_client
+        return max(self.max_streams // 2, self.tenant_stream_limit() or 1)
 
     def prompt_token_limit(self, context: int) -> int | None:
         """Longest prompt a request may send: `max_prompt_tokens`, else twice `context` (a policy that
@@ -143,8 +204,19 @@ class ServerLimits:
 
     def session_bytes_per_tenant(self) -> int | None:
         """`max_session_gb_per_tenant` in bytes."""
-        gb = self.max_session_gb_per_tenant
-        return None if gb is None else int(gb * 2**30)
+        return _bytes(self.max_session_gb_per_tenant)
+
+    def session_bytes_per_client(self) -> int | None:
+        """`max_session_gb_per_client` in bytes."""
+        return _bytes(self.max_session_gb_per_client)
+
+    def session_bytes(self) -> int | None:
+        """`max_session_gb` in bytes."""
+        return _bytes(self.max_session_gb)
+
+
+def _bytes(gb: float | None) -> int | None:
+    return None if gb is None else int(gb * 2**30)
 
 
 def _host_name(host: str) -> str:
@@ -152,7 +224,8 @@ def _host_name(host: str) -> str:
     return host.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address to listen on) is this machine's loopback: only local clients reach it."""
     name = _host_name(host)
     if name == "localhost":
         return True
