@@ -103,9 +103,6 @@ def test_flush_cache_empties_the_pool_and_the_next_request_loads_from_the_host_t
         assert state["tier_totals"][key] == sum(row[key] for row in rows.values()), key
     assert state["tier_totals"]["load_bytes"] > 0
 
-    status, again, _ = request(f"{url}/flush_cache")  # GET, as SGLang also accepts
-    assert status == 200 and again["tokens"] == again["blocks"] * BLOCK_SIZE
-
 
 def test_flush_cache_needs_the_api_key(keyed_server):
     _complete(keyed_server, AUTH)

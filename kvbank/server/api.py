@@ -20,15 +20,20 @@ with a warning in the log.
 `app.state.drain` is the server's `worker.Drain`: `kvbank serve` starts it on SIGTERM, and from then
 /health fails and new work is refused with 503 while running requests finish.
 
+No route changes state on GET (a page of any site can make a browser send one): those that do take
+POST or DELETE, and refuse them from a page of another site (`errors.install_origin_check`).
+
 `/flush_cache` drops every cached prefix block that no request holds and no pin keeps (the tiers
 below the pool keep theirs, so the next request for a flushed prefix loads it from a tier): the
 way to show a tier hit without restarting. It runs on the engine thread between two steps, so
 running requests keep their blocks. With `--api-key` it needs the key, like every route but
-/health.
+/health; without one, on an address other than loopback, it is open to anyone who can reach the
+server, which `build_app` warns about.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -40,14 +45,22 @@ from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.bodies import RequestChecks
 from kvbank.server.completions import Completions, install_completions
 from kvbank.server.dashboard import DashboardLogin, install_dashboard
-from kvbank.server.errors import BodyLimit, install_api_key, install_error_handlers, install_host_check
-from kvbank.server.limits import ServerLimits
+from kvbank.server.errors import (
+    BodyLimit,
+    install_api_key,
+    install_error_handlers,
+    install_host_check,
+    install_origin_check,
+)
+from kvbank.server.limits import ServerLimits, is_loopback
 from kvbank.server.metrics import RequestTimer, render_metrics
 from kvbank.server.sessions import Sessions, install_sessions
 from kvbank.server.streams import Streams, install_streams
 from kvbank.server.worker import Drain, DrainGate, install_worker_routes
 
 __all__ = ["ServerLimits", "build_app"]
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(
@@ -60,8 +73,15 @@ def build_app(
     """A FastAPI app serving `async_engine` under OpenAI's routes as model `served_model_name`;
     with `session_dir`, sessions are saved to and restored from files in that folder. `bind_host`
     (the address it will listen on) decides which Host headers it answers by default
-    (`ServerLimits.host_allowlist`)."""
+    (`ServerLimits.host_allowlist`), and whether a server without a key is worth a warning."""
     limits = limits or ServerLimits()
+    if limits.api_key is None and bind_host is not None and not is_loopback(bind_host):
+        logger.warning(
+            "no API key: every route, the admin ones included (/flush_cache, /v1/sessions, /v1/streams), "
+            "is open to anyone who can reach %s, which is not a loopback address; start with --api-key KEY "
+            "(or $KVBANK_API_KEY) to require one",
+            bind_host,
+        )
     app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
     install_error_handlers(app, limits.retry_after_s)
     async_engine.max_queued = limits.max_queued_requests
@@ -71,7 +91,8 @@ def build_app(
         app.add_middleware(BodyLimit, limit=body_limit)
     login = DashboardLogin(limits.api_key) if limits.api_key is not None else None
     if login is not None:
-        install_api_key(app, limits.api_key, login.valid)
+        install_api_key(app, limits.api_key, login)
+    install_origin_check(app)  # added after the key check, so it runs before it
     allowed_hosts = limits.host_allowlist(bind_host)
     if allowed_hosts is not None:
         install_host_check(app, allowed_hosts)
@@ -99,7 +120,7 @@ def _install_server_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
         )
         return PlainTextResponse(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")
     async def flush_cache() -> dict:
         blocks = await async_engine.call(lambda engine: engine.reset_prefix_cache())
         block_size = async_engine.engine.block_size

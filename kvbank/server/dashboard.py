@@ -25,7 +25,9 @@ With `--api-key`, the page and its script are public but the state is not. The p
 given in its address (`/dashboard#key=KEY`) as a bearer header, or, when it has none, shows a login
 form that posts the key to `/dashboard/login`, which answers with an HttpOnly cookie holding a
 token derived from the key; the API's key check accepts that cookie for `/dashboard/state` only.
-A server without a key serves the page without the login form.
+Wrong keys at the login and wrong bearer headers on the API count together, per client address
+(`DashboardLogin.failed`): both guess the same key. A server without a key serves the page without
+the login form.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ _LOGIN_FORM = re.compile(r"\s*<form id=\"login\".*?</form>", re.DOTALL)
 
 #: how long a dashboard login lasts
 LOGIN_TTL_S = 12 * 3600
-#: failed logins one client address may make within LOGIN_WINDOW_S before it gets 429
+#: wrong keys (logins or bearer headers) one client address may send within LOGIN_WINDOW_S before it gets 429
 LOGIN_FAILURES = 5
 LOGIN_WINDOW_S = 60.0
 #: client addresses whose failures are remembered at once (the oldest are forgotten first)
@@ -79,8 +81,9 @@ LOGIN_CLIENTS = 4096
 class DashboardLogin:
     """The dashboard's login for a server with an API key: every login issues a new cookie token
     (`expiry.nonce.mac`) that the browser keeps instead of the key; it expires after `ttl_s`, and
-    dies with the process (the MAC key is drawn at start). Failed logins are throttled per client
-    address: `failures` within `window_s`, then 429 until the oldest of them leaves the window."""
+    dies with the process (the MAC key is drawn at start). Wrong keys, at the login or as the API's
+    bearer header, are throttled per client address: `failures` within `window_s`, then 429
+    (`too_many_failures`) until the oldest of them leaves the window."""
 
     def __init__(
         self,
@@ -119,6 +122,7 @@ class DashboardLogin:
         return max(1, math.ceil(times[0] + self.window_s - self._clock()))
 
     def failed(self, client: str) -> None:
+        """Count a wrong key from `client`."""
         times = self._recent(client)
         times.append(self._clock())
         self._failed[client] = times
@@ -164,14 +168,13 @@ def install_dashboard(app: FastAPI, async_engine: AsyncEngine, login: DashboardL
     async def log_in(body: _Login, request: Request) -> Response:
         if login is None:
             return Response(status_code=204)
-        client = request.client.host if request.client is not None else ""
-        wait = login.retry_after(client)
-        if wait is not None:
-            message = f"too many failed logins from this address: {login.failures} in {login.window_s:g} s"
-            return _login_error(message, 429, "too_many_login_attempts", {"Retry-After": str(wait)})
+        client = client_address(request)
+        refused = too_many_failures(login, client, param="key")
+        if refused is not None:
+            return refused
         if not login.key_matches(body.key):
             login.failed(client)
-            return _login_error("wrong API key", 401, "invalid_api_key")
+            return _key_error("wrong API key", 401, "invalid_api_key", "key")
         response = Response(status_code=204)
         response.set_cookie(
             COOKIE_NAME, login.issue(), max_age=int(login.ttl_s), httponly=True, samesite="strict", path="/dashboard"
@@ -186,8 +189,27 @@ def install_dashboard(app: FastAPI, async_engine: AsyncEngine, login: DashboardL
         return JSONResponse(dashboard_snapshot(async_engine, sampler, since), headers=_NO_STORE)
 
 
-def _login_error(message: str, status: int, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": "key", "code": code}}
+def client_address(request: Request) -> str:
+    """The peer address a request came from, as failed keys are counted by."""
+    return request.client.host if request.client is not None else ""
+
+
+def too_many_failures(login: DashboardLogin, client: str, param: str | None = None) -> JSONResponse | None:
+    """429 with Retry-After while `client` has sent its share of wrong keys; None while it may try.
+    Its key is not even checked then (the right one too): an answer that told it apart would let a
+    client go on guessing."""
+    wait = login.retry_after(client)
+    if wait is None:
+        return None
+    message = f"too many wrong API keys from this address: {login.failures} in {login.window_s:g} s; retry in {wait} s"
+    return _key_error(message, 429, "too_many_wrong_keys", param, {"Retry-After": str(wait)})
+
+
+def _key_error(
+    message: str, status: int, code: str, param: str | None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    # errors.error_response's shape; that module imports this one, so the body is built here.
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -1,5 +1,5 @@
-"""How the server refuses: `APIError` and OpenAI's error shape, the app's error handlers, and the
-API key every route but /health and the dashboard's public ones needs."""
+"""How the server refuses: `APIError` and OpenAI's error shape, the app's error handlers, the Host
+and Origin checks, and the API key every route but /health and the dashboard's public ones needs."""
 
 from __future__ import annotations
 
@@ -7,19 +7,31 @@ import hmac
 import logging
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvbank.server.async_engine import QueueFullError, RequestFailedError
-from kvbank.server.dashboard import COOKIE_NAME, COOKIE_PATHS, PUBLIC_PATHS
+from kvbank.engine.outputs import RequestFailed
+from kvbank.engine.streams import PoolFull
+from kvbank.server.async_engine import QueueFullError
+from kvbank.server.dashboard import (
+    COOKIE_NAME,
+    COOKIE_PATHS,
+    PUBLIC_PATHS,
+    DashboardLogin,
+    client_address,
+    too_many_failures,
+)
 from kvbank.server.limits import host_of
 
 logger = logging.getLogger(__name__)
 
+#: methods that only read: no route answers them by changing state, so a page of another site may send them
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # SamplingParams and the engine start their errors with "<field>=", "<field>[<key>]=" or
 # "<field> token id=".
 _FIELD_AT_START = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[[^\]]*\]| token id)?=")
@@ -42,8 +54,11 @@ class APIError(Exception):
 
     @classmethod
     def from_value_error(cls, error: ValueError, prefix: str = "") -> APIError:
-        """A 400 for a value SamplingParams or the engine refused, naming the field its message starts with."""
+        """A 400 for a value SamplingParams or the engine refused, naming the field its message starts
+        with; a 503 for work the KV pool has no room for now (PoolFull: streams hold it)."""
         message = str(error)
+        if isinstance(error, PoolFull):
+            return cls(f"{prefix}{message}", status=503, code="kv_pool_full")
         return cls(f"{prefix}{message}", param=named_field(message))
 
 
@@ -132,8 +147,14 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         response = error_response(error.message, error.status, error.param, error.code)
+        if error.status in (429, 503):  # refused for now, not for good: say when to come back
+            response.headers["Retry-After"] = str(retry_after_s)
         response.headers.update(error.headers or {})
         return response
+
+    @app.exception_handler(PoolFull)
+    async def pool_full(request: Request, error: PoolFull) -> JSONResponse:
+        return await api_error(request, APIError.from_value_error(error))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -144,8 +165,14 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
         return error_response(message, 400, _field_path(problems[0]["loc"]) if problems else None)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return error_response(str(error.detail), error.status_code)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        message = str(error.detail)
+        if error.status_code == 405:
+            allowed = (error.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; it takes {allowed}"
+        response = error_response(message, error.status_code)
+        response.headers.update(error.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
@@ -156,7 +183,7 @@ def internal_error_message(error: Exception) -> str:
     """What a client hears of a failure that is not its fault: the engine's own generic message
     for a request it failed, else a new incident id, with the details logged under it (never sent:
     they can name paths, internals or another request's data)."""
-    if isinstance(error, RequestFailedError):
+    if isinstance(error, RequestFailed):
         return str(error)
     incident = uuid.uuid4().hex[:16]
     logger.error("internal error (incident %s)", incident, exc_info=error)
@@ -187,22 +214,64 @@ def install_host_check(app: FastAPI, allowed: frozenset[str]) -> None:
         return await call_next(request)
 
 
-def install_api_key(app: FastAPI, api_key: str, cookie_valid: Callable[[str], bool]) -> None:
+def install_origin_check(app: FastAPI) -> None:
+    """Requests that change state (every method but `SAFE_METHODS`) sent by a browser page of another
+    site get 403 `cross_origin_request` (`cross_site`); clients that send no Origin (curl, SDKs,
+    routers) pass. With the Host check this covers both ways a page reaches a local server: through
+    its address (here) and through a name of its own that points at it (`install_host_check`)."""
+
+    @app.middleware("http")
+    async def check_origin(request: Request, call_next):
+        if request.method not in SAFE_METHODS:
+            reason = cross_site(request.headers)
+            if reason is not None:
+                message = f"{request.method} {request.url.path} refused: {reason}"
+                return error_response(message, 403, code="cross_origin_request")
+        return await call_next(request)
+
+
+def cross_site(headers: Mapping[str, str]) -> str | None:
+    """Why a request comes from a browser page of another site, or None when it does not.
+
+    The Origin's host must be the request's own Host; ports are not compared (browsers share cookies
+    across them too, and a proxy in front may change the port)."""
+    if headers.get("sec-fetch-site") == "cross-site":
+        return "the browser marked it Sec-Fetch-Site: cross-site"
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    origin_host = host_of(urlsplit(origin).netloc)
+    if not origin_host or origin_host != host_of(headers.get("host", "")):
+        return f"a page of {origin[:100]!r}, another site than this server, may not change its state"
+    return None
+
+
+def install_api_key(app: FastAPI, api_key: str, login: DashboardLogin) -> None:
     """Every route but /health and the dashboard's public ones needs `Authorization: Bearer <api_key>`;
-    the dashboard's state also takes a login cookie that `cookie_valid` accepts."""
+    the dashboard's state also takes a cookie `login` issued. A client address that sent too many
+    wrong keys (bearer headers and dashboard logins together) gets 429 until the window passes."""
     expected = f"Bearer {api_key}".encode()
 
-    def authorized(request: Request) -> bool:
-        path = request.url.path
-        if path == "/health" or path in PUBLIC_PATHS:
+    def needs_key(path: str) -> bool:
+        return path != "/health" and path not in PUBLIC_PATHS
+
+    def authorized(request: Request, header: str | None) -> bool:
+        if header is not None and hmac.compare_digest(header.encode(), expected):
             return True
-        if hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            return True
-        return path in COOKIE_PATHS and cookie_valid(request.cookies.get(COOKIE_NAME, ""))
+        return request.url.path in COOKIE_PATHS and login.valid(request.cookies.get(COOKIE_NAME, ""))
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if not authorized(request):
+        if not needs_key(request.url.path):
+            return await call_next(request)
+        client = client_address(request)
+        refused = too_many_failures(login, client)
+        if refused is not None:
+            return refused
+        header = request.headers.get("authorization")
+        if not authorized(request, header):
+            if header is not None:  # a key was tried; a request without one guessed nothing
+                login.failed(client)
             return error_response(
                 "invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
             )

@@ -13,9 +13,10 @@ counters as of its latest step (`AsyncEngine.stats()`), never a guess: `num_toke
 tokens live sequences hold plus the prompt tokens still queued.
 
 Draining (`Drain`): once started (by SIGTERM in `kvbank serve`), /health answers 503, so the router's
-health checker takes the replica out of rotation, and every request that would start new work
-(a completion, a chat completion, a new stream, a session restore) is refused with 503, an
-OpenAI error body and Retry-After, which a router retries on another replica. Requests already
+health checker takes the replica out of rotation, and every request that may start new work is
+refused with 503, an OpenAI error body and Retry-After, which a router retries on another replica:
+every POST, PUT or PATCH (a completion, a frame, a question, a session save or restore, a flush,
+...). Reads (no route changes state on GET) and DELETE (closing a stream) pass. Requests already
 running go on; `Drain.idle` says when none is left.
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 from typing import Any
 
@@ -31,22 +31,15 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 import kvbank
+from kvbank.cache.tiers.redis import redacted
 from kvbank.server.async_engine import AsyncEngine
-from kvbank.server.errors import error_response
+from kvbank.server.errors import SAFE_METHODS, error_response
 from kvbank.server.limits import ServerLimits
 
-#: (method, path) of requests that start new work; a draining server refuses them
-NEW_WORK = {
-    ("POST", "/v1/completions"),
-    ("POST", "/v1/chat/completions"),
-    ("POST", "/v1/streams"),
-    ("POST", "/v1/sessions/restore"),
-}
+#: methods a draining server still takes: reads, and DELETE, which only closes or cleans up
+DRAIN_PASSES = SAFE_METHODS | {"DELETE"}
 #: probes a router or a scraper sends; they are not work a drain waits for
 PROBES = {"/health", "/metrics", "/model_info", "/server_info", "/get_load", "/get_model_info", "/get_server_info"}
-#: EngineConfig fields /server_info never shows (secrets)
-SECRET_FIELDS = {"kv_tier_key"}
-_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@]*@")
 
 
 class Drain:
@@ -80,8 +73,9 @@ class Drain:
 
 
 class DrainGate:
-    """ASGI middleware: counts requests in flight (probes aside) and, while draining, refuses new
-    work with 503, an OpenAI error body and Retry-After."""
+    """ASGI middleware: counts requests in flight (probes aside) and, while draining, refuses every
+    request whose method may start work (all but `DRAIN_PASSES`) with 503, an OpenAI error body and
+    Retry-After. The rule is by method, not by route, so that a new route cannot slip past it."""
 
     def __init__(self, app, drain: Drain, retry_after_s: int = 1) -> None:
         self.app, self.drain, self.retry_after_s = app, drain, retry_after_s
@@ -89,7 +83,7 @@ class DrainGate:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in PROBES:
             return await self.app(scope, receive, send)
-        if self.drain.draining and (scope["method"], scope["path"]) in NEW_WORK:
+        if self.drain.draining and scope["method"] not in DRAIN_PASSES:
             self.drain.refused += 1
             response = error_response(
                 "this server is draining (shutting down) and takes no new requests; retry on another replica",
@@ -143,7 +137,7 @@ def install_worker_routes(
     async def server_info() -> dict:
         return {
             **_server_args(async_engine),
-            **{f.name: getattr(limits, f.name) for f in dataclasses.fields(limits) if f.name != "api_key"},
+            **_shown_options(limits),
             "model_path": engine.model_path,
             "tokenizer_path": engine.model_path,
             "served_model_name": served_model_name,
@@ -231,18 +225,25 @@ def _waiting_prompt_tokens(async_engine: AsyncEngine) -> int:
 
 
 def _server_args(async_engine: AsyncEngine) -> dict[str, Any]:
-    """The engine's settings, secrets left out and credentials in URLs masked."""
+    """The engine's settings as `_shown_options` shows them, with the step size the scheduler uses."""
+    out = _shown_options(async_engine.engine.config)
+    out["max_num_batched_tokens"] = async_engine.engine.scheduler.max_num_batched_tokens
+    return out
+
+
+def _shown_options(options: Any) -> dict[str, Any]:
+    """An options dataclass's fields (EngineConfig, ServerLimits) as a JSON object may show them: fields
+    marked `secret=True` left out, and every text with the credentials of URLs in it masked (`redacted`)."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(async_engine.engine.config):
-        if f.name in SECRET_FIELDS:
+    for f in dataclasses.fields(options):
+        if f.metadata.get("secret") is True:
             continue
-        value = getattr(async_engine.engine.config, f.name)
-        if isinstance(value, str) and "://" in value:
-            value = _URL_CREDENTIALS.sub("***@", value)
+        value = getattr(options, f.name)
+        if isinstance(value, str):
+            value = redacted(value)
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value
-    out["max_num_batched_tokens"] = async_engine.engine.scheduler.max_num_batched_tokens
     return out
 
 
