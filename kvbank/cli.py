@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import json
+import logging
 import os
 import signal
+import socket
 import sys
 import time
 import types
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 
-from kvbank import kernels, memory
+from kvbank import __version__, kernels, memory
 from kvbank.cache.hybrid import kv_groups
 from kvbank.cache.quant import KV_CACHE_DTYPES
 from kvbank.cache.storage import plan_pool
@@ -27,10 +31,11 @@ from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.kernels import isa
 from kvbank.models.build import check_supported
-from kvbank.models.loader import BUNDLED_FILE, describe_model
+from kvbank.models.loader import BUNDLED_FILE, describe_model, model_name
 from kvbank.server.api import build_app
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.completions import system_prompt_prefix
+from kvbank.server.connections import connection_limit, guarded_protocol
 from kvbank.server.limits import ServerLimits
 from kvbank.server.worker import spill_to_tiers
 from kvbank.tokenizer import Tokenizer
@@ -84,9 +89,12 @@ class ChatSession:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvbank` command line; returns the exit status."""
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the top-level parser would show its own usage; the command's is the one that helps
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return args.command(args)
+        with _startup_log_on_stderr():
+            return args.command(args)
     except ValueError as error:
         print(f"kvbank: error: {error}", file=sys.stderr)
         return 2
@@ -139,38 +147,82 @@ def _serve(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"--pin-prompt file {missing[0]!r} does not exist")
     limits = ServerLimits(**{name: getattr(args, name) for name in _limit_options()})
-    llm = _load(args)
-    for file in args.pin_prompt:
-        _pin_prompt(llm, file)
-    name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
-    async_engine = AsyncEngine(llm.engine)
-    if args.session_dir is not None:
-        Path(args.session_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # its files hold conversations
-    app = build_app(async_engine, name, limits, session_dir=args.session_dir, bind_host=args.host)
-    url = f"http://{args.host}:{args.port}"
-    print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
-    print(
-        f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16}}\'',
-        flush=True,
-    )
-    try:
-        # On SIGTERM the server drains (_GracefulServer): /health fails and new work gets 503 while
-        # running requests finish, for at least --drain-grace and at most --shutdown-timeout
-        # seconds; then uvicorn stops accepting and cancels what still runs (which aborts it and
-        # frees its blocks). A second SIGTERM, or SIGINT, stops at once.
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-        _GracefulServer(config, app.state.drain, async_engine, args.drain_grace, args.shutdown_timeout).run()
-    finally:
-        async_engine.shutdown()  # writes what the tiers' writer has queued, then closes them
+    max_connections = connection_limit(limits.max_connections)
+    _warn_if_requests_can_take_every_connection(limits, args.max_num_seqs, max_connections)
+    # Listening before loading: a port in use is an error in a second, not after the model loads,
+    # and nothing else can take the port between the announcement and uvicorn's start.
+    with _listen(args.host, args.port) as listener:
+        llm = _load(args)
+        for file in args.pin_prompt:
+            _pin_prompt(llm, file)
+        name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
+        async_engine = AsyncEngine(llm.engine)
+        if args.session_dir is not None:
+            Path(args.session_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # its files hold conversations
+        app = build_app(async_engine, name, limits, session_dir=args.session_dir, bind_host=args.host)
+        _announce(_base_url(args.host, args.port), name, limits.api_key)
+        try:
+            # On SIGTERM the server drains (_GracefulServer): /health fails and new work gets 503 while
+            # running requests finish, for at least --drain-grace and at most --shutdown-timeout
+            # seconds; then uvicorn stops accepting and cancels what still runs (which aborts it and
+            # frees its blocks). A second SIGTERM, or SIGINT, stops at once.
+            config = uvicorn.Config(
+                app,
+                http=guarded_protocol(max_connections, limits.header_timeout_s),
+                log_level=args.log_level,
+                timeout_keep_alive=limits.keep_alive_timeout_s,
+                timeout_graceful_shutdown=args.shutdown_timeout,
+            )
+            server = _GracefulServer(config, app.state.drain, async_engine, args.drain_grace, args.shutdown_timeout)
+            server.run(sockets=[listener])
+        finally:
+            async_engine.shutdown()  # writes what the tiers' writer has queued, then closes them
     print("kvbank: stopped", flush=True)
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on `host`:`port`; one already taken is a ValueError naming both."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        hint = "; something else holds it: pick another with --port" if error.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port}: {reason}{hint}") from None
+
+
+def _base_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _announce(url: str, name: str, api_key: str | None) -> None:
+    """Where the server is, a request to try that works as printed, and the dashboard's address."""
+    print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
+    # The key itself never goes to the log: the line reads it from the environment.
+    auth = '-H "Authorization: Bearer $KVBANK_API_KEY" ' if api_key is not None else ""
+    print(
+        f"try: curl {url}/v1/completions {auth}-H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}}\'',
+        flush=True,
+    )
+    if api_key is not None and os.environ.get("KVBANK_API_KEY") != api_key:
+        print("     (with KVBANK_API_KEY set to the --api-key value)", flush=True)
+    sign_in = " (sign in with the API key)" if api_key is not None else ""
+    print(f"dashboard: {url}/dashboard{sign_in}", flush=True)
+
+
+def _warn_if_requests_can_take_every_connection(limits: ServerLimits, max_num_seqs: int, max_connections: int) -> None:
+    """Running and queued requests hold a connection each: a cap they can fill leaves none for /health."""
+    if limits.max_queued_requests is None or max_connections > max_num_seqs + limits.max_queued_requests:
+        return
+    print(
+        f"kvbank: warning: --max-connections {max_connections} is not above --max-num-seqs {max_num_seqs} + "
+        f"--max-queued-requests {limits.max_queued_requests}: requests at those limits can hold every "
+        "connection, and /health would be refused until one ends",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _pin_prompt(llm: LLM, file: str) -> None:
@@ -193,6 +245,7 @@ def _pin_prompt(llm: LLM, file: str) -> None:
 def _plan(args: argparse.Namespace) -> int:
     config = EngineConfig(**{name: getattr(args, name) for name in _plan_options()})
     info = describe_model(config.model)
+    name = model_name(config.model, info.path)
     predicted = memory.predict(config)
     dtype = config.torch_dtype
     context = args.context_len or config.max_model_len or info.config.max_position_embeddings
@@ -204,6 +257,7 @@ def _plan(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "model": info.path,
+                    "name": name,
                     "num_params": info.num_params,
                     "file_bytes": info.file_bytes,
                     "dtype": str(dtype).removeprefix("torch."),
@@ -225,7 +279,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"model    {info.config.name}: {info.num_params / 1e6:.1f}M parameters, file {_mib(info.file_bytes)}; "
+        f"model    {name}: {info.num_params / 1e6:.1f}M parameters, file {_mib(info.file_bytes)}; "
         f"{str(dtype).removeprefix('torch.')} on {config.device}, --weight-format {config.weight_format}, "
         f"--kv-cache-dtype {config.kv_cache_dtype}"
     )
@@ -300,18 +354,6 @@ def _plan_row(model_config, config: EngineConfig, kv: str, context: int) -> dict
     }
 
 
-def _windows_note(engine) -> str:
-    """What a hybrid cache's windows add to the bytes per token of its full-attention layers."""
-    groups = engine.manager.groups
-    if groups is None:
-        return ""
-    held = groups.num_window_tables * groups.window_blocks(engine.block_size)
-    return (
-        f" in the full-attention layers; the {groups.window}-token windows of the others take at most {held} "
-        f"blocks ({held * engine.pool_plan.bytes_per_block / 2**20:.1f} MiB) per decoding sequence"
-    )
-
-
 def _kv_groups_plan(model_config, config: EngineConfig, context: int) -> dict[str, Any] | None:
     """The hybrid layout's bytes per token at `context`, per group, against keeping every token."""
     groups = kv_groups(model_config.layer_windows, config.swa_full)
@@ -335,9 +377,9 @@ def _kv_groups_plan(model_config, config: EngineConfig, context: int) -> dict[st
 
 
 def served_model_name(flag: str | None, model: str | None, model_path: str) -> str:
-    """The name clients send: --served-model-name, else --model exactly as given (as in vLLM),
-    else (the bundled model) its file name without the extension."""
-    return flag or model or Path(model_path).stem
+    """The name clients send: --served-model-name, else the model's own name (`model_name`): --model
+    exactly as given (as in vLLM), else (the bundled model) its file name without the extension."""
+    return flag or model_name(model, model_path)
 
 
 def _mib(n: float) -> str:
@@ -397,16 +439,24 @@ class _GracefulServer(uvicorn.Server):
 
 def _load(args: argparse.Namespace) -> LLM:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
-    llm = LLM(args.model, **options, show_progress=True)
-    engine = llm.engine
-    print(
-        f"KV cache: {engine.num_blocks} blocks of {engine.block_size} tokens, {args.kv_cache_dtype}, "
-        f"{engine.kv_bytes_per_token:.0f} bytes per token{_windows_note(engine)}",
-        file=sys.stderr,
-    )
-    print("\n".join(f"memory: {line}" for line in engine.memory.lines()), file=sys.stderr, flush=True)
-    print(f"kernels: {isa.describe(kernels.native())}", file=sys.stderr, flush=True)
-    return llm
+    return LLM(args.model, **options, show_progress=True)  # logs the startup lines (model, KV cache, memory)
+
+
+@contextlib.contextmanager
+def _startup_log_on_stderr():
+    """The `kvbank` logger's lines, from INFO up, on stderr as plain text while a command runs: the
+    startup log `LLM` writes, and what the engine and the server report later."""
+    logger = logging.getLogger("kvbank")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -432,8 +482,23 @@ def _turn_status(output: RequestOutput) -> str:
 # --- the parser ----------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--max-tokens` must not become `--max-tokens-cap`), whose
+    errors print the command's usage line and the error, not the whole option list."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        usage = self.format_usage()
+        if usage.count("\n") > 1:
+            usage = f"usage: {self.prog} [-h] ...  ({self.prog} --help lists the options)\n"
+        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvbank", description="A KV-cache-first LLM inference engine.")
+    parser = _Parser(prog="kvbank", description="A KV-cache-first LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"kvbank {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     engine, sampling = _engine_flags(), _sampling_flags()
 
@@ -465,9 +530,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument(
         "--served-model-name",
-        help="the model name clients send (default: the --model value as "
-        "given, as in vLLM; for the bundled model, its file name "
-        f"{Path(BUNDLED_FILE).stem})",
+        help="the model name clients send; requests may also leave out an owner or folder, '.gguf' and the "
+        "quantization suffix, in any case (default: the --model value as given, as in vLLM; for the bundled "
+        f"model, its file name {Path(BUNDLED_FILE).stem})",
     )
     serve.add_argument(
         "--pin-prompt",
@@ -535,11 +600,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _bind(parser: argparse.ArgumentParser, command: Callable[[argparse.Namespace], int]) -> None:
-    parser.set_defaults(command=command)
+    parser.set_defaults(command=command, parser=parser)
 
 
 def _engine_flags() -> argparse.ArgumentParser:
-    flags = argparse.ArgumentParser(add_help=False)
+    flags = _Parser(add_help=False)
     group = flags.add_argument_group("engine")
     for config_field in dataclasses.fields(EngineConfig):
         _add_config_flag(group, config_field)
@@ -649,7 +714,7 @@ _SAMPLING_DEFAULT_TEXT = {"stop": "none", "stop_token_ids": "none"}
 
 
 def _sampling_flags() -> argparse.ArgumentParser:
-    flags = argparse.ArgumentParser(add_help=False)
+    flags = _Parser(add_help=False)
     group = flags.add_argument_group("sampling")
     for param in dataclasses.fields(SamplingParams):
         if param.name in _SAMPLING_HELP:

@@ -1,14 +1,17 @@
 """The `kvbank` command line: real `python -m kvbank` processes, and its flags parsed in process."""
 
 import dataclasses
+import json
 import re
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from serving import free_port
 
-from kvbank import LLM, cli, kernels
+from kvbank import LLM, __version__, cli, kernels
 from kvbank.config import EngineConfig
 from kvbank.engine.params import SamplingParams
 
@@ -77,7 +80,20 @@ BAD_KV_CACHE_DTYPE = [
     Run((*([command, "Hi"] if command == "generate" else [command]), "--kv-cache-dtype", "int3"))
     for command in ("generate", "serve", "chat")
 ]
-PROCESSES = [GENERATE, BAD_SAMPLING_FLAG, CHAT_TWO_TURNS, CHAT_PAST_THE_CONTEXT, KV_CACHE_FLAGS, *BAD_KV_CACHE_DTYPE]
+VERSION = Run(("--version",))
+ABBREVIATED_FLAG = Run(("serve", "--max-tokens", "64"))  # a prefix of --max-tokens-cap
+UNKNOWN_FLAG = Run(("generate", "Hi", "--no-such-flag"))
+PROCESSES = [
+    GENERATE,
+    BAD_SAMPLING_FLAG,
+    CHAT_TWO_TURNS,
+    CHAT_PAST_THE_CONTEXT,
+    KV_CACHE_FLAGS,
+    *BAD_KV_CACHE_DTYPE,
+    VERSION,
+    ABBREVIATED_FLAG,
+    UNKNOWN_FLAG,
+]
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +159,39 @@ def test_bad_kv_cache_dtype_is_refused_by_every_command(kvbank):
         result = kvbank(run)
         assert result.returncode == 2
         assert "invalid choice: 'int3'" in result.stderr and "int4" in result.stderr
+
+
+def test_a_bad_flag_prints_the_commands_usage_line_and_the_error_only(kvbank):
+    for run in [*BAD_KV_CACHE_DTYPE, UNKNOWN_FLAG]:
+        command = run.args[0]
+        usage, error = kvbank(run).stderr.splitlines()
+        assert usage.startswith(f"usage: kvbank {command} [-h] ...") and f"kvbank {command} --help" in usage
+        assert error.startswith(f"kvbank {command}: error: ")
+    assert "unrecognized arguments: --no-such-flag" in kvbank(UNKNOWN_FLAG).stderr
+
+
+def test_a_prefix_of_a_flag_is_not_taken_for_it(kvbank):
+    result = kvbank(ABBREVIATED_FLAG)
+    assert result.returncode == 2 and "unrecognized arguments: --max-tokens 64" in result.stderr
+    parser = cli._build_parser()
+    for args in (["serve", "--kv-cache-memory", "2"], ["plan", "--memory", "1"], ["chat", "--temp", "0"]):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(args)
+        assert exited.value.code == 2
+
+
+def test_version_prints_the_package_version(kvbank):
+    result = kvbank(VERSION)
+    assert result.returncode == 0 and result.stdout == f"kvbank {__version__}\n"
+
+
+def test_a_port_in_use_is_an_error_before_the_model_loads(kvbank_env):
+    with socket.create_server(("127.0.0.1", free_port())) as taken:
+        port = taken.getsockname()[1]
+        result = _kvbank(kvbank_env, "serve", "--port", str(port))
+    assert result.returncode == 2
+    assert f"kvbank: error: cannot listen on 127.0.0.1:{port}: " in result.stderr and "--port" in result.stderr
+    assert "loading the model" not in result.stderr and "serving" not in result.stdout
 
 
 # --- options generated from EngineConfig and SamplingParams --------------------------------------
@@ -259,6 +308,12 @@ def test_served_model_name_is_the_model_as_given_like_vllm():
     assert cli.served_model_name(None, "~/models/x.gguf", "/home/u/models/x.gguf") == "~/models/x.gguf"
     assert cli.served_model_name(None, None, "/site/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
     assert cli.served_model_name("mine", "~/models/x.gguf", "/home/u/models/x.gguf") == "mine"
+
+
+def test_plan_calls_the_model_by_the_name_the_server_serves(capsys):
+    assert cli.main(["plan", "--json", "--memory-gb", "0.05"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["name"] == cli.served_model_name(None, None, plan["model"]) == "SmolLM2-135M-Instruct.Q4_1"
 
 
 def _defaults(cls) -> dict:

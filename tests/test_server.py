@@ -401,7 +401,7 @@ def test_async_engine_aborts_a_request_whose_consumer_stops(async_engine, refere
         return await _until_idle(async_engine)
 
     stats = asyncio.run(run())
-    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["num_used_blocks"] == 0  # its blocks are free again, or cached for a later prompt
 
 
 def test_pinned_system_prompt_is_cached_on_first_use_and_salts_isolate(client):

@@ -118,12 +118,18 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def gauges(self) -> dict[str, float]:
-        """The pool's blocks now: all of them, free, the fraction in use, pinned."""
+        """The pool's blocks now, by the states `block_states` shows: free (empty), cached (a prefix no
+        sequence holds, evicted LRU-first when blocks run out), in use and pinned, which add up to
+        `num_blocks`; and the fraction in use or pinned. `num_free_blocks` (the property) is what an
+        allocation can take: free and cached together."""
+        free, cached, pinned = len(self.pool.empty), len(self.pool.cached), len(self.pinned_blocks)
         return {
             "num_blocks": self.pool.num_blocks,
-            "num_free_blocks": self.num_free_blocks,
+            "num_free_blocks": free,
+            "num_cached_blocks": cached,
+            "num_used_blocks": self.pool.num_blocks - free - cached - pinned,
+            "num_pinned_blocks": pinned,
             "kv_cache_usage": self.usage,
-            "num_pinned_blocks": len(self.pinned_blocks),
         }
 
     def usable_blocks(self, token_ids: Tokens[int], root_hash: bytes) -> int:

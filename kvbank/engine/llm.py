@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from kvbank import kernels
 from kvbank.cache.policies import DEFAULT_STREAM_POLICY
 from kvbank.cache.session import PrefixNotCached
 from kvbank.config import EngineConfig
@@ -16,9 +18,12 @@ from kvbank.engine.llm_engine import LLMEngine, PromptType
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.streams import FrameInfo, FrameType
+from kvbank.kernels import isa
+from kvbank.models.loader import model_name
 from kvbank.tokenizer import Tokenizer
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+log = logging.getLogger("kvbank")
 
 
 class LLM:
@@ -26,7 +31,8 @@ class LLM:
 
     `model=None` runs the bundled SmolLM2-135M-Instruct; otherwise pass a .gguf file or a Hugging
     Face model folder. Keyword arguments are the fields of `EngineConfig`; an unknown one is a
-    TypeError naming it.
+    TypeError naming it. Once loaded, it logs the model, the KV cache, memory by part and the
+    kernels to the `kvbank` logger at INFO (the startup log the commands print).
     """
 
     def __init__(self, model: str | None = None, *, show_progress: bool = False, **options: Any) -> None:
@@ -38,6 +44,8 @@ class LLM:
             )
         config = EngineConfig(model=model, **options)
         self.engine = LLMEngine(config, progress=_progress_bar() if show_progress else None)
+        for line in startup_log(self.engine):
+            log.info(line)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
@@ -307,6 +315,31 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, co
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
+
+
+def startup_log(engine: LLMEngine) -> list[str]:
+    """What a loaded engine is: its model, KV cache, memory by part and kernels, one line each."""
+    config = engine.config
+    return [
+        f"model: {model_name(config.model, engine.model_path)}, {str(engine.dtype).removeprefix('torch.')} "
+        f"on {engine.device}",
+        f"KV cache: {engine.num_blocks} blocks of {engine.block_size} tokens, {config.kv_cache_dtype}, "
+        f"{engine.kv_bytes_per_token:.0f} bytes per token{_windows_note(engine)}",
+        *(f"memory: {line}" for line in engine.memory.lines()),
+        f"kernels: {isa.describe(kernels.native())}",
+    ]
+
+
+def _windows_note(engine: LLMEngine) -> str:
+    """What a hybrid cache's windows add to the bytes per token of its full-attention layers."""
+    groups = engine.manager.groups
+    if groups is None:
+        return ""
+    held = groups.num_window_tables * groups.window_blocks(engine.block_size)
+    return (
+        f" in the full-attention layers; the {groups.window}-token windows of the others take at most {held} "
+        f"blocks ({held * engine.pool_plan.bytes_per_block / 2**20:.1f} MiB) per decoding sequence"
+    )
 
 
 def _progress_bar():

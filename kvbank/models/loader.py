@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 _GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 ProgressFn = Callable[[int, int], None]
+#: the quantization a llama.cpp file name ends with: ".Q4_1", "-Q4_K_M", ".IQ3_XS", ".F16", ".BF16"
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
 
 
 @dataclass
@@ -55,6 +58,24 @@ def bundled_model_path() -> str:
     if not path.is_file():
         raise ValueError(f"the bundled model file is missing: {path}")
     return str(path)
+
+
+def model_name(model: str | None, path: str) -> str:
+    """The name a model goes by in the log, in `kvbank plan` and on the server: `model` exactly as
+    given (vLLM's default served name), else (the bundled model) its file name without the extension."""
+    return model if model is not None else Path(path).stem
+
+
+def same_model(requested: str, name: str) -> bool:
+    """Whether a request's `model` names the model served as `name`: the same name compared case-
+    insensitively, with or without a folder or owner ("HuggingFaceTB/..."), the ".gguf" extension, and
+    the quantization suffix of a llama.cpp file (".Q4_1"); another quantization is another model."""
+    wanted, served = _plain_name(requested), _plain_name(name)
+    return wanted in (served, _QUANT_SUFFIX.sub("", served))
+
+
+def _plain_name(name: str) -> str:
+    return name.rsplit("/", 1)[-1].lower().removesuffix(".gguf")
 
 
 def load_model(path: str | None, progress: ProgressFn | None = None) -> LoadedModel:
@@ -198,7 +219,7 @@ def _gguf_config(reader, path: str) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_gguf_rope_scaling(meta, arch),
-        name=str(meta.get("general.name", os.path.basename(path))),
+        name=model_name(None, path),  # general.name is often the converter's ("Smollm2 135M 8k Lc100K Mix1 Ep2")
         fingerprint=_fingerprint("gguf", [Path(path)]),
         **gemma,
     )

@@ -6,7 +6,8 @@ JavaScript, nothing fetched from elsewhere). On load, and then once a second, it
 
 * the block pool as a grid, one cell per KV block, coloured by state: free (empty), used (held by a
   running sequence), cached (a finished prefix kept for reuse, evictable) and pinned; with a legend
-  that counts the blocks in each state;
+  that counts the blocks in each state, as /metrics does (`kvbank:num_free_blocks`, `num_used_blocks`,
+  `num_cached_blocks`, `num_pinned_blocks`: they add up to the pool);
 * headline numbers: prefix-cache hit rate, generation throughput, running and waiting requests,
   KV usage, preemptions and token counters;
 * with KV tiers below the pool (host RAM, disk, Redis), a table of each tier's bytes used and

@@ -120,11 +120,25 @@ _COUNTERS = (
     ("finished_requests", "kvbank:request_success_total", "Requests finished (any reason but abort)."),
 )
 _GAUGES = (
-    ("kv_cache_usage", "kvbank:kv_cache_usage_perc", "Fraction of KV blocks held by live sequences (0-1)."),
+    (
+        "kv_cache_usage",
+        "kvbank:kv_cache_usage_perc",
+        "Fraction of KV blocks in use or pinned (0-1); cached blocks are evictable and count as available.",
+    ),
     ("num_requests_running", "kvbank:num_requests_running", "Requests in the running batch."),
     ("num_requests_waiting", "kvbank:num_requests_waiting", "Requests waiting to be scheduled."),
     ("num_blocks", "kvbank:num_blocks", "KV blocks in the pool."),
-    ("num_free_blocks", "kvbank:num_free_blocks", "KV blocks free (empty or cached and evictable)."),
+    (
+        "num_free_blocks",
+        "kvbank:num_free_blocks",
+        "KV blocks free, i.e. empty (free + cached + used + pinned = num_blocks).",
+    ),
+    (
+        "num_cached_blocks",
+        "kvbank:num_cached_blocks",
+        "KV blocks holding a cached prefix no sequence uses; evicted least recently used first when blocks run out.",
+    ),
+    ("num_used_blocks", "kvbank:num_used_blocks", "KV blocks held by live sequences and streams, pinned ones aside."),
     ("num_pinned_blocks", "kvbank:num_pinned_blocks", "KV blocks held by pinned prefixes."),
     ("swap_bytes_used", "kvbank:swap_bytes_used", "Host RAM held by swapped-out sequences, in bytes."),
     ("prefix_cache_hit_rate", "kvbank:prefix_cache_hit_rate", "Prefix-cache hits / queries since start."),
