@@ -126,6 +126,12 @@ class EngineConfig:
         "do not support",
     )
     max_pinned_fraction: float = option(0.5, "most of the KV pool that pinned prefixes may hold", plan=False)
+    max_stream_pool_fraction: float = option(
+        0.5,
+        "most of the KV pool that streaming sessions may hold or reserve in all (they are never preempted, so "
+        "the rest stays for requests); a stream, frame or fork beyond it is refused",
+        plan=False,
+    )
     weight_format: str = option(
         "auto",
         "auto runs a GGUF's quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) on the integer kernels "
@@ -275,6 +281,8 @@ class EngineConfig:
         KVFormat(self.kv_cache_dtype, self.kv_cache_dtype_skip_layers, self.kv_quant_group_size)  # raises if bad
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction={self.max_pinned_fraction} must be in [0, 1]")
+        if not 0.0 < self.max_stream_pool_fraction <= 1.0:
+            raise ValueError(f"max_stream_pool_fraction={self.max_stream_pool_fraction} must be in (0, 1]")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:

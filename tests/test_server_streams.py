@@ -15,6 +15,7 @@ from kvbank import LLM
 
 MAX_STREAMS = 3
 PER_TENANT = 2
+PER_CLIENT = 2
 IDLE_TIMEOUT = 5
 SYSTEM = "You watch a video of moving objects and answer questions about it briefly."
 
@@ -30,6 +31,8 @@ def server(kvbank_env, tmp_path_factory):
             str(MAX_STREAMS),
             "--max-streams-per-tenant",
             str(PER_TENANT),
+            "--max-streams-per-client",
+            str(PER_CLIENT),
             "--stream-idle-timeout",
             str(IDLE_TIMEOUT),
             "--num-gpu-blocks",
@@ -146,12 +149,19 @@ def test_a_client_that_hangs_up_mid_answer_leaves_the_stream_intact(server):
     assert _delete(server, stream_id) == 200
 
 
-def test_stream_limits_per_tenant_and_server_and_idle_expiry(server):
+def test_stream_limits_per_tenant_client_and_server_and_idle_expiry(server):
     ids = [_open(server) for _ in range(PER_TENANT)]
     status, body, headers = request(f"{server}/v1/streams", {"system": SYSTEM})
     assert status == 429 and body["error"]["code"] == "too_many_tenant_streams", body
     assert "--max-streams-per-tenant" in body["error"]["message"] and "retry-after" in {k.lower() for k in headers}
-    other = _open(server, cache_salt="tenant-b")  # a full tenant leaves room for the others
+    # a new salt is no new client: the client that filled its tenant is full too; another is not
+    status, body, _ = request(f"{server}/v1/streams", {"system": SYSTEM, "cache_salt": "tenant-b"})
+    assert status == 429 and body["error"]["code"] == "too_many_client_streams", body
+    assert "--max-streams-per-client" in body["error"]["message"]
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")) as elsewhere:
+        opened = elsewhere.post(f"{server}/v1/streams", json={"system": SYSTEM, "cache_salt": "tenant-b"})
+    assert opened.status_code == 200, opened.text
+    other = opened.json()["id"]
     status, body, headers = request(f"{server}/v1/streams", {"system": SYSTEM, "cache_salt": "tenant-c"})
     assert (
         status == 429 and body["error"]["code"] == "too_many_streams" and "retry-after" in {k.lower() for k in headers}

@@ -28,6 +28,12 @@ def default_llm():
     return LLM(max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64)
 
 
+@pytest.fixture(scope="module")
+def whole_pool_llm():
+    """`default_llm` whose streams may take the whole pool: what the pool itself refuses."""
+    return LLM(max_model_len=256, num_gpu_blocks=96, max_num_batched_tokens=64, max_stream_pool_fraction=1.0)
+
+
 def _frame(i: int) -> str:
     # Frames of varied length, so that frames straddle blocks and evictions move partial blocks.
     extra = "; id 7 entered left; id 9 left right" if i % 3 == 0 else ""
@@ -221,7 +227,8 @@ def test_stream_errors_name_the_value_and_the_limit(llm):
     _assert_all_free(llm)
 
 
-def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(default_llm):
+def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(whole_pool_llm):
+    default_llm = whole_pool_llm
     sessions, refused = [], None
     for _ in range(12):
         try:
@@ -242,10 +249,36 @@ def test_work_the_pool_cannot_hold_without_preempting_a_stream_is_refused(defaul
     _assert_all_free(default_llm)
 
 
-def test_streams_that_reserve_their_window_are_refused_at_open_never_frame_by_frame(default_llm):
+def test_streams_stop_at_their_share_of_the_pool_and_requests_keep_the_rest(default_llm):
+    """Streams that grow are refused at max_stream_pool_fraction (half the pool by default), so a
+    request as long as the context still runs beside them; closing them frees every block."""
+    engine = default_llm.engine
+    sessions, refused = [], None
+    for _ in range(12):
+        try:
+            sessions.append(default_llm.open_stream(SYSTEM, policy="frame_window(frames=64,sinks=4)"))
+            for i in range(200):
+                sessions[-1].append(list(range(100 + i * 40, 140 + i * 40)))
+                if sessions[-1].stats()["kept_tokens"] > 200:
+                    break
+        except PoolFull as error:
+            refused = str(error)
+            break
+    assert refused is not None and "max_stream_pool_fraction=0.5 of 96" in refused, refused
+    assert engine.streams_host.held_blocks() <= 48
+    prompt = list(range(1000, 1000 + 200))
+    output = default_llm.generate({"prompt_token_ids": prompt}, _greedy(max_tokens=40))[0]
+    assert len(output.outputs[0].token_ids) == 40 and output.error is None
+    for session in sessions:
+        session.close()
+    _assert_all_free(default_llm)
+
+
+def test_streams_that_reserve_their_window_are_refused_at_open_never_frame_by_frame(whole_pool_llm):
     """Each stream reserves 144 tokens: the 96-block pool promises that to a few of them, refuses
     the next at open, and every promised stream then fills its window without a PoolFull, however
     the others grow; a frame beyond a stream's own reservation is refused naming it."""
+    default_llm = whole_pool_llm
     engine = default_llm.engine
     sessions, refused = [], None
     for _ in range(16):

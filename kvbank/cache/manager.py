@@ -140,6 +140,11 @@ class KVCacheManager:
         shared = sum(1 for block in self._walk(token_ids, root_hash) if block.block_id in self.pinned_blocks)
         return self.pool.num_blocks - len(self.pinned_blocks) + shared
 
+    def held_prefix_blocks(self, token_ids: Tokens[int], root_hash: bytes) -> int:
+        """Blocks of the cached prefix of `token_ids` that are held (in use or pinned): a sequence
+        starting with it shares them without taking a free block."""
+        return sum(1 for b in self._walk(token_ids, root_hash) if b.ref_count or b.block_id in self.pinned_blocks)
+
     def block_states(self) -> bytes:
         """One byte per block: FREE (empty), IN_USE, CACHED (evictable) or PINNED."""
         states = bytearray(self.pool.num_blocks)

@@ -143,7 +143,7 @@ class LLM:
                 for output in self.engine.step():
                     if output.request_id == request_id:
                         if output.error is not None:
-                            raise RuntimeError(f"request {request_id}: {output.error}")
+                            raise output.error
                         yield output
                         if output.finished:
                             return

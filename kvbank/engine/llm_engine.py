@@ -16,18 +16,19 @@ from collections.abc import Callable
 import torch
 
 from kvbank import kernels, memory
+from kvbank.cache.manager import blocks_for
 from kvbank.cache.policies import DEFAULT_STREAM_POLICY, KVPolicy
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
 from kvbank.engine.builder import batch_variance, build_cache, build_services
 from kvbank.engine.counters import EngineCounters
-from kvbank.engine.outputs import RequestOutput
+from kvbank.engine.outputs import RequestFailed, RequestOutput
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import PromptType
 from kvbank.engine.runner import StepLogits
 from kvbank.engine.scheduler import ScheduledSeq
 from kvbank.engine.sequence import Request, Sequence
-from kvbank.engine.streams import FrameRequest, FrameType, Stream
+from kvbank.engine.streams import FrameRequest, FrameType, PoolFull, Stream
 from kvbank.kernels import isa
 from kvbank.kernels.allocator import keep_freed_memory
 from kvbank.models.build import build_model
@@ -112,6 +113,13 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raises ValueError for anything that could never run."""
         request = self.admission.request(prompt, params or SamplingParams(), request_id, arrival_time)
+        if self.streams_host.streams:
+            # Refused now (PoolFull) rather than left waiting when streams, which are never
+            # preempted, hold so much of the pool that even its prompt could not be computed.
+            ids = request.prompt_token_ids
+            needed = blocks_for(len(ids) + 1, self.block_size) - self.manager.held_prefix_blocks(ids, request.root_hash)
+            what = f"a prompt of {len(ids)} tokens"
+            self.admission.ensure_room(needed, what, self.streams_host.promised())
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])
         if self.offload is not None:
@@ -235,8 +243,8 @@ class LLMEngine:
             if self.offload is not None and self.offload.loading:
                 self.offload.wait(timeout=0.01)  # only loading sequences wait: nothing else to do
                 return []
-            self.scheduler.check_stalled()  # admission checks make stalling unreachable; fail, never spin
-            return []
+            self._unstall()
+            return self._take_ready()
         started = time.perf_counter()
         batch, result = self._execute(batch)
         if result is None:
@@ -307,13 +315,14 @@ class LLMEngine:
         return survivors, self.runner.execute(survivors)
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
-        """End what `seq` belongs to because of `error` (the engine's fault, not the caller's): a
-        request fails whole, a stream closes with its waiting frames and questions. Their callers
-        get an output with `error` set to a generic message quoting an id under which the log
-        holds the details; everything else goes on."""
-        incident = uuid.uuid4().hex[:16]
-        log.error("request %s failed (incident %s)", seq.request.request_id, incident, exc_info=error)
-        message = f"internal error while running this request (incident {incident})"
+        """End what `seq` belongs to because of `error`: a request fails whole, a stream closes with
+        its waiting frames and questions, and everything else goes on. Their callers get an output
+        whose `error` is a PoolFull (the pool has no room for it: said as it is) or a RequestFailed
+        (the engine's own fault) quoting an incident id the log holds the details under."""
+        if not isinstance(error, PoolFull):
+            incident = uuid.uuid4().hex[:16]
+            log.error("request %s failed (incident %s)", seq.request.request_id, incident, exc_info=error)
+            error = RequestFailed(f"internal error while running this request (incident {incident})")
         stream_id = seq.request.stream_id if seq.frames is not None else None
         if stream_id is not None and stream_id in self.streams_host.streams:
             outputs = self.streams_host.close(stream_id)[1]
@@ -324,10 +333,31 @@ class LLMEngine:
                 return
             outputs = [self.abort_request(request.request_id)]
         for output in outputs:
-            output.error = message
+            output.error = error
             for completion in output.outputs:
                 completion.finish_reason = "error"
         self._ready.extend(outputs)
+
+    def _unstall(self) -> None:
+        """Nothing could be scheduled although sequences wait or run: then only what is never
+        preempted (streams, their questions, pins) holds blocks, and it leaves no room. Rather than
+        wait for a stream to close, the first waiting sequence (else the newest running one) is
+        refused for room (PoolFull), and the next step tries the rest."""
+        scheduler = self.scheduler
+        stuck = next((s for s in scheduler.waiting if not s.loading), None)
+        if stuck is None and scheduler.running:
+            stuck = scheduler.running[-1]
+        if stuck is None:
+            return
+        held = self.streams_host.held_blocks()
+        self._fail(
+            stuck,
+            PoolFull(
+                f"the KV pool has no room for this request now: {self.manager.num_free_blocks} of its "
+                f"{self.num_blocks} blocks are free, streams hold {held} and {len(self.manager.pinned_blocks)} "
+                "are pinned (neither is ever preempted); retry later, or close a stream"
+            ),
+        )
 
     def _take_ready(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []

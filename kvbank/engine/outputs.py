@@ -6,6 +6,11 @@ import enum
 from dataclasses import dataclass
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed a request through no fault of the caller's; the message is generic and
+    quotes the incident id the engine's log holds the details under."""
+
+
 class RequestOutputKind(enum.Enum):
     """Whether each output of a request holds everything so far or only what is new since the last.
 
@@ -82,9 +87,9 @@ class RequestOutput:
     #: a stream question that asked to recall evicted frames: the frames it got back (empty when
     #: none came back and it ran on the kept frames alone); None for every other request
     recalled_frames: list[int] | None = None
-    #: set when the request failed inside the engine (it is finished): a generic message quoting
-    #: the incident id the engine's log holds the details under
-    error: str | None = None
+    #: why the request ended early, when it did (it is finished): RequestFailed for the engine's own
+    #: failures, or PoolFull when what the pool holds for streams left it no room
+    error: Exception | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold the next delta of the same request into this one, so that it covers both."""

@@ -55,16 +55,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def check_stalled(self) -> None:
-        """RuntimeError if sequences wait or run but `schedule` found nothing to run."""
-        if self.waiting or self.running:
-            raise RuntimeError(
-                f"{len(self.waiting)} sequences wait and {len(self.running)} run "
-                "(streams and their questions are never preempted) but none can be scheduled "
-                f"({self.manager.num_free_blocks} of {self.manager.pool.num_blocks} blocks free, "
-                f"{len(self.manager.pinned_blocks)} pinned)"
-            )
-
     def gauges(self) -> dict[str, int]:
         """Requests running and waiting now, preemptions so far, and waits for a shared prefix."""
         return {

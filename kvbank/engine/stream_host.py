@@ -27,7 +27,7 @@ from kvbank.engine.prompts import PromptType
 from kvbank.engine.runner import ModelRunner
 from kvbank.engine.scheduler import Scheduler
 from kvbank.engine.sequence import Request, Sequence, SequenceStatus
-from kvbank.engine.streams import FrameRequest, FrameType, Stream
+from kvbank.engine.streams import FrameRequest, FrameType, PoolFull, Stream
 
 #: evicted frames a stream keeps recallable (their summaries take ~11 KiB of RAM each here)
 RECALL_LIMIT = 1024
@@ -114,9 +114,12 @@ class StreamHost:
         request_id = admit.request_id(request_id)
         suffix = ""
         tokenizer = admit.tokenizer
-        if chat and isinstance(system, str) and tokenizer is not None and tokenizer.chat_template:
-            before, suffix = self._chat_frame(system)
-            system = admit.continuation(before, before)  # the template writes BOS where the model wants it
+        text = system.get("prompt") if isinstance(system, dict) and "prompt_token_ids" not in system else system
+        if chat and isinstance(text, str) and tokenizer is not None and tokenizer.chat_template:
+            before, suffix = self._chat_frame(text)
+            framed = admit.continuation(before, before)  # the template writes BOS where the model wants it
+            # a dict keeps its other keys (its cache_salt) around the framed prompt
+            system = framed if isinstance(system, str) else {**system, **framed}
         parsed = admit.parse(system)
         system_len = len(parsed.token_ids)
         if system_len >= self.max_model_len:
@@ -130,10 +133,10 @@ class StreamHost:
                 f"the system prompt needs {needed} KV blocks but the pool has only {admit.limits.num_blocks}"
             )
         reserved = self._reservation(reserve_tokens, system_len, policy)
-        if reserved:
-            admit.ensure_room(reserved, f"a stream reserving {reserve_tokens} tokens", self.promised())
-        else:
-            admit.ensure_room(blocks_for(system_len, self.block_size), "a stream's system prompt", self.promised())
+        what = f"a stream reserving {reserve_tokens} tokens" if reserved else "a stream's system prompt"
+        needed = reserved or blocks_for(system_len, self.block_size)
+        admit.ensure_room(needed, what, self.promised())
+        self._check_share(needed, what)
         root = root_hash(self.namespace, parsed.salt)
         now = time.time()
         request = Request(stream_id, parsed.text, parsed.token_ids, SamplingParams(max_tokens=1), root, now, policy)
@@ -175,6 +178,24 @@ class StreamHost:
             )
         return blocks
 
+    def held_blocks(self) -> int:
+        """Blocks the open streams hold (those forks share counted once)."""
+        return len({b for s in self.streams.values() for b in s.seq.block_table + s.seq.pristine_blocks})
+
+    def _check_share(self, blocks: int, what: str, besides: Stream | None = None) -> None:
+        """Refuse (PoolFull) stream work that would take the streams past their share of the pool
+        (max_stream_pool_fraction): streams are never preempted and may stay open for long, so
+        without a share a few of them could leave no room for requests."""
+        fraction, pool = self.admission.config.max_stream_pool_fraction, self.admission.limits.num_blocks
+        share = int(fraction * pool)
+        taken = self.held_blocks() + self.promised(besides)
+        if taken + blocks > share:
+            raise PoolFull(
+                f"{what} needs {blocks} more KV blocks, but streams hold or reserve {taken} of the {share} "
+                f"blocks they may (max_stream_pool_fraction={fraction:g} of {pool}): close a stream, or send "
+                "shorter frames"
+            )
+
     def promised(self, besides: Stream | None = None) -> int:
         """Blocks reserved by open streams (but `besides`) that they do not hold yet."""
         return sum(self._outstanding(s) for s in self.streams.values() if s is not besides)
@@ -201,6 +222,7 @@ class StreamHost:
         if source.reserve_tokens is not None:
             what = f"a fork of stream {stream_id!r} reserving {source.reserve_tokens} tokens"
             self.admission.ensure_room(source.reserved_blocks, what, self.promised())
+            self._check_share(source.reserved_blocks, what)
         old = source.seq
         request = Request(
             new_id,
@@ -349,6 +371,7 @@ class StreamHost:
         if not seq.pristine_blocks:
             growth += blocks_for(log.keep_tokens, self.block_size)
         self.admission.ensure_room(growth, f"a frame of {num_tokens} tokens", self.promised(stream))
+        self._check_share(growth, f"a frame of {num_tokens} tokens", stream)
 
     # --- questions ------------------------------------------------------------------------------
 

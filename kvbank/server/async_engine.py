@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvbank.engine.llm_engine import LLMEngine, PromptType
-from kvbank.engine.outputs import RequestOutput, RequestOutputKind
+from kvbank.engine.outputs import RequestFailed, RequestOutput, RequestOutputKind
 from kvbank.engine.params import SamplingParams
 
 T = TypeVar("T")
@@ -35,11 +35,6 @@ TIER_REFRESH_S = 2.0
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can run any more."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (its fault, not the caller's); the message is generic and
-    quotes the incident id the server's log holds the details under."""
 
 
 class QueueFullError(RuntimeError):
@@ -478,7 +473,7 @@ class AsyncEngine:
             # waiting forever, and they hear only an incident id (the details are in the log).
             incident = uuid.uuid4().hex[:16]
             log.error("engine step failed (incident %s)", incident, exc_info=error)
-            self._fail_all(RequestFailedError(f"internal error in the engine (incident {incident})"))
+            self._fail_all(RequestFailed(f"internal error in the engine (incident {incident})"))
             return
         # Before anyone hears of these outputs, so a caller never sees stats older than its output.
         self._publish_stats()
@@ -491,7 +486,7 @@ class AsyncEngine:
             if output.finished:
                 del self._mailboxes[output.request_id]
             if output.error is not None:
-                mailbox.post(RequestFailedError(output.error))
+                mailbox.post(output.error)
                 continue
             if not mailbox.post(output) and not output.finished:
                 self._abort(output.request_id)

@@ -13,7 +13,9 @@ the tenant: `cache_salt` in the body of a POST, the `X-Cache-Salt` header on GET
 the default tenant). A stream of another tenant is answered exactly as a missing one (404), and a
 tenant lists only its own streams.
 
-A server holds at most `max_streams` streams, a tenant at most `tenant_stream_limit()`; one unused
+A server holds at most `max_streams` streams, a tenant at most `tenant_stream_limit()`, and a client
+(`quotas.client_of`) at most `client_stream_limit()` under all the tenants it names (a salt is free to
+invent); the engine keeps their KV blocks within `max_stream_pool_fraction` of the pool. One unused
 for `stream_idle_timeout_s` is closed. A question whose client hangs up is aborted, which frees
 only the question's own blocks. Frames given as embeddings travel as `bodies.EmbedsBody` (raw
 bytes, never a pickle).
@@ -32,7 +34,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvbank.engine.streams import FrameOutput, PoolFull
+from kvbank.engine.streams import FrameOutput
 from kvbank.server.async_engine import AsyncEngine, final_outputs
 from kvbank.server.bodies import (
     AskRequest,
@@ -46,6 +48,7 @@ from kvbank.server.bodies import (
 )
 from kvbank.server.errors import APIError
 from kvbank.server.limits import ServerLimits
+from kvbank.server.quotas import client_of
 from kvbank.server.responses import (
     Job,
     Usage,
@@ -67,6 +70,8 @@ SALT_HEADER = "X-Cache-Salt"
 @dataclass
 class _StreamState:
     tenant: str
+    #: who opened it (quotas.client_of): a client's streams are bounded whatever tenants it names
+    client: str
     created: int
     policy: str
     separator: str
@@ -89,19 +94,21 @@ class Streams:
 
     # --- routes -------------------------------------------------------------------------------
 
-    async def open(self, body: StreamOpenRequest) -> dict:
+    async def open(self, body: StreamOpenRequest, client: str) -> dict:
         self._start_expiry()
+        # Before the room check: nothing may await between it and the new stream's entry.
+        system: Any = await self._given("system", body.system)
         tenant = tenant_of(body.cache_salt)
-        self._check_room(tenant)
+        self._check_room(tenant, client)
         stream_id = f"stream-{secrets.token_hex(16)}"
-        system: Any = body.system
-        self._check_length("system", system)
         if body.cache_salt is not None:
             system = {
                 "prompt" if isinstance(system, str) else "prompt_token_ids": system,
                 "cache_salt": body.cache_salt,
             }
-        state = self.streams[stream_id] = _StreamState(tenant, int(time.time()), body.policy or "", body.separator)
+        state = self.streams[stream_id] = _StreamState(
+            tenant, client, int(time.time()), body.policy or "", body.separator
+        )
         # Without a policy the engine's default applies; the answer spells out whichever it runs.
         policy = {} if body.policy is None else {"policy": body.policy}
 
@@ -258,17 +265,33 @@ class Streams:
         except ValueError as error:
             raise APIError(str(error), param=field) from error
 
-    def _check_room(self, tenant: str) -> None:
-        """Refuse a new stream beyond the server's limit or the tenant's."""
-        held = sum(state.tenant == tenant for state in self.streams.values())
+    async def _given(self, field: str, value: str | list) -> str | list[int]:
+        """A text or token list as the client sent it, bounded (`_check_length`); token ids are then
+        checked against the vocabulary off the event loop."""
+        if isinstance(value, list):
+            return await checked_token_ids(self.async_engine, value, field)
+        self._check_length(field, value)
+        return value
+
+    def _check_room(self, tenant: str, client: str) -> None:
+        """Refuse a new stream beyond the server's limit, the tenant's or the client's."""
+        states = self.streams.values()
+        limits = self.limits
         checks = (
-            (len(self.streams), self.limits.max_streams, "this server", "--max-streams", "too_many_streams"),
+            (len(self.streams), limits.max_streams, "this server", "--max-streams", "too_many_streams"),
             (
-                held,
-                self.limits.tenant_stream_limit(),
+                sum(state.tenant == tenant for state in states),
+                limits.tenant_stream_limit(),
                 "this tenant (cache_salt)",
                 "--max-streams-per-tenant",
                 "too_many_tenant_streams",
+            ),
+            (
+                sum(state.client == client for state in states),
+                limits.client_stream_limit(),
+                "this client (under every cache_salt it names)",
+                "--max-streams-per-client",
+                "too_many_client_streams",
             ),
         )
         for count, limit, holder, flag, code in checks:
@@ -293,9 +316,7 @@ class Streams:
             return await self.async_engine.submit(start, request_id)
         except KeyError:
             raise _not_found(stream_id) from None
-        except PoolFull as error:
-            raise APIError(str(error), status=507, code="kv_pool_full") from error
-        except ValueError as error:
+        except ValueError as error:  # PoolFull among them: a 503
             raise APIError.from_value_error(error) from error
 
     async def _run(self, stream_id: str, start, request_id: str) -> FrameOutput:
@@ -356,7 +377,7 @@ def install_streams(app: FastAPI, streams: Streams) -> None:
     @app.post("/v1/streams")
     async def open_stream(body: StreamOpenRequest, request: Request) -> dict:
         _same_salt(request, body.cache_salt)
-        opened = await streams.open(body)
+        opened = await streams.open(body, client_of(request))
         if await request.is_disconnected():
             # The client hung up before it learned the id, the stream's only handle: nobody could
             # use or close it, and it would hold its blocks and a slot until the idle timeout.
