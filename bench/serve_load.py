@@ -37,6 +37,7 @@ import os
 import re
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,18 +257,37 @@ class Run:
 class Hostile:
     """Requests a well-formed client never sends, mixed into a soak at `share` of all requests: an
     oversized body, max_tokens of 10^9 under an evicting policy, 400,000 stop_token_ids, an 8 MB text
-    prompt, and stream churn (open, a frame, close). kvbank answers each with a 4xx (or, for the churn,
-    200 / 429); what counts is that none is a 5xx or a dropped connection, and that the well-formed
-    clients do not notice. Other servers may treat them differently: this is a kvbank soak."""
+    prompt, stream churn (open, a frame, close), frames longer than half the context on a one-frame
+    window (`--hostile-frame-tokens`), a flood of streams under fresh salts, lone surrogates in a
+    prompt and in a stream's system prompt, and half-open connections (request headers never
+    finished) while /health is asked. kvbank answers each with a 4xx, or 200 / 429 / 503 where the
+    server's limits or the pool's room decide (the churn, the frames, the flood, /health); what counts
+    is that none is a 5xx or a dropped connection, and that the well-formed clients do not notice.
+    Other servers may treat them differently: this is a kvbank soak."""
 
-    KINDS = ("oversized_body", "huge_max_tokens", "stop_token_flood", "huge_text", "stream_churn")
+    KINDS = (
+        "oversized_body",
+        "huge_max_tokens",
+        "stop_token_flood",
+        "huge_text",
+        "stream_churn",
+        "long_frames",
+        "stream_flood",
+        "surrogates",
+        "half_open",
+    )
+    #: streams one flood opens, each under a salt of its own (a salt is free to invent)
+    FLOOD_STREAMS = 8
+    #: connections one half-open burst holds while it asks /health
+    HALF_OPEN = 64
 
     def __init__(self, args, model: str, run: Run, share: float) -> None:
         self.args, self.model, self.run, self.share = args, model, run, share
         self.root = re.sub(r"/v1/?$", "", args.base_url)
         self.statuses: dict[str, dict[str, int]] = {kind: {} for kind in self.KINDS}
         self.sent = 0
-        self.open_streams: set[str] = set()
+        #: streams opened and not closed yet, with their salts
+        self.open_streams: dict[str, str | None] = {}
         self.leftovers_closed = 0
         self._big_body = b'{"model": "x", "prompt": "' + b"a" * (48 * 2**20) + b'"}'  # over any default body limit
         self._huge_text = "word " * (8 * 2**20 // 5)
@@ -318,17 +338,78 @@ class Hostile:
         if opened.status_code != 200:
             return opened.status_code
         stream = opened.json()["id"]
-        self.open_streams.add(stream)
+        self.open_streams[stream] = None
         frame = await http.post(self._v1(f"/streams/{stream}/frames"), json={"text": "t=0.0s: id 1 at (3,4)"})
         closed = await http.delete(self._v1(f"/streams/{stream}"))
-        self.open_streams.discard(stream)
+        self.open_streams.pop(stream, None)
         return frame.status_code if frame.status_code != 200 else closed.status_code
+
+    async def long_frames(self, http: httpx.AsyncClient) -> int:
+        """Two frames of --hostile-frame-tokens ids on a one-frame window, then close: the worst of
+        the codes seen (a frame the stream cannot hold is a 4xx)."""
+        body = {"system": "You watch a log.", "policy": "frame_window(frames=1,sinks=4)"}
+        opened = await http.post(self._v1("/streams"), json=body)
+        if opened.status_code != 200:
+            return opened.status_code
+        stream = opened.json()["id"]
+        self.open_streams[stream] = None
+        codes = []
+        for i in range(2):
+            ids = [100 + (7 * j + i) % 900 for j in range(self.args.hostile_frame_tokens)]
+            codes.append((await http.post(self._v1(f"/streams/{stream}/frames"), json={"token_ids": ids})).status_code)
+        codes.append((await http.delete(self._v1(f"/streams/{stream}"))).status_code)
+        self.open_streams.pop(stream, None)
+        return max(codes)
+
+    async def stream_flood(self, http: httpx.AsyncClient) -> int:
+        """FLOOD_STREAMS streams under fresh salts, then closed: the worst code (429s expected)."""
+        codes, opened = [], []
+        for _ in range(self.FLOOD_STREAMS):
+            salt = f"flood-{uuid.uuid4().hex}"
+            answer = await http.post(self._v1("/streams"), json={"system": "You watch.", "cache_salt": salt})
+            codes.append(answer.status_code)
+            if answer.status_code == 200:
+                opened.append((answer.json()["id"], salt))
+                self.open_streams[answer.json()["id"]] = salt
+        for stream, salt in opened:
+            closed = await http.delete(self._v1(f"/streams/{stream}"), headers={"X-Cache-Salt": salt})
+            codes.append(closed.status_code)
+            self.open_streams.pop(stream, None)
+        return max(codes)
+
+    async def surrogates(self, http: httpx.AsyncClient) -> int:
+        headers = {"Content-Type": "application/json"}
+        prompt = b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 4}' % self.model.encode()
+        system = b'{"system": "\\udfff watch"}'
+        codes = [
+            (await http.post(self._v1("/completions"), content=prompt, headers=headers)).status_code,
+            (await http.post(self._v1("/streams"), content=system, headers=headers)).status_code,
+        ]
+        return max(codes)
+
+    async def half_open(self, http: httpx.AsyncClient) -> int:
+        """HALF_OPEN connections that send half a request's headers and wait, while /health is asked
+        on a connection of its own: its code."""
+        host, port = httpx.URL(self.root).host, httpx.URL(self.root).port or 80
+        writers = []
+        try:
+            for _ in range(self.HALF_OPEN):
+                _, writer = await asyncio.open_connection(host, port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Le")
+                writers.append(writer)
+            async with make_client(self.args, connections=1) as fresh:
+                return (await fresh.get(f"{self.root}/health")).status_code
+        finally:
+            for writer in writers:
+                writer.close()
 
     async def close_leftovers(self, http: httpx.AsyncClient) -> None:
         """Close the streams a churn opened but was cancelled before closing: a stream outlives its
         connection (until --stream-idle-timeout), so its blocks would read as a leak."""
-        for stream in sorted(self.open_streams):
-            self.leftovers_closed += (await http.delete(self._v1(f"/streams/{stream}"))).status_code == 200
+        for stream, salt in sorted(self.open_streams.items()):
+            headers = {} if salt is None else {"X-Cache-Salt": salt}
+            closed = await http.delete(self._v1(f"/streams/{stream}"), headers=headers)
+            self.leftovers_closed += closed.status_code == 200
         self.open_streams.clear()
 
     def report(self) -> dict:
@@ -768,7 +849,14 @@ def main() -> None:
         default=0.0,
         metavar="FRACTION",
         help="with --soak: this share of all requests is hostile (oversized bodies, max_tokens 10^9 under an "
-        "evicting policy, stop_token_ids floods, 8 MB prompts, stream churn), counted apart from the clients'",
+        "evicting policy, stop_token_ids floods, 8 MB prompts, stream churn, long frames, stream floods under "
+        "fresh salts, lone surrogates, half-open connections), counted apart from the clients'",
+    )
+    parser.add_argument(
+        "--hostile-frame-tokens",
+        type=int,
+        default=4800,
+        help="token ids in each of the two frames a long_frames hostile sends (more than half the context)",
     )
     parser.add_argument("--sample-interval", type=float, default=10.0)
     parser.add_argument("--drain-timeout", type=float, default=120.0)

@@ -1,5 +1,6 @@
 """Streaming sessions and prompt_embeds over HTTP, against a real server process (bfloat16 default)."""
 
+import asyncio
 import base64
 import json
 import re
@@ -9,6 +10,8 @@ import time
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serving import request, start_server, stop_server, wait_healthy
 
 from kvbank import LLM
@@ -337,3 +340,107 @@ def test_a_client_that_hangs_up_while_a_stream_opens_leaves_no_stream_behind(ser
         assert time.monotonic() < deadline, f"streams left open: {listed - before - {second}}"
         time.sleep(0.2)
     assert _delete(server, second) == 200
+
+
+# --- failures stay with their request, and streams leave room for everyone else --------------------
+
+
+def _ids(count: int, salt: int) -> list[int]:
+    return [100 + (7 * i + salt) % 900 for i in range(count)]
+
+
+async def _victim_text(url: str, salt: str) -> str:
+    """Another tenant's greedy streaming completion, its text as received."""
+    body = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "cache_salt": salt}
+    pieces = []
+    async with (
+        httpx.AsyncClient(timeout=120) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                pieces.extend(c["text"] for c in chunk["choices"])
+    return "".join(pieces)
+
+
+def test_frames_longer_than_half_the_context_are_computed_and_another_tenant_notices_nothing(server):
+    """Frames of 600 tokens on a one-frame window over a context of 1024 ran past the rotary tables,
+    failed the step and aborted every tenant's requests; now each frame is computed, and a greedy
+    completion of another tenant running meanwhile gets the text it gets alone."""
+    alone = asyncio.run(_victim_text(server, "tenant-victim"))
+    stream_id = _open(server, policy="frame_window(frames=1,sinks=4)", cache_salt="tenant-frames")
+
+    async def frames() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            codes = []
+            for i in range(3):
+                body = {"token_ids": _ids(600, i), "cache_salt": "tenant-frames"}
+                codes.append((await client.post(f"{server}/v1/streams/{stream_id}/frames", json=body)).status_code)
+            return codes
+
+    async def both():
+        return await asyncio.gather(frames(), _victim_text(server, "tenant-victim"))
+
+    codes, during = asyncio.run(both())
+    assert codes == [200, 200, 200]
+    assert during == alone
+    state = request(f"{server}/v1/streams/{stream_id}", headers=_salt_header("tenant-frames"))[1]
+    assert state["kept_frames"] == 1 and state["evicted_frames"] == 2
+    assert _delete(server, stream_id, "tenant-frames") == 200
+
+
+def test_streams_filling_their_share_leave_another_tenants_completion_room(server):
+    """Three tenants' streams grow until their share of the pool (half of it) refuses a frame with a
+    503 naming it; a fourth tenant's 300-token completion then still runs, and nothing is a 500."""
+    opened, refusals = [], []
+    for n, address in enumerate(["127.0.0.1", "127.0.0.1", "127.0.0.2"]):
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=120) as client:
+            body = {"system": SYSTEM, "policy": "frame_window(frames=64,sinks=4)", "cache_salt": f"grower-{n}"}
+            answer = client.post(f"{server}/v1/streams", json=body)
+            assert answer.status_code == 200, answer.text
+            stream_id = answer.json()["id"]
+            opened.append((stream_id, f"grower-{n}"))
+            for i in range(24):
+                body = {"token_ids": _ids(36, i), "cache_salt": f"grower-{n}"}
+                frame = client.post(f"{server}/v1/streams/{stream_id}/frames", json=body)
+                assert frame.status_code in (200, 400, 503), frame.text
+                if frame.status_code != 200:
+                    refusals.append(frame)
+                    break
+    pool_refusals = [r for r in refusals if r.status_code == 503]
+    assert pool_refusals, [r.text for r in refusals]
+    error = pool_refusals[0].json()["error"]
+    assert error["code"] == "kv_pool_full" and "max_stream_pool_fraction=0.5" in error["message"]
+    assert "retry-after" in {k.lower() for k in pool_refusals[0].headers}
+    body = {"prompt": _ids(300, 9), "max_tokens": 16, "temperature": 0, "cache_salt": "tenant-other"}
+    status, completion, _ = request(f"{server}/v1/completions", body)
+    assert status == 200, completion
+    for stream_id, salt in opened:
+        assert _delete(server, stream_id, salt) == 200
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    window=st.integers(1, 3),
+    sinks=st.sampled_from([0, 4, 64]),
+    sizes=st.lists(st.integers(1, 1100), min_size=1, max_size=3),
+)
+def test_no_frame_size_window_or_sinks_gets_a_server_error(server, window, sinks, sizes):
+    """Whatever frames a stream is sent, each gets a 200 or a 4xx/503 saying why, and a question
+    after them is answered: never a 5xx other than a 503 for room."""
+    salt = "tenant-fuzz"
+    stream_id = _open(server, policy=f"frame_window(frames={window},sinks={sinks})", cache_salt=salt)
+    try:
+        for i, size in enumerate(sizes):
+            body = {"token_ids": _ids(size, i), "cache_salt": salt}
+            status, answer, _ = request(f"{server}/v1/streams/{stream_id}/frames", body)
+            assert status in (200, 400, 503), answer
+        ask = {"question": "What happened?", "max_tokens": 2, "temperature": 0, "cache_salt": salt}
+        status, answer, _ = request(f"{server}/v1/streams/{stream_id}/ask", ask)
+        assert status in (200, 400), answer
+    finally:
+        assert _delete(server, stream_id, salt) == 200

@@ -113,8 +113,8 @@ class Sessions:
             raise APIError(str(error), status=422, param="session") from error
         try:
             tokens = await self.async_engine.call(lambda engine: engine.sessions.install(session))
-        except ValueError as error:
-            raise APIError(str(error), status=507) from error
+        except ValueError as error:  # too few free blocks now: what streams and requests hold
+            raise APIError(str(error), status=503, code="kv_pool_full") from error
         return {"session": body.session, "tokens": len(tokens)}
 
     async def listing(self, cache_salt: str | None) -> dict:
