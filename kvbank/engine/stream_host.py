@@ -365,9 +365,11 @@ class StreamHost:
         needed, num_blocks = 2 * blocks_for(held, self.block_size), self.admission.limits.num_blocks
         if needed > num_blocks:
             raise ValueError(f"the stream would need {needed} KV blocks but the pool has only {num_blocks}")
-        # Until the window evicts, the frame's blocks come on top of what the stream holds, plus a
-        # spare block and, at the first eviction, the unrotated copies of the kept leading blocks.
-        growth = blocks_for(seq.lead + seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + 1
+        # Until the window evicts, the frame's blocks come on top of what the stream holds (less what
+        # `fit` lets go first when it could not hold them all), plus a spare block and, at the first
+        # eviction, the unrotated copies of the kept leading blocks.
+        peak = min(seq.num_tokens + num_tokens, max(self._room(seq), log.keep_tokens + num_tokens))
+        growth = blocks_for(seq.lead + peak, self.block_size) - len(seq.block_table) + 1
         if not seq.pristine_blocks:
             growth += blocks_for(log.keep_tokens, self.block_size)
         self.admission.ensure_room(growth, f"a frame of {num_tokens} tokens", self.promised(stream))
