@@ -118,6 +118,15 @@ class EngineConfig:
         default_text=f"{DEFAULT_PREFILL_CHUNK}, or less to fit max_model_len and kv_policy",
         plan=False,
     )
+    max_step_ms: float | None = option(
+        200.0,
+        "step-time target in milliseconds: while sequences decode, a step prefills only the prompt tokens that "
+        "fit beside them in this time (learned from the steps it runs), so a long prompt never stalls their "
+        "streams for seconds; with nothing decoding, prompts get the whole token budget (0: no target). "
+        "200 keeps every stream above 5 tokens/s at no cost in throughput on 2 cores; 25 bounds gaps near a "
+        "decode step's time but slows prefill where many prompts arrive at once",
+        plan=False,
+    )
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prefixes", plan=False)
     swa_full: bool = option(
         False,
@@ -287,6 +296,8 @@ class EngineConfig:
         _require_positive("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_step_ms is not None and self.max_step_ms < 0:
+            raise ValueError(f"max_step_ms={self.max_step_ms} must be >= 0 (0: no step-time target)")
         if self.num_gpu_blocks is not None:
             _require_positive("num_gpu_blocks", self.num_gpu_blocks)
         if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):

@@ -1,6 +1,7 @@
 """The scheduler on a real block manager, with steps played by hand (no model): admission, budgets, preemption."""
 
 from kvbank.cache.manager import KVCacheManager
+from kvbank.engine.pacing import StepPacer
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.scheduler import Scheduler
 from kvbank.engine.sequence import Request, Sequence, SequenceStatus
@@ -107,3 +108,49 @@ def test_without_prefix_caching_nothing_waits_for_a_running_prefill():
     _add(scheduler, "b", 40)
     assert _step(scheduler) == [("a", 16), ("b", 8)]
     assert scheduler.gauges()["num_prefix_waits"] == 0
+
+
+# --- steps bounded in time (engine/pacing.py) ----------------------------------------------------
+
+#: a fake machine's costs: a step's fixed part, each decode row, each prefill token (seconds)
+STEP_S, ROW_S, TOKEN_S = 0.004, 0.001, 0.0005
+TARGET_S = 0.030
+
+
+def _cost(batch: list[tuple[str, int]]) -> tuple[int, int, float]:
+    rows = sum(1 for _, n in batch if n == 1)
+    tokens = sum(n for _, n in batch if n > 1)
+    return tokens, rows, STEP_S + ROW_S * rows + TOKEN_S * tokens
+
+
+def _paced_step(scheduler: Scheduler, pacer: StepPacer) -> tuple[list[tuple[str, int]], float]:
+    """One step with the pacer's budget, timed on the fake clock; the pacer learns from it."""
+    decoding = sum(1 for s in scheduler.running if s.num_schedulable == 1)
+    scheduler.prefill_budget = pacer.prefill_budget(decoding)
+    batch = _step(scheduler)
+    tokens, rows, seconds = _cost(batch)
+    pacer.observe(tokens, rows, seconds)
+    return batch, seconds
+
+
+def test_a_long_prompt_beside_eight_decodes_keeps_every_step_near_the_target_and_alone_gets_the_budget():
+    scheduler = _scheduler(num_blocks=512, max_num_seqs=16, budget=512)
+    pacer = StepPacer(TARGET_S, max_tokens=512, min_tokens=BLOCK)
+    for name in "abcdefgh":
+        _add(scheduler, name, 8)
+    for _ in range(4):  # the eight prompts in, then decodes: the pacer learns a decode step's cost
+        _paced_step(scheduler, pacer)
+    long = _add(scheduler, "long", 1000, first=5000)
+    times = []
+    while long.num_computed_tokens < 1000:
+        batch, seconds = _paced_step(scheduler, pacer)
+        assert sum(1 for _, n in batch if n == 1) == 8, "every decode runs in every step"
+        times.append(seconds)
+    # The first step runs on the assumed cost per token; from then on every step stays within one
+    # decode row's cost of the target.
+    assert max(times[1:]) <= TARGET_S + ROW_S, times
+    assert len(times) < 1000 / ((TARGET_S - STEP_S - 8 * ROW_S) / TOKEN_S) + 4  # and prefill keeps pace
+    alone = _scheduler(num_blocks=512, budget=512)
+    lone = StepPacer(TARGET_S, max_tokens=512, min_tokens=BLOCK)
+    _add(alone, "long", 1000)
+    assert _paced_step(alone, lone)[0] == [("long", 512)], "with nothing decoding, the chunk is the budget"

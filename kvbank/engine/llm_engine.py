@@ -23,6 +23,7 @@ from kvbank.config import EngineConfig
 from kvbank.engine.builder import batch_variance, build_cache, build_services
 from kvbank.engine.counters import EngineCounters
 from kvbank.engine.outputs import RequestFailed, RequestOutput
+from kvbank.engine.pacing import StepPacer
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import PromptType
 from kvbank.engine.runner import StepLogits
@@ -68,6 +69,11 @@ class LLMEngine:
         #: streams (open, append, ask, fork, close), and session files (prompt, pack, save, read, install)
         self.streams_host, self.sessions, self.decoder = parts.streams_host, parts.sessions, parts.decoder
         self.eos_token_ids = self.decoder.eos_token_ids
+        #: sizes each step's prefill beside its decodes to the step-time target (None: no target)
+        self.pacer = None
+        if config.max_step_ms:
+            budget = self.scheduler.max_num_batched_tokens
+            self.pacer = StepPacer(config.max_step_ms / 1000, budget, min(config.block_size, budget))
         #: outputs settled between steps (a skipped repeat frame, a closed stream's frames), sent by the next step
         self._ready: list[RequestOutput] = []
         self.counters = EngineCounters()
@@ -236,6 +242,10 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.poll(len(self.scheduler.running))
         ready, self._ready = self._ready, []
+        started = time.perf_counter()
+        if self.pacer is not None:
+            decoding = sum(1 for s in self.scheduler.running if s.num_schedulable == 1)
+            self.scheduler.prefill_budget = self.pacer.prefill_budget(decoding)
         batch = self.scheduler.schedule()
         if not batch:
             if ready:
@@ -245,12 +255,11 @@ class LLMEngine:
                 return []
             self._unstall()
             return self._take_ready()
-        started = time.perf_counter()
         batch, result = self._execute(batch)
         if result is None:
             return ready + self._take_ready()
+        prompt_tokens = sum(item.num_tokens for item in batch if item.num_tokens > 1)
         if self.offload is not None:
-            prompt_tokens = sum(item.num_tokens for item in batch if item.num_tokens > 1)
             self.offload.observe_prefill(prompt_tokens, time.perf_counter() - started)
         now = time.time()
         touched: dict[str, Request] = {}
@@ -267,6 +276,9 @@ class LLMEngine:
             else:
                 touched[item.seq.request.request_id] = item.seq.request
         self.counters.generation_tokens += self.decoder.sample(batch, result, now)
+        if self.pacer is not None:
+            rows = sum(1 for item in batch if item.num_tokens == 1)
+            self.pacer.observe(prompt_tokens, rows, time.perf_counter() - started)
         outputs = ready
         for stream in streams:
             outputs.extend(self.streams_host.progress(stream, now))

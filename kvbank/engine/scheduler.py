@@ -51,6 +51,8 @@ class Scheduler:
         self.num_preemptions = 0
         #: requests that waited for a running prefill to cache prompt blocks they share
         self.num_prefix_waits = 0
+        #: prompt tokens the next step may prefill beside its decodes (engine/pacing.py); None: the budget
+        self.prefill_budget: int | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -76,13 +78,17 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
+        # Decodes (one token) take only the token budget; prompt chunks also the prefill budget.
+        prefill = budget if self.prefill_budget is None else self.prefill_budget
         scheduled: list[ScheduledSeq] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_schedulable, budget)
-            if num_new == 0:  # a stream whose next frame waits for room (StreamHost.fit)
+            if num_new > 1:
+                num_new = min(num_new, prefill)
+            if num_new == 0:  # a stream whose next frame waits for room (StreamHost.fit), or no prefill left
                 i += 1
                 continue
             room, preempted_some = self._make_room(i, num_new)
@@ -90,6 +96,7 @@ class Scheduler:
             if room:
                 scheduled.append(ScheduledSeq(seq, num_new, self.manager.append_slots(seq, num_new)))
                 budget -= num_new
+                prefill -= num_new if num_new > 1 else 0
                 i += 1
             elif seq.status is SequenceStatus.RUNNING:
                 i += 1  # nothing it may preempt: it waits until blocks are freed
@@ -98,7 +105,8 @@ class Scheduler:
         # waits for it to be cached instead of computing it a second time beside them.
         computing = {h for s in scheduled for h in self.manager.computing(s.seq)} if self.waiting else set()
         for seq in list(self.waiting) if not preempted else []:
-            if budget <= 0:
+            chunk = min(budget, prefill)
+            if chunk <= 0:
                 break
             if seq.loading:  # its prefix is on its way from a tier; later ones need not wait for it
                 continue
@@ -108,24 +116,25 @@ class Scheduler:
                     seq.waited_for_prefix = True
                     self.num_prefix_waits += 1
                 continue
-            if slots + _slots(seq) > self.max_num_seqs or not self._fits(seq, whole, budget):
+            if slots + _slots(seq) > self.max_num_seqs or not self._fits(seq, whole, chunk):
                 break
             slots += _slots(seq)
             self.waiting.remove(seq)
             if whole:  # an edited sequence comes back exactly as it left, and grows from there
                 self.swapper.swap_in(seq)
-                num_new = min(seq.num_schedulable, budget)
+                num_new = min(seq.num_schedulable, chunk)
                 copies = self.manager.append_slots(seq, num_new)
             else:
-                self.manager.allocate(seq, budget)
+                self.manager.allocate(seq, chunk)
                 if self.swapper is not None and self.swapper.is_swapped(seq):
                     self.swapper.swap_in(seq)
-                num_new, copies = min(seq.num_schedulable, budget), []
+                num_new, copies = min(seq.num_schedulable, chunk), []
             seq.status = SequenceStatus.RUNNING
             computing.update(self.manager.computing(seq))
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             scheduled.append(ScheduledSeq(seq, num_new, copies))
             budget -= num_new
+            prefill -= num_new if num_new > 1 else 0
         # Decodes first keeps their single-token attention in one batched call.
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return scheduled

@@ -1,0 +1,133 @@
+"""Chat streams while long prompts arrive: do the chatting clients' tokens keep coming?
+
+--clients clients each stream short greedy completions (--max-tokens tokens, a fresh prompt each
+time) without pause; every --long-every seconds one more client sends a prompt of --long-tokens
+token ids (never seen before, so nothing is cached) and waits for its first token. Reported: the
+chatting clients' inter-token latency (gaps between streamed chunks) p50 / p99 / max and their
+output tokens/s, and the long prompts' time to first token. With --long-every 0 no long prompt is
+sent: the chat-only baseline. Works against any OpenAI-compatible /v1/completions.
+
+    kvbank serve --port 8000 &                                    # the default step-time target
+    python bench/mixed_load.py --label target --seconds 120
+    python bench/mixed_load.py --label chat-only --seconds 60 --long-every 0
+    kvbank serve --port 8000 --max-step-ms 0 &                    # no target: prompts take the budget
+    python bench/mixed_load.py --label no-target --seconds 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+async def stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, list[float], int]:
+    """(time to first token, gaps between later chunks, chunks) of one streamed completion."""
+    sent, last, first, gaps, chunks = time.perf_counter(), None, None, [], 0
+    async with client.stream("POST", url, json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if not any(c.get("text") for c in choices):
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now - sent
+            else:
+                gaps.append(now - last)
+            last, chunks = now, chunks + 1
+    return first, gaps, chunks
+
+
+async def chat_client(args, index: int, stop_at: float, gaps: list[float], tokens: list[int]) -> None:
+    async with httpx.AsyncClient(timeout=600) as client:
+        for turn in itertools.count():
+            if time.perf_counter() >= stop_at:
+                return
+            prompt = f"Client {index}, question {turn}: name three things a lighthouse keeper does each day."
+            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+            _, got, chunks = await stream(client, f"{args.base_url}/completions", body | {"ignore_eos": True})
+            gaps.extend(got)
+            tokens.append(chunks)
+
+
+async def long_client(args, stop_at: float, ttfts: list[float]) -> None:
+    async with httpx.AsyncClient(timeout=600) as client:
+        for n in itertools.count():
+            wake = time.perf_counter() + args.long_every
+            if wake >= stop_at:
+                return
+            await asyncio.sleep(args.long_every)
+            ids = [1000 + (7 * i + 9973 * n) % 40000 for i in range(args.long_tokens)]
+            body = {"model": args.model, "prompt": ids, "max_tokens": 1, "temperature": 0}
+            first, _, _ = await stream(client, f"{args.base_url}/completions", body)
+            ttfts.append(first)
+
+
+async def main_async(args) -> dict:
+    async with httpx.AsyncClient() as client:
+        args.model = args.model or (await client.get(f"{args.base_url}/models")).json()["data"][0]["id"]
+    gaps: list[float] = []
+    tokens: list[int] = []
+    ttfts: list[float] = []
+    start = time.perf_counter()
+    stop_at = start + args.seconds
+    tasks = [chat_client(args, i, stop_at, gaps, tokens) for i in range(args.clients)]
+    if args.long_every > 0:
+        tasks.append(long_client(args, stop_at, ttfts))
+    await asyncio.gather(*tasks)
+    seconds = time.perf_counter() - start
+    return {
+        "label": args.label,
+        "clients": args.clients,
+        "seconds": seconds,
+        "long_every_s": args.long_every,
+        "long_tokens": args.long_tokens,
+        "chat_output_tokens_per_s": sum(tokens) / seconds,
+        "chat_itl_p50_s": percentile(gaps, 50),
+        "chat_itl_p99_s": percentile(gaps, 99),
+        "chat_itl_max_s": max(gaps, default=None),
+        "long_prompts": len(ttfts),
+        "long_ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "long_ttft_max_s": max(ttfts, default=None),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", default=None, help="default: the first of GET /models")
+    parser.add_argument("--label", default="mixed")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--long-every", type=float, default=10.0, help="seconds between long prompts (0: none)")
+    parser.add_argument("--long-tokens", type=int, default=4000)
+    args = parser.parse_args()
+    report = asyncio.run(main_async(args))
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"mixed_load_{args.label}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
