@@ -141,6 +141,7 @@ def test_a_long_prompt_beside_eight_decodes_keeps_every_step_near_the_target_and
     for _ in range(4):  # the eight prompts in, then decodes: the pacer learns a decode step's cost
         _paced_step(scheduler, pacer)
     long = _add(scheduler, "long", 1000, first=5000)
+    paced, over = pacer.num_paced_steps, pacer.num_steps_over_target
     times = []
     while long.num_computed_tokens < 1000:
         batch, seconds = _paced_step(scheduler, pacer)
@@ -149,6 +150,8 @@ def test_a_long_prompt_beside_eight_decodes_keeps_every_step_near_the_target_and
     # The first step runs on the assumed cost per token; from then on every step stays within one
     # decode row's cost of the target.
     assert max(times[1:]) <= TARGET_S + ROW_S, times
+    assert pacer.num_paced_steps - paced == len(times)
+    assert pacer.num_steps_over_target - over == sum(t > TARGET_S for t in times)
     assert len(times) < 1000 / ((TARGET_S - STEP_S - 8 * ROW_S) / TOKEN_S) + 4  # and prefill keeps pace
     alone = _scheduler(num_blocks=512, budget=512)
     lone = StepPacer(TARGET_S, max_tokens=512, min_tokens=BLOCK)

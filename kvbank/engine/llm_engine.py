@@ -426,6 +426,8 @@ class LLMEngine:
             **self.manager.gauges(),
             **self.scheduler.gauges(),
             **self.swapper.gauges(),
+            "num_paced_steps": self.pacer.num_paced_steps if self.pacer is not None else 0,
+            "num_steps_over_target": self.pacer.num_steps_over_target if self.pacer is not None else 0,
             "kernel_isa": isa.report(kernels.native()),
             "batch_invariant": self.batch_invariant,
         }

@@ -35,6 +35,9 @@ class StepPacer:
     decode_step_s: float | None = None
     #: seconds per prefill token beyond that (None: none seen yet, FIRST_TOKEN_COST_S assumed)
     token_s: float | None = None
+    #: steps that carried decodes, and those of them that took longer than the target
+    num_paced_steps: int = 0
+    num_steps_over_target: int = 0
 
     def prefill_budget(self, decode_rows: int) -> int:
         """Prompt tokens the next step may compute beside `decode_rows` decoding sequences."""
@@ -47,6 +50,9 @@ class StepPacer:
     def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
         """Learn from a step that computed `prefill_tokens` prompt tokens beside `decode_rows` decodes
         in `seconds`."""
+        if decode_rows:
+            self.num_paced_steps += 1
+            self.num_steps_over_target += seconds > self.target_s
         if prefill_tokens == 0:
             if decode_rows:
                 self.decode_step_s = _blend(self.decode_step_s, seconds)

@@ -115,6 +115,16 @@ _COUNTERS = (
     ),
     ("num_swaps_out", "kvbank:num_swaps_out_total", "Preempted sequences whose KV blocks went to host RAM."),
     ("num_swaps_in", "kvbank:num_swaps_in_total", "Swapped sequences whose KV blocks came back into the pool."),
+    (
+        "num_paced_steps",
+        "kvbank:num_paced_steps_total",
+        "Engine steps that carried decodes (paced to --max-step-ms).",
+    ),
+    (
+        "num_steps_over_target",
+        "kvbank:num_steps_over_target_total",
+        "Engine steps carrying decodes that took longer than --max-step-ms.",
+    ),
     ("prompt_tokens", "kvbank:prompt_tokens_total", "Prompt tokens admitted."),
     ("generation_tokens", "kvbank:generation_tokens_total", "Tokens generated."),
     ("finished_requests", "kvbank:request_success_total", "Requests finished (any reason but abort)."),
