@@ -709,6 +709,7 @@ _SAMPLING_NOT_ON_CLI = {
     "prompt_logprobs": "the terminal prints text only",
     "logit_bias": "a map of token ids to biases: pass it through the Python API or the HTTP API",
     "kv_policy": "the engine option --kv-policy sets it for the one engine a command runs",
+    "priority": "a command runs one request at a time: there is no queue to order",
 }
 _SAMPLING_DEFAULT_TEXT = {"stop": "none", "stop_token_ids": "none"}
 

@@ -13,9 +13,9 @@ def _scheduler(num_blocks=64, max_num_seqs=8, budget=64, prefix_caching=False) -
     return Scheduler(KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching), max_num_seqs, budget)
 
 
-def _add(scheduler: Scheduler, name: str, prompt_len: int, first: int = 100) -> Sequence:
+def _add(scheduler: Scheduler, name: str, prompt_len: int, first: int = 100, priority: int = 0) -> Sequence:
     prompt = list(range(first, first + prompt_len))
-    seq = Sequence(Request(name, None, prompt, SamplingParams(), b"", 0.0), 0, prompt, None)
+    seq = Sequence(Request(name, None, prompt, SamplingParams(priority=priority), b"", 0.0), 0, prompt, None)
     scheduler.add(seq)
     return seq
 
@@ -77,6 +77,24 @@ def test_a_full_pool_preempts_the_newest_sequence_and_recomputes_it_later():
     assert _step(scheduler) == [("b", BLOCK + 1)]  # its prompt and its sampled token again
     scheduler.finish(b)
     assert scheduler.manager.num_free_blocks == 2
+
+
+def test_a_request_of_higher_priority_is_admitted_before_twenty_queued_ones():
+    scheduler = _scheduler(num_blocks=128, max_num_seqs=2)
+    queued = [_add(scheduler, f"low{i}", 5, priority=1) for i in range(20)]
+    assert _step(scheduler) == [("low0", 5), ("low1", 5)]
+    _add(scheduler, "urgent", 5, priority=-1)
+    scheduler.finish(queued[0])
+    assert _step(scheduler) == [("low1", 1), ("urgent", 5)]  # before the 18 that arrived earlier
+
+
+def test_a_full_pool_preempts_the_lowest_priority_not_the_newest():
+    scheduler = _scheduler(num_blocks=2)
+    a = _add(scheduler, "a", BLOCK, priority=5)
+    _add(scheduler, "b", BLOCK, priority=0)
+    assert _step(scheduler) == [("b", BLOCK), ("a", BLOCK)]  # b runs first: it ranks higher
+    assert _step(scheduler) == [("b", 1)]  # b needs a second block: a, of lower priority, gives its one up
+    assert list(scheduler.waiting) == [a] and scheduler.num_preemptions == 1
 
 
 def _add_tokens(scheduler: Scheduler, name: str, prompt: list[int]) -> Sequence:

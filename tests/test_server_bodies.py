@@ -143,3 +143,13 @@ def test_echo_of_ids_in_the_vocabulary_shows_their_text(server):
     choice = answer["choices"][0]
     shown = "".join(choice["logprobs"]["tokens"][: len(ids)])
     assert shown.strip() and choice["text"].startswith(shown), choice
+
+
+def test_priority_is_a_request_field_and_a_bad_one_is_a_400_naming_it(server, stream):
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    status, answer, _ = request(f"{server}/v1/completions", {**body, "priority": -5})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+    asked = request(f"{server}/v1/streams/{stream}/ask", {"question": "Seen?", "max_tokens": 1, "priority": 3})
+    assert asked[0] == 200, asked[1]
+    assert _post(server, stream, "/v1/completions", {**body, "priority": 2**40})["param"] == "priority"
+    assert _post(server, stream, "/v1/completions", {**body, "priority": "high"})["param"] == "priority"

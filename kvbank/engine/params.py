@@ -27,6 +27,8 @@ class SamplingParams:
     [-100, 100] added to their logits before any other rule (as OpenAI's field does).
     `kv_policy` is what the request's KV cache keeps on a long context (kvbank.cache.policies: a
     spelling such as "sink_window(sinks=4,window=1024)" or a policy object; None: the engine's).
+    `priority` orders the scheduler's queue as vLLM's field does: a lower value is admitted first,
+    and when the pool is full the sequence preempted is the newest of the highest value.
     """
 
     n: int = 1
@@ -49,6 +51,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     kv_policy: str | KVPolicy | None = None
+    priority: int = 0
     stop_strings: list[str] = field(init=False, repr=False)
     #: `stop_token_ids` as a set, for the per-token check
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
@@ -73,6 +76,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        bounded = _is_int(self.priority) and abs(self.priority) < 2**31
+        _check(bounded, "priority", self.priority, "must be an integer in (-2^31, 2^31)")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(

@@ -104,7 +104,7 @@ class Scheduler:
         # Prompt blocks this step's prefills compute: a waiting sequence whose prompt shares one
         # waits for it to be cached instead of computing it a second time beside them.
         computing = {h for s in scheduled for h in self.manager.computing(s.seq)} if self.waiting else set()
-        for seq in list(self.waiting) if not preempted else []:
+        for seq in self._waiting_in_order() if not preempted else []:
             chunk = min(budget, prefill)
             if chunk <= 0:
                 break
@@ -138,6 +138,14 @@ class Scheduler:
         # Decodes first keeps their single-token attention in one batched call.
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return scheduled
+
+    def _waiting_in_order(self) -> list[Sequence]:
+        """The waiting sequences in admission order: by priority (lower first) once any differ, else
+        as queued (arrival, with preempted sequences back in front)."""
+        waiting = list(self.waiting)
+        if any(s.request.params.priority != waiting[0].request.params.priority for s in waiting):
+            waiting.sort(key=lambda s: s.sort_key)
+        return waiting
 
     def _fits(self, seq: Sequence, whole: bool, budget: int) -> bool:
         if not whole:

@@ -176,8 +176,8 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return self.request.arrival_index, self.index
+    def sort_key(self) -> tuple[int, int, int]:
+        return self.request.params.priority, self.request.arrival_index, self.index
 
     def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
         """A sibling at the same point; the caller shares the blocks through the cache manager."""

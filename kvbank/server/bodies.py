@@ -74,6 +74,7 @@ _SAMPLING_FIELDS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
     "kv_policy",
+    "priority",
 )
 _PROMPT_SHAPE = "prompt must be a string, a list of token ids, or a non-empty list of either"
 
@@ -152,6 +153,7 @@ class SamplingBody(BaseModel):
         dict[str, float] | None, _at_most(MAX_LOGIT_BIAS, "entries"), AfterValidator(_unicode_each)
     ] = None
     kv_policy: Text | None = None
+    priority: int | None = None
 
     @property
     def include_usage(self) -> bool:
