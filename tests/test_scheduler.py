@@ -175,3 +175,21 @@ def test_a_long_prompt_beside_eight_decodes_keeps_every_step_near_the_target_and
     lone = StepPacer(TARGET_S, max_tokens=512, min_tokens=BLOCK)
     _add(alone, "long", 1000)
     assert _paced_step(alone, lone)[0] == [("long", 512)], "with nothing decoding, the chunk is the budget"
+
+
+def _add_for(scheduler: Scheduler, name: str, tenant: str | None, prompt_len: int = 5) -> Sequence:
+    seq = _add(scheduler, name, prompt_len)
+    seq.request.tenant = tenant
+    return seq
+
+
+def test_a_tenant_with_thirty_queued_requests_does_not_starve_one_with_a_single_request():
+    scheduler = _scheduler(num_blocks=256, max_num_seqs=2)
+    busy = [_add_for(scheduler, f"busy{i}", "tenant-a") for i in range(30)]
+    assert _step(scheduler) == [("busy0", 5), ("busy1", 5)]
+    _add_for(scheduler, "lone", "tenant-b")  # arrives behind 28 queued requests of tenant-a
+    scheduler.finish(busy[0])
+    assert _step(scheduler) == [("busy1", 1), ("lone", 5)]  # the next prefill turn is its
+    scheduler.finish(busy[1])
+    assert [name for name, _ in _step(scheduler)] == ["lone", "busy2"]  # then tenant-a's queue goes on
+    assert set(scheduler.served) == {"tenant-a"}, "a tenant that waits no more is forgotten"

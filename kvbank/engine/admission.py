@@ -135,6 +135,7 @@ class Admission:
         arrival = arrival_time or time.time()
         request = Request(request_id, parsed.text, parsed.token_ids, params, root, arrival, policy, peak)
         request.prefix_limit = policy.prefix_limit(prompt_len, self.limits)
+        request.tenant = parsed.salt
         request.prompt_embeds = parsed.embeds
         request.embedded_spans = [(0, prompt_len)] if parsed.embeds is not None else []
         first = self.sequence(request, 0, parsed.token_ids)

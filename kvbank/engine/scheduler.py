@@ -53,6 +53,10 @@ class Scheduler:
         self.num_prefix_waits = 0
         #: prompt tokens the next step may prefill beside its decodes (engine/pacing.py); None: the budget
         self.prefill_budget: int | None = None
+        #: prompt tokens admitted for each tenant with waiting requests, and where the last admitted
+        #: request's tenant stood before it (weighted fair queueing's start tags and virtual time)
+        self.served: dict[str | None, int] = {}
+        self.fair_clock = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -135,16 +139,27 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new, copies))
             budget -= num_new
             prefill -= num_new if num_new > 1 else 0
+            tenant = seq.request.tenant
+            if tenant in self.served:  # charged what it will prefill, less what the cache gave it
+                self.fair_clock = self.served[tenant]
+                self.served[tenant] += seq.num_pending
         # Decodes first keeps their single-token attention in one batched call.
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return scheduled
 
     def _waiting_in_order(self) -> list[Sequence]:
-        """The waiting sequences in admission order: by priority (lower first) once any differ, else
-        as queued (arrival, with preempted sequences back in front)."""
+        """The waiting sequences in admission order: by priority (lower first), then, among several
+        tenants, the one admitted the fewest prompt tokens first (a tenant with many queued requests
+        does not starve one with a single request; one that starts waiting joins where the last
+        admitted request's tenant stood, so it goes next but cannot take more than its turn), then as
+        queued (arrival, with preempted sequences back in front). With one tenant and one priority,
+        the queue's own order."""
         waiting = list(self.waiting)
-        if any(s.request.params.priority != waiting[0].request.params.priority for s in waiting):
-            waiting.sort(key=lambda s: s.sort_key)
+        tenants = {s.request.tenant for s in waiting}
+        self.served = {t: self.served.get(t, self.fair_clock) for t in tenants}
+        if len(tenants) > 1 or any(s.request.params.priority != waiting[0].request.params.priority for s in waiting):
+            rank = {id(s): i for i, s in enumerate(waiting)}
+            waiting.sort(key=lambda s: (s.request.params.priority, self.served[s.request.tenant], rank[id(s)]))
         return waiting
 
     def _fits(self, seq: Sequence, whole: bool, budget: int) -> bool:

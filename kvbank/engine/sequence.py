@@ -287,6 +287,9 @@ class Request(Reports):
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.root_hash = root_hash
+        #: whose request it is (its cache_salt; None: the default tenant): the scheduler shares
+        #: prefill among tenants
+        self.tenant: str | None = None
         self.arrival_index = next(self._arrivals)
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # Cached blocks carry no logits, so a request that wants prompt logprobs computes them all.

@@ -140,7 +140,7 @@ class StreamHost:
         root = root_hash(self.namespace, parsed.salt)
         now = time.time()
         request = Request(stream_id, parsed.text, parsed.token_ids, SamplingParams(max_tokens=1), root, now, policy)
-        request.stream_id = stream_id
+        request.stream_id, request.tenant = stream_id, parsed.salt
         seq = Sequence(request, 0, parsed.token_ids, None)
         seq.frames = FrameLog(system_len, policy.sinks)
         request.seqs.append(seq)
@@ -422,7 +422,7 @@ class StreamHost:
         request = Request(
             request_id, parsed.text, parsed.token_ids, params, stream.seq.root_hash, time.time(), stream.policy
         )
-        request.stream_id = stream_id
+        request.stream_id, request.tenant = stream_id, stream.seq.request.tenant
         request.no_prefix_cache = True  # the forked blocks are the stream's, rotated and compacted
         request.recall = recall
         self.requests[request_id] = request
