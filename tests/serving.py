@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -10,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 120
@@ -97,6 +99,19 @@ def stop_server(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+@contextlib.contextmanager
+def served(args: list[str], env: dict, log_path: Path) -> Iterator[str]:
+    """A healthy `kvbank serve ARGS` for the block: its base URL; stopped afterwards, and a
+    traceback anywhere in its log fails the caller (a server error the responses did not show)."""
+    process, url = start_server(args, env, log_path)
+    try:
+        wait_healthy(process, url, log_path)
+        yield url
+    finally:
+        stop_server(process)
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 
 def request(

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from serving import request, start_server, stop_server, wait_healthy
+from serving import request, served
 
 from kvbank import LLM
 from kvbank.engine.llm import startup_log
@@ -27,7 +27,7 @@ PROMPT = " ".join(["The library opens at nine, closes at five, and charges ten c
 @pytest.fixture(scope="module")
 def server(kvbank_env, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("first-run") / "server.log"
-    process, url = start_server(
+    with served(
         [
             "--api-key",
             KEY,
@@ -46,11 +46,8 @@ def server(kvbank_env, tmp_path_factory):
         ],
         kvbank_env,
         log_path,
-    )
-    wait_healthy(process, url, log_path)
-    yield url, log_path
-    stop_server(process)
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+    ) as url:
+        yield url, log_path
 
 
 def _complete(url: str, model: str = NAME, prompt: str = "The capital of France is", **fields) -> tuple[int, dict]:

@@ -6,7 +6,7 @@ Every test talks HTTP to one real server process."""
 import re
 
 import pytest
-from serving import request, start_server, stop_server, wait_healthy
+from serving import request, served
 
 LIMIT = 64  # --max-prompt-tokens
 LONE = "\ud800"
@@ -20,7 +20,7 @@ ENGINE_COUNTERS = ("kvbank:prompt_tokens_total", "kvbank:prefix_cache_queries_to
 def server(kvbank_env, tmp_path_factory):
     folder = tmp_path_factory.mktemp("bodies")
     log_path = folder / "server.log"
-    process, url = start_server(
+    with served(
         [
             "--log-level",
             "warning",
@@ -35,11 +35,8 @@ def server(kvbank_env, tmp_path_factory):
         ],
         kvbank_env,
         log_path,
-    )
-    wait_healthy(process, url, log_path)
-    yield url
-    stop_server(process)
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import request, start_server, stop_server, wait_healthy
+from serving import request, served, start_server, wait_healthy
 
 KEY = "sk-kvbank-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -29,7 +29,7 @@ MAX_CHOICES = 6
 @pytest.fixture(scope="module")
 def server(kvbank_env, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("limits") / "server.log"
-    process, url = start_server(
+    with served(
         [  # the default dtype (bfloat16, packed 4-bit weights): what users run
             "--served-model-name",
             MODEL,
@@ -56,11 +56,8 @@ def server(kvbank_env, tmp_path_factory):
         ],
         kvbank_env,
         log_path,
-    )
-    wait_healthy(process, url, log_path)
-    yield url
-    stop_server(process)
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+    ) as url:
+        yield url
 
 
 def _metrics(url: str) -> dict[str, float]:

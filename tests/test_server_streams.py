@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import request, start_server, stop_server, wait_healthy
+from serving import request, served
 
 from kvbank import LLM
 
@@ -26,7 +26,7 @@ SYSTEM = "You watch a video of moving objects and answer questions about it brie
 @pytest.fixture(scope="module")
 def server(kvbank_env, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("streams") / "server.log"
-    process, url = start_server(
+    with served(
         [
             "--log-level",
             "warning",
@@ -47,11 +47,8 @@ def server(kvbank_env, tmp_path_factory):
         ],
         kvbank_env,
         log_path,
-    )
-    wait_healthy(process, url, log_path)
-    yield url
-    stop_server(process)
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
