@@ -97,6 +97,27 @@ def test_a_full_pool_preempts_the_lowest_priority_not_the_newest():
     assert list(scheduler.waiting) == [a] and scheduler.num_preemptions == 1
 
 
+def test_an_urgent_request_preempts_running_ones_of_lower_priority_when_the_pool_is_full():
+    scheduler = _scheduler(num_blocks=4)
+    a = _add(scheduler, "a", 2 * BLOCK, priority=1)
+    b = _add(scheduler, "b", 2 * BLOCK, priority=2)
+    assert _step(scheduler) == [("a", 2 * BLOCK), ("b", 2 * BLOCK)]  # the pool is full
+    _add(scheduler, "urgent", BLOCK, priority=0)
+    # b, the lowest priority, gives its blocks up: the urgent request is admitted in this step and
+    # a keeps running beside it
+    assert _step(scheduler) == [("a", 1), ("urgent", BLOCK)]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and scheduler.num_preemptions == 1
+    assert a.status is SequenceStatus.RUNNING
+
+
+def test_requests_of_equal_priority_never_preempt_each_other_to_be_admitted():
+    scheduler = _scheduler(num_blocks=2, max_num_seqs=1)
+    _add(scheduler, "a", BLOCK, priority=3)
+    assert _step(scheduler) == [("a", BLOCK)]
+    _add(scheduler, "b", BLOCK, priority=3)
+    assert _step(scheduler) == [("a", 1)] and scheduler.num_preemptions == 0
+
+
 def _add_tokens(scheduler: Scheduler, name: str, prompt: list[int]) -> Sequence:
     seq = Sequence(Request(name, None, prompt, SamplingParams(), b"", 0.0), 0, list(prompt), None)
     scheduler.add(seq)

@@ -1,13 +1,15 @@
 """Continuous batching: which sequences compute how many tokens this step.
 
-Running sequences go first in arrival order (decodes and unfinished prefill chunks alike), then
-waiting ones are admitted FCFS while the token budget, `max_num_seqs` and the pool allow (one
-whose prefix is still loading from a tier is passed over until it lands). A
-request with `n > 1` runs as one sequence until its prompt is done and then forks, so it is
-admitted only with room for all n. When a running sequence cannot grow, the newest running
-sequence is preempted (never a stream's, engine/streams.py): its full computed blocks are swapped
-to host RAM when a `Swapper` is given and wants it (they are written back on re-admission), else it
-is recomputed from its prefix-cache hits.
+Running sequences go first in priority and arrival order (decodes and unfinished prefill chunks
+alike), then waiting ones are admitted by priority, tenant fairness and arrival while the token
+budget, the prefill budget (engine/pacing.py), `max_num_seqs` and the pool allow (one whose prefix
+is still loading from a tier is passed over until it lands). A request with `n > 1` runs as one
+sequence until its prompt is done and then forks, so it is admitted only with room for all n. When
+a running sequence cannot grow, the running sequence of lowest priority (the newest among equals) is
+preempted, and so is one of lower priority than the first waiting request that finds no room (never
+a stream's, engine/streams.py): its full computed blocks are swapped to host RAM when a `Swapper` is
+given and wants it (they are written back on re-admission), else it is recomputed from its
+prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    """FCFS scheduler with chunked prefill under a per-step token budget."""
+    """Priority, fair-share and FCFS scheduler with chunked prefill under per-step token budgets."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class Scheduler:
         prefill = budget if self.prefill_budget is None else self.prefill_budget
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        self._preempt_for_priority(min(budget, prefill))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -161,6 +164,21 @@ class Scheduler:
             rank = {id(s): i for i, s in enumerate(waiting)}
             waiting.sort(key=lambda s: (s.request.params.priority, self.served[s.request.tenant], rank[id(s)]))
         return waiting
+
+    def _preempt_for_priority(self, chunk: int) -> None:
+        """Preempt running sequences of a lower priority (a higher value) than the first waiting one,
+        lowest first, while it has no room (blocks for its first chunk, or a sequence slot): with a
+        full pool an urgent request does not wait for a long reply of lesser priority to finish, as
+        under vLLM's priority policy. Equal priorities never preempt each other."""
+        head = next((s for s in self._waiting_in_order() if not s.loading), None) if self.waiting else None
+        if head is None or chunk <= 0:
+            return
+        whole = self.swapper is not None and self.swapper.is_whole(head)
+        while self.num_seq_slots + _slots(head) > self.max_num_seqs or not self._fits(head, whole, chunk):
+            victim = next((s for s in reversed(self.running) if s.preemptible), None)
+            if victim is None or victim.request.params.priority <= head.request.params.priority:
+                return
+            self._preempt(victim)
 
     def _fits(self, seq: Sequence, whole: bool, budget: int) -> bool:
         if not whole:
