@@ -89,17 +89,27 @@ def _mixed_prompts(llm) -> list[list[int]]:
     return [base[: 3 + (i * 37) % len(base)] + tok.encode(f" Item {i}:") for i in range(10)]
 
 
+def _tokens_and_logprobs(outputs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs]
+
+
 @pytest.mark.slow
-def test_batched_equals_alone_with_chunked_prefill(default_llm):
+def test_tokens_and_logprobs_do_not_depend_on_chunking_or_neighbours(default_llm):
+    """Each prompt in one chunk alone, in chunks of 16 alone, and in chunks of 64 beside the others
+    (prefills mixed with decodes): the same tokens and the same logprobs, bit for bit."""
     prompts = _mixed_prompts(default_llm)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone = [default_llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    alone = _tokens_and_logprobs(default_llm.generate([p], params)[0] for p in prompts)
     scheduler = default_llm.engine.scheduler
-    scheduler.max_num_batched_tokens = 64  # forces chunked prefill mixed with decodes
     try:
-        together = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params)]
+        scheduler.max_num_batched_tokens = 16
+        small = _tokens_and_logprobs(default_llm.generate([p], params)[0] for p in prompts[-3:])
+        scheduler.max_num_batched_tokens = 64
+        together = _tokens_and_logprobs(default_llm.generate(prompts, params))
     finally:
         scheduler.max_num_batched_tokens = 2048
+    assert max(len(p) for p in prompts[-3:]) > 64, "the small-chunk runs split their prompts"
+    assert small == alone[-3:]
     assert together == alone
     _assert_all_free(default_llm)
 
