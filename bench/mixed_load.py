@@ -12,6 +12,19 @@ sent: the chat-only baseline. Works against any OpenAI-compatible /v1/completion
     python bench/mixed_load.py --label chat-only --seconds 60 --long-every 0
     kvbank serve --port 8000 --max-step-ms 0 &                    # no target: prompts take the budget
     python bench/mixed_load.py --label no-target --seconds 120
+
+Long prompts arrive on a clock (open loop): one every --long-every seconds whether or not the last
+one has its first token.
+
+--scenario priority / fairness measure who is served first when prefill is the bottleneck:
+--queue-clients clients keep --queue-tokens-token prompts (unique, so nothing is cached) queued
+without pause, each asking --queue-max-tokens tokens; one more client sends a prompt of the same
+size every --probe-every seconds, at priority --probe-priority (priority: the queue runs at 0) or as
+its own tenant (fairness: the queue's requests carry cache_salt "busy", the probe's "lone").
+Reported: TTFT p50 / p99 of the probe beside the queue's.
+
+    python bench/mixed_load.py --scenario priority --label priority --seconds 120
+    python bench/mixed_load.py --scenario fairness --label fairness --seconds 120
 """
 
 from __future__ import annotations
@@ -68,22 +81,64 @@ async def chat_client(args, index: int, stop_at: float, gaps: list[float], token
             tokens.append(chunks)
 
 
+async def long_prompt(args, n: int, ttfts: list[float]) -> None:
+    async with httpx.AsyncClient(timeout=600) as client:
+        ids = [1000 + (7 * i + 9973 * n) % 40000 for i in range(args.long_tokens)]
+        body = {"model": args.model, "prompt": ids, "max_tokens": 1, "temperature": 0}
+        first, _, _ = await stream(client, f"{args.base_url}/completions", body)
+        ttfts.append(first)
+
+
 async def long_client(args, stop_at: float, ttfts: list[float]) -> None:
+    """One long prompt every --long-every seconds, on the clock (each in its own connection)."""
+    sent = []
+    for n in itertools.count():
+        if time.perf_counter() + args.long_every >= stop_at:
+            break
+        await asyncio.sleep(args.long_every)
+        sent.append(asyncio.create_task(long_prompt(args, n, ttfts)))
+    await asyncio.gather(*sent)
+
+
+def unique_prompt(args, tag: int) -> list[int]:
+    """--queue-tokens token ids no other request shares (a distinct first token), so nothing is cached."""
+    return [1000 + tag % 30000] + [1000 + (7 * i + 104729 * tag) % 40000 for i in range(args.queue_tokens - 1)]
+
+
+async def timed_request(args, client: httpx.AsyncClient, tag: int, extra: dict) -> float | None:
+    body = {"model": args.model, "prompt": unique_prompt(args, tag), "max_tokens": args.queue_max_tokens}
+    first, _, _ = await stream(
+        client, f"{args.base_url}/completions", body | {"temperature": 0, "ignore_eos": True, **extra}
+    )
+    return first
+
+
+async def queue_client(args, index: int, stop_at: float, ttfts: list[float], extra: dict) -> None:
+    async with httpx.AsyncClient(timeout=600) as client:
+        for turn in itertools.count():
+            if time.perf_counter() >= stop_at:
+                return
+            ttfts.append(await timed_request(args, client, 1 + index + 1000 * turn, extra))
+
+
+async def probe_client(args, stop_at: float, ttfts: list[float], extra: dict) -> None:
     async with httpx.AsyncClient(timeout=600) as client:
         for n in itertools.count():
-            wake = time.perf_counter() + args.long_every
-            if wake >= stop_at:
+            if time.perf_counter() + args.probe_every >= stop_at:
                 return
-            await asyncio.sleep(args.long_every)
-            ids = [1000 + (7 * i + 9973 * n) % 40000 for i in range(args.long_tokens)]
-            body = {"model": args.model, "prompt": ids, "max_tokens": 1, "temperature": 0}
-            first, _, _ = await stream(client, f"{args.base_url}/completions", body)
-            ttfts.append(first)
+            await asyncio.sleep(args.probe_every)
+            ttfts.append(await timed_request(args, client, 999 + 1000 * n, extra))
+
+
+def ttft_summary(ttfts: list[float]) -> dict:
+    return {"requests": len(ttfts), "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
 
 
 async def main_async(args) -> dict:
     async with httpx.AsyncClient() as client:
         args.model = args.model or (await client.get(f"{args.base_url}/models")).json()["data"][0]["id"]
+    if args.scenario != "chat":
+        return await queue_scenario(args)
     gaps: list[float] = []
     tokens: list[int] = []
     ttfts: list[float] = []
@@ -96,6 +151,7 @@ async def main_async(args) -> dict:
     seconds = time.perf_counter() - start
     return {
         "label": args.label,
+        "scenario": "chat",
         "clients": args.clients,
         "seconds": seconds,
         "long_every_s": args.long_every,
@@ -106,7 +162,33 @@ async def main_async(args) -> dict:
         "chat_itl_max_s": max(gaps, default=None),
         "long_prompts": len(ttfts),
         "long_ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "long_ttft_p99_s": percentile(ttfts, 99),
         "long_ttft_max_s": max(ttfts, default=None),
+    }
+
+
+async def queue_scenario(args) -> dict:
+    """The queue's clients and the probe, with the fields that set them apart."""
+    if args.scenario == "priority":
+        queue_extra, probe_extra = {}, {"priority": args.probe_priority}
+    else:
+        queue_extra, probe_extra = {"cache_salt": "busy"}, {"cache_salt": "lone"}
+    queued: list[float] = []
+    probed: list[float] = []
+    start = time.perf_counter()
+    stop_at = start + args.seconds
+    tasks = [queue_client(args, i, stop_at, queued, queue_extra) for i in range(args.queue_clients)]
+    await asyncio.gather(*tasks, probe_client(args, stop_at, probed, probe_extra))
+    return {
+        "label": args.label,
+        "scenario": args.scenario,
+        "seconds": time.perf_counter() - start,
+        "queue_clients": args.queue_clients,
+        "queue_tokens": args.queue_tokens,
+        "queue_max_tokens": args.queue_max_tokens,
+        "probe_every_s": args.probe_every,
+        "probe": {**ttft_summary(probed), **probe_extra},
+        "queue": {**ttft_summary(queued), **queue_extra},
     }
 
 
@@ -120,10 +202,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--long-every", type=float, default=10.0, help="seconds between long prompts (0: none)")
     parser.add_argument("--long-tokens", type=int, default=4000)
+    parser.add_argument("--json", default=None, help="where the report goes (default: results/mixed_load_LABEL.json)")
+    parser.add_argument("--scenario", choices=("chat", "priority", "fairness"), default="chat")
+    parser.add_argument("--queue-clients", type=int, default=24, help="priority/fairness: clients keeping a queue")
+    parser.add_argument("--queue-tokens", type=int, default=400, help="priority/fairness: prompt tokens per request")
+    parser.add_argument("--queue-max-tokens", type=int, default=16)
+    parser.add_argument("--probe-every", type=float, default=2.0, help="seconds between the probe's requests")
+    parser.add_argument("--probe-priority", type=int, default=-1)
     args = parser.parse_args()
     report = asyncio.run(main_async(args))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"mixed_load_{args.label}.json"
+    path = Path(args.json) if args.json else RESULTS / f"mixed_load_{args.label}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     print(f"wrote {path}")
