@@ -80,10 +80,11 @@ class Admission:
             raise ValueError(f"stream_id {stream_id!r} is already in use")
         return stream_id
 
-    def parse(self, prompt: PromptType, embeds: bool = False) -> ParsedPrompt:
-        """A prompt as token ids (and embedding rows where `embeds` allows them), checked against the model."""
+    def parse(self, prompt: PromptType, embeds: bool = False, tenant: bool = False) -> ParsedPrompt:
+        """A prompt as token ids (and embedding rows where `embeds` allows them, a "tenant" where
+        `tenant` does), checked against the model."""
         hidden = self.model_config.hidden_size if embeds else None
-        return parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, hidden)
+        return parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, hidden, tenant)
 
     def continuation(self, shown: str, text: str) -> PromptType:
         """`text` as a prompt tokenized without special tokens added (a stream's frames and questions
@@ -115,7 +116,7 @@ class Admission:
     ) -> Request:
         """A checked request with its first sequence (`seqs[0]`), ready to queue."""
         request_id = self.request_id(request_id)
-        parsed = self.parse(prompt, embeds=True)
+        parsed = self.parse(prompt, embeds=True, tenant=True)
         namespace = self.namespace
         if parsed.embeds is not None:
             if params.prompt_logprobs is not None:
@@ -135,7 +136,7 @@ class Admission:
         arrival = arrival_time or time.time()
         request = Request(request_id, parsed.text, parsed.token_ids, params, root, arrival, policy, peak)
         request.prefix_limit = policy.prefix_limit(prompt_len, self.limits)
-        request.tenant = parsed.salt
+        request.tenant = parsed.tenant
         request.prompt_embeds = parsed.embeds
         request.embedded_spans = [(0, prompt_len)] if parsed.embeds is not None else []
         first = self.sequence(request, 0, parsed.token_ids)

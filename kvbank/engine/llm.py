@@ -59,6 +59,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs come back in the order of `prompts`.
 
+        A prompt dict may name a "tenant" (a string of up to 256 characters): the scheduler shares
+        prefill fairly among tenants, and a prompt that names none is its "cache_salt"'s.
+
         A request that fails inside the engine fails alone: its output has `error` set and its
         completions end with finish_reason "error"; the others run on unaffected."""
         prompts = _as_prompt_list(prompts)

@@ -11,7 +11,9 @@ from kvbank.tokenizer import Tokenizer, check_unicode
 
 PromptType = str | list[int] | dict[str, Any]
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "tenant"}
+#: longest tenant a prompt may name (the scheduler keeps one entry per waiting tenant)
+MAX_TENANT_CHARS = 256
 #: dtypes accepted for embeddings; they are computed in the model's dtype
 EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the token id standing for each embedding row in a sequence's token ids (as vLLM does)
@@ -27,6 +29,8 @@ class ParsedPrompt:
     salt: str | None
     #: the prompt as embedding rows, when given so (`token_ids` are then placeholders)
     embeds: torch.Tensor | None = None
+    #: whom the scheduler shares prefill among: the prompt's "tenant", else its cache salt
+    tenant: str | None = None
 
 
 def check_embeds(embeds: Any, hidden_size: int, name: str = "prompt_embeds") -> torch.Tensor:
@@ -46,18 +50,27 @@ def check_embeds(embeds: Any, hidden_size: int, name: str = "prompt_embeds") -> 
 
 
 def parse_prompt(
-    prompt: PromptType, tokenizer: Tokenizer | None, vocab_size: int, hidden_size: int | None = None
+    prompt: PromptType,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    hidden_size: int | None = None,
+    tenant: bool = False,
 ) -> ParsedPrompt:
     """Token ids of `prompt`, checked against the vocabulary; raises ValueError naming what is wrong.
 
     A dict takes "prompt" (text), "prompt_token_ids" or "prompt_embeds" (a [tokens, hidden_size]
-    float tensor, when `hidden_size` is given), and optionally "cache_salt"; when it has text and
-    ids, the ids are what runs and the text is kept for display.
+    float tensor, when `hidden_size` is given), and optionally "cache_salt" and, where `tenant`
+    allows it (what is scheduled as a request of its own), "tenant"; when it has text and ids, the
+    ids are what runs and the text is kept for display.
     """
-    salt = None
+    salt = owner = None
     text = None
     if isinstance(prompt, dict):
-        allowed = _PROMPT_KEYS if hidden_size is not None else _PROMPT_KEYS - {"prompt_embeds"}
+        allowed = set(_PROMPT_KEYS)
+        if hidden_size is None:
+            allowed.discard("prompt_embeds")
+        if not tenant:
+            allowed.discard("tenant")
         unknown = set(prompt) - allowed
         if unknown:
             raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -66,11 +79,14 @@ def parse_prompt(
             raise ValueError(f"cache_salt={salt!r} must be a string")
         if salt is not None:
             check_unicode(salt, "cache_salt")  # it is hashed as UTF-8 into every block's key
+        owner = check_tenant(prompt.get("tenant"))
+        if owner is None:
+            owner = salt
         if "prompt_embeds" in prompt:
             if "prompt_token_ids" in prompt or prompt.get("prompt") is not None:
                 raise ValueError("give prompt_embeds alone, not with prompt or prompt_token_ids")
             embeds = check_embeds(prompt["prompt_embeds"], hidden_size)
-            return ParsedPrompt(None, [EMBED_PLACEHOLDER] * embeds.shape[0], salt, embeds)
+            return ParsedPrompt(None, [EMBED_PLACEHOLDER] * embeds.shape[0], salt, embeds, owner)
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
             prompt = prompt["prompt_token_ids"]
@@ -90,4 +106,16 @@ def parse_prompt(
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
-    return ParsedPrompt(text, token_ids, salt)
+    return ParsedPrompt(text, token_ids, salt, tenant=owner)
+
+
+def check_tenant(tenant: Any) -> str | None:
+    """`tenant` (whom the scheduler shares prefill among) if it is a string of 1 to `MAX_TENANT_CHARS`
+    characters, None if None; ValueError otherwise."""
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str):
+        raise ValueError(f"tenant must be a string, not {type(tenant).__name__}")
+    if not 0 < len(tenant) <= MAX_TENANT_CHARS:
+        raise ValueError(f"tenant has {len(tenant)} characters; it must have 1 to {MAX_TENANT_CHARS}")
+    return tenant

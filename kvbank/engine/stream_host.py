@@ -120,7 +120,7 @@ class StreamHost:
             framed = admit.continuation(before, before)  # the template writes BOS where the model wants it
             # a dict keeps its other keys (its cache_salt) around the framed prompt
             system = framed if isinstance(system, str) else {**system, **framed}
-        parsed = admit.parse(system)
+        parsed = admit.parse(system, tenant=True)
         system_len = len(parsed.token_ids)
         if system_len >= self.max_model_len:
             raise ValueError(
@@ -140,7 +140,7 @@ class StreamHost:
         root = root_hash(self.namespace, parsed.salt)
         now = time.time()
         request = Request(stream_id, parsed.text, parsed.token_ids, SamplingParams(max_tokens=1), root, now, policy)
-        request.stream_id, request.tenant = stream_id, parsed.salt
+        request.stream_id, request.tenant = stream_id, parsed.tenant
         seq = Sequence(request, 0, parsed.token_ids, None)
         seq.frames = FrameLog(system_len, policy.sinks)
         request.seqs.append(seq)
@@ -233,7 +233,7 @@ class StreamHost:
             time.time(),
             old.kv_policy,
         )
-        request.stream_id = new_id
+        request.stream_id, request.tenant = new_id, old.request.tenant
         seq = Sequence(request, 0, old.token_ids, None)
         seq.num_computed_tokens, seq.rope_offset = old.num_computed_tokens, old.rope_offset
         seq.block_hashes, seq.chain_serials = list(old.block_hashes), list(old.chain_serials)
@@ -399,7 +399,7 @@ class StreamHost:
             raise ValueError("a stream question takes no kv_policy: it runs on the stream's cache")
         if isinstance(question, str):
             question = admit.continuation(question, question + stream.question_suffix)
-        parsed = admit.parse(question)
+        parsed = admit.parse(question, tenant=True)
         if parsed.salt is not None:
             raise ValueError("a question cannot carry a cache_salt: give it to open_stream")
         admit.check_sampling(params)
@@ -422,7 +422,9 @@ class StreamHost:
         request = Request(
             request_id, parsed.text, parsed.token_ids, params, stream.seq.root_hash, time.time(), stream.policy
         )
-        request.stream_id, request.tenant = stream_id, stream.seq.request.tenant
+        # the asker's tenant when it names one (a server's: the asker's API key), else the stream's
+        request.tenant = parsed.tenant if parsed.tenant is not None else stream.seq.request.tenant
+        request.stream_id = stream_id
         request.no_prefix_cache = True  # the forked blocks are the stream's, rotated and compacted
         request.recall = recall
         self.requests[request_id] = request
