@@ -160,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.session_dir is not None:
             Path(args.session_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # its files hold conversations
         app = build_app(async_engine, name, limits, session_dir=args.session_dir, bind_host=args.host)
-        _announce(_base_url(args.host, args.port), name, limits.api_key)
+        _announce(_base_url(args.host, args.port), name, limits.api_keys())
         try:
             # On SIGTERM the server drains (_GracefulServer): /health fails and new work gets 503 while
             # running requests finish, for at least --drain-grace and at most --shutdown-timeout
@@ -196,19 +196,20 @@ def _base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _announce(url: str, name: str, api_key: str | None) -> None:
+def _announce(url: str, name: str, api_keys: tuple[str, ...]) -> None:
     """Where the server is, a request to try that works as printed, and the dashboard's address."""
     print(f"kvbank: model loaded; serving {name!r} with an OpenAI-compatible API at {url}/v1", flush=True)
     # The key itself never goes to the log: the line reads it from the environment.
-    auth = '-H "Authorization: Bearer $KVBANK_API_KEY" ' if api_key is not None else ""
+    auth = '-H "Authorization: Bearer $KVBANK_API_KEY" ' if api_keys else ""
     print(
         f"try: curl {url}/v1/completions {auth}-H 'Content-Type: application/json' "
         f'-d \'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}}\'',
         flush=True,
     )
-    if api_key is not None and os.environ.get("KVBANK_API_KEY") != api_key:
-        print("     (with KVBANK_API_KEY set to the --api-key value)", flush=True)
-    sign_in = " (sign in with the API key)" if api_key is not None else ""
+    if api_keys and os.environ.get("KVBANK_API_KEY") not in api_keys:
+        which = "the --api-key value" if len(api_keys) == 1 else "one of the --api-key values"
+        print(f"     (with KVBANK_API_KEY set to {which})", flush=True)
+    sign_in = " (sign in with an API key)" if api_keys else ""
     print(f"dashboard: {url}/dashboard{sign_in}", flush=True)
 
 
@@ -670,11 +671,20 @@ def _add_flag(
     elif any(typing.get_origin(kind) in (tuple, list) and typing.get_args(kind)[0] is int for kind in kinds):
         kwargs.update(type=_int_list, metavar=metavar or "I,J,...")
     elif any(typing.get_origin(kind) is list for kind in kinds):
-        kwargs["action"] = "append"  # repeatable, e.g. --stop A --stop B
+        kwargs.update(action=_Repeatable, metavar=metavar)  # e.g. --stop A --stop B
     else:
         (kind,) = kinds
         kwargs.update(type=kind, choices=choices, metavar=metavar)
     group.add_argument(flag or "--" + name.replace("_", "-"), *aliases, **kwargs)
+
+
+class _Repeatable(argparse.Action):
+    """A repeatable flag: each use adds its value to a list, and the first replaces the default (an
+    environment variable's value, for one) where argparse's "append" would add to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if given is self.default or given is None else given), values])
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from serving import free_port
 from kvbank import LLM, __version__, cli, kernels
 from kvbank.config import EngineConfig
 from kvbank.engine.params import SamplingParams
+from kvbank.server.limits import ServerLimits
 
 BLOCK_SIZE = 16
 STATUS = re.compile(r"\[cached (\d+)/(\d+) prompt tokens, TTFT (\d+) ms\]")
@@ -192,6 +193,40 @@ def test_a_port_in_use_is_an_error_before_the_model_loads(kvbank_env):
     assert result.returncode == 2
     assert f"kvbank: error: cannot listen on 127.0.0.1:{port}: " in result.stderr and "--port" in result.stderr
     assert "loading the model" not in result.stderr and "serving" not in result.stdout
+
+
+def test_api_keys_come_from_repeated_flags_or_a_files_lines_and_the_environment_gives_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBANK_API_KEY", "sk-env")
+    parser = cli._build_parser()  # the environment's key is the flag's default
+    assert parser.parse_args(["serve"]).api_key == "sk-env"
+    flags = ["serve", "--api-key", "sk-a", "--api-key", "sk-b"]
+    assert parser.parse_args(flags).api_key == ["sk-a", "sk-b"], "the flags replace the environment's key"
+    monkeypatch.delenv("KVBANK_API_KEY")
+    keys = tmp_path / "keys"
+    keys.write_text("sk-a\n\n  sk-b  \r\n")
+    args = cli._build_parser().parse_args(["serve", "--api-key-file", str(keys)])
+    limits = ServerLimits(**{name: getattr(args, name) for name in cli._limit_options()})
+    assert limits.api_keys() == ("sk-a", "sk-b")
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--api-key", "sk-same", "--api-key", "sk-same"], "api_key 1 and 2 of 2 are the same key: give each once"),
+        (["--api-key", "sk-one", "--api-key", " "], "api_key 2 of 2 is empty"),
+        (["--api-key-file", "{keys}"], "api_key 1 and 3 of 3 are the same key"),
+    ],
+)
+def test_a_repeated_or_empty_api_key_is_refused_at_startup_without_showing_a_key(
+    flags, problem, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv("KVBANK_API_KEY", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-same\nsk-other\nsk-same\n")
+    assert cli.main(["serve", *(flag.format(keys=keys) for flag in flags)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"kvbank: error: {problem}")
+    assert error.count("\n") == 1 and "sk-" not in error, "one line, naming no key"
 
 
 # --- options generated from EngineConfig and SamplingParams --------------------------------------

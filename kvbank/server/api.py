@@ -89,9 +89,9 @@ def build_app(
     body_limit = limits.body_byte_limit(async_engine.engine.max_model_len, async_engine.engine.model_config.hidden_size)
     if body_limit is not None:
         app.add_middleware(BodyLimit, limit=body_limit)
-    login = DashboardLogin(limits.api_key) if limits.api_key is not None else None
+    login = DashboardLogin(limits.api_keys()) if limits.api_key is not None else None
     if login is not None:
-        install_api_key(app, limits.api_key, login)
+        install_api_key(app, limits.api_keys(), login)
     install_origin_check(app)  # added after the key check, so it runs before it
     allowed_hosts = limits.host_allowlist(bind_host)
     if allowed_hosts is not None:

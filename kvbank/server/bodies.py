@@ -358,14 +358,16 @@ def _check_prompt(prompt: Any, field: str, limit: int | None, vocab_size: int) -
     return check_token_range(prompt, field, vocab_size)
 
 
-def with_salt(prompt: PromptInput | dict, cache_salt: str | None) -> PromptInput | dict:
-    """The prompt as the engine takes it with `cache_salt` (a prompt dict), or as it is without one."""
-    if cache_salt is None:
+def with_salt(prompt: PromptInput | dict, cache_salt: str | None, tenant: str | None = None) -> PromptInput | dict:
+    """The prompt as the engine takes it with `cache_salt` and the scheduler's `tenant` (a prompt dict),
+    or as it is without either."""
+    keys = {name: value for name, value in (("cache_salt", cache_salt), ("tenant", tenant)) if value is not None}
+    if not keys:
         return prompt
     if isinstance(prompt, dict):
-        return {**prompt, "cache_salt": cache_salt}
+        return {**prompt, **keys}
     key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-    return {key: prompt, "cache_salt": cache_salt}
+    return {key: prompt, **keys}
 
 
 def tenant_of(cache_salt: str | None) -> str:

@@ -25,9 +25,10 @@ from kvbank.server.bodies import (
     completion_prompts,
     decode_embeds,
     render_chat,
+    tenant_of,
     with_salt,
 )
-from kvbank.server.errors import APIError
+from kvbank.server.errors import APIError, key_tenant
 from kvbank.server.limits import ServerLimits
 from kvbank.server.responses import (
     Echo,
@@ -58,6 +59,14 @@ def system_prompt_prefix(tokenizer: Tokenizer, system_prompt: str) -> list[int]:
     followed = tokenizer.apply_chat_template([system, {"role": "user", "content": "?"}], tokenize=True)
     shared = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
     return alone[:shared]
+
+
+def scheduling_tenant(request: Request, cache_salt: str | None) -> str | None:
+    """Whom the scheduler shares prefill among for `request`: its API key's tenant, and within it the
+    tenant of its `cache_salt` (one key may serve many salted tenants). None on a server without
+    keys: the engine then goes by the salt alone."""
+    key = key_tenant(request)
+    return None if key is None else f"{key}/{tenant_of(cache_salt)}"
 
 
 class Completions:
@@ -91,7 +100,8 @@ class Completions:
         prompts = await self._completion_inputs(body, params.n)
         job = Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
         echoes = [await self._echo(p) for p in prompts] if body.echo else None
-        streams = await self._start([with_salt(p, body.cache_salt) for p in prompts], params, job.id)
+        tenant = scheduling_tenant(request, body.cache_salt)
+        streams = await self._start([with_salt(p, body.cache_salt, tenant) for p in prompts], params, job.id)
         if body.stream:
             return event_stream(completion_chunks(job, streams, echoes))
         finals = await unless_disconnected(request, final_outputs(streams))
@@ -121,7 +131,7 @@ class Completions:
         params = self.checks.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
         self._check_prompt_count(1, params.n)
         ids = await self.async_engine.run_tokenizer(render_chat, self.async_engine, body.messages, True)
-        prompt = with_salt(ids, body.cache_salt)
+        prompt = with_salt(ids, body.cache_salt, scheduling_tenant(request, body.cache_salt))
         job = Job("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params, body.include_usage)
         streams = await self._start([prompt], params, job.id)
         if body.stream:

@@ -41,7 +41,7 @@ import re
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from importlib import resources
 from typing import Any
@@ -51,6 +51,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 
 from kvbank.server.async_engine import AsyncEngine
+from kvbank.server.limits import matching_key
 
 SAMPLE_INTERVAL_S = 1.0
 HISTORY_S = 300.0
@@ -80,7 +81,7 @@ LOGIN_CLIENTS = 4096
 
 
 class DashboardLogin:
-    """The dashboard's login for a server with an API key: every login issues a new cookie token
+    """The dashboard's login for a server with API keys (any one signs in): every login issues a new cookie token
     (`expiry.nonce.mac`) that the browser keeps instead of the key; it expires after `ttl_s`, and
     dies with the process (the MAC key is drawn at start). Wrong keys, at the login or as the API's
     bearer header, are throttled per client address: `failures` within `window_s`, then 429
@@ -88,20 +89,20 @@ class DashboardLogin:
 
     def __init__(
         self,
-        api_key: str,
+        api_keys: str | Sequence[str],
         ttl_s: float = LOGIN_TTL_S,
         failures: int = LOGIN_FAILURES,
         window_s: float = LOGIN_WINDOW_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._api_key = api_key.encode()
+        self._api_keys = [key.encode() for key in ((api_keys,) if isinstance(api_keys, str) else api_keys)]
         self._mac_key = secrets.token_bytes(32)
         self.ttl_s, self.failures, self.window_s = ttl_s, failures, window_s
         self._clock = clock
         self._failed: dict[str, deque[float]] = {}
 
     def key_matches(self, key: str) -> bool:
-        return hmac.compare_digest(key.encode(), self._api_key)
+        return matching_key(key.encode(), self._api_keys) is not None
 
     def issue(self) -> str:
         expiry, nonce = str(int(self._clock() + self.ttl_s)), secrets.token_hex(16)

@@ -3,11 +3,12 @@ and Origin checks, and the API key every route but /health and the dashboard's p
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import logging
 import re
+import secrets
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
@@ -26,7 +27,7 @@ from kvbank.server.dashboard import (
     client_address,
     too_many_failures,
 )
-from kvbank.server.limits import host_of
+from kvbank.server.limits import host_of, matching_key
 
 logger = logging.getLogger(__name__)
 
@@ -246,18 +247,18 @@ def cross_site(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def install_api_key(app: FastAPI, api_key: str, login: DashboardLogin) -> None:
-    """Every route but /health and the dashboard's public ones needs `Authorization: Bearer <api_key>`;
-    the dashboard's state also takes a cookie `login` issued. A client address that sent too many
-    wrong keys (bearer headers and dashboard logins together) gets 429 until the window passes."""
-    expected = f"Bearer {api_key}".encode()
+def install_api_key(app: FastAPI, api_keys: Sequence[str], login: DashboardLogin) -> None:
+    """Every route but /health and the dashboard's public ones needs `Authorization: Bearer <key>` with
+    one of `api_keys`, and the request then carries that key's tenant (`key_tenant`); the dashboard's
+    state also takes a cookie `login` issued. A client address that sent too many wrong keys (bearer
+    headers and dashboard logins together) gets 429 until the window passes."""
+    expected = [f"Bearer {key}".encode() for key in api_keys]
+    tenants = _key_tenants(api_keys)
 
     def needs_key(path: str) -> bool:
         return path != "/health" and path not in PUBLIC_PATHS
 
-    def authorized(request: Request, header: str | None) -> bool:
-        if header is not None and hmac.compare_digest(header.encode(), expected):
-            return True
+    def signed_in(request: Request) -> bool:
         return request.url.path in COOKIE_PATHS and login.valid(request.cookies.get(COOKIE_NAME, ""))
 
     @app.middleware("http")
@@ -269,10 +270,25 @@ def install_api_key(app: FastAPI, api_key: str, login: DashboardLogin) -> None:
         if refused is not None:
             return refused
         header = request.headers.get("authorization")
-        if not authorized(request, header):
+        key = None if header is None else matching_key(header.encode(), expected)
+        if key is not None:
+            request.state.api_key_tenant = tenants[key]
+        elif not signed_in(request):
             if header is not None:  # a key was tried; a request without one guessed nothing
                 login.failed(client)
             return error_response(
                 "invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
             )
         return await call_next(request)
+
+
+def key_tenant(request: Request) -> str | None:
+    """The tenant of the API key `request` came with (`install_api_key`); None without one."""
+    return getattr(request.state, "api_key_tenant", None)
+
+
+def _key_tenants(api_keys: Sequence[str]) -> list[str]:
+    """Each key's tenant: a digest keyed with a secret of this process, since tenants may reach logs,
+    where a plain digest of a weak key could be matched against guesses."""
+    secret = secrets.token_bytes(16)
+    return ["key-" + hashlib.blake2b(key.encode(), key=secret, digest_size=8).hexdigest() for key in api_keys]

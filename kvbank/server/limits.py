@@ -8,7 +8,9 @@ and `cli=False` for a field the command line does not set).
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbank.config import COMMAND_LINE_SECRET, load_secret_file, option
@@ -16,7 +18,7 @@ from kvbank.config import COMMAND_LINE_SECRET, load_secret_file, option
 
 @dataclass
 class ServerLimits:
-    """An optional API key, a queue bound, per-request caps, the streams' and sessions' limits, and
+    """Optional API keys, a queue bound, per-request caps, the streams' and sessions' limits, and
     the connections' (`kvbank.server.connections`).
 
     `max_queued_requests`: requests accepted but still waiting for their first token (queued or
@@ -27,18 +29,25 @@ class ServerLimits:
     leaves (`connections.connection_limit`). A tenant is a `cache_salt` (no salt: the default tenant); its quotas
     keep one tenant from taking every stream slot or filling the session folder. A client may name any
     salt, so the sessions also have quotas per client (`quotas.client_of`) and caps over the whole folder.
+
+    `api_key` is one key or a list of them (`api_keys`), any of which authenticates; `api_key_file`
+    holds one a line. The scheduler shares prefill among tenants of its own: with keys, a request's
+    key, and within it its salt (`completions.scheduling_tenant`); without, its salt.
     """
 
-    api_key: str | None = option(
+    api_key: str | list[str] | None = option(
         None,
-        "require 'Authorization: Bearer KEY' on every route but /health; 5 wrong keys in 60 s from one "
-        f"address get it 429; {COMMAND_LINE_SECRET}: prefer $KVBANK_API_KEY or --api-key-file",
+        "require 'Authorization: Bearer KEY' on every route but /health; repeat it to accept any of several "
+        "keys, each its own tenant in the fair share of prefill; 5 wrong keys in 60 s from one address get it "
+        f"429; {COMMAND_LINE_SECRET}: prefer $KVBANK_API_KEY (one key) or --api-key-file",
         env="KVBANK_API_KEY",
         metavar="KEY",
         default_text="$KVBANK_API_KEY, else no key",
         secret=True,
     )
-    api_key_file: str | None = option(None, "a file holding --api-key", metavar="PATH", default_text="none")
+    api_key_file: str | None = option(
+        None, "a file holding --api-key: one key a line (blank lines are skipped)", metavar="PATH", default_text="none"
+    )
     allowed_hosts: str | None = option(
         None,
         "host names a request's Host header may carry, comma-separated ('*': any); others get 400, so a "
@@ -136,7 +145,7 @@ class ServerLimits:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
         if self.allowed_hosts is not None and not all(_host_name(n) for n in self.allowed_hosts.split(",")):
             raise ValueError(f"allowed_hosts={self.allowed_hosts!r} has an empty name")
-        load_secret_file(self, "api_key")
+        self._load_api_keys()
         for name in ("max_session_gb_per_tenant", "max_session_gb_per_client", "max_session_gb"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -160,6 +169,34 @@ class ServerLimits:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys any of which authenticates a request (none: the server needs no key)."""
+        if self.api_key is None:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+
+    def _load_api_keys(self) -> None:
+        """Read `api_key_file` (one key a line), then refuse keys that could never be sent or are given
+        twice; the message names a key by its place, never by its value."""
+        from_file = self.api_key_file is not None
+        load_secret_file(self, "api_key")
+        if from_file:
+            self.api_key = [line.strip() for line in self.api_key.splitlines() if line.strip()]
+        if self.api_key is not None and not isinstance(self.api_key, (str, list, tuple)):
+            raise ValueError(f"api_key must be a string or a list of strings, not {type(self.api_key).__name__}")
+        keys = self.api_keys()
+        if self.api_key is not None and not keys:
+            raise ValueError("api_key is an empty list: give at least one key, or None for no key")
+        for i, key in enumerate(keys):
+            which = "api_key" if len(keys) == 1 else f"api_key {i + 1} of {len(keys)}"
+            if not isinstance(key, str):
+                raise ValueError(f"{which} must be a string, not {type(key).__name__}")
+            if not key.strip():
+                raise ValueError(f"{which} is empty: a client could never send it")
+            first = keys.index(key)
+            if first != i:
+                raise ValueError(f"api_key {first + 1} and {i + 1} of {len(keys)} are the same key: give each once")
 
     def host_allowlist(self, bind_host: str | None) -> frozenset[str] | None:
         """The host names a request may address (lower case, IPv6 without brackets); None: any.
@@ -213,6 +250,16 @@ class ServerLimits:
     def session_bytes(self) -> int | None:
         """`max_session_gb` in bytes."""
         return _bytes(self.max_session_gb)
+
+
+def matching_key(given: bytes, keys: Sequence[bytes]) -> int | None:
+    """The index of the key in `keys` that `given` is, or None. Every key is compared, each in
+    constant time, so how long it takes says nothing of which key matched."""
+    found = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(given, key):
+            found = i
+    return found
 
 
 def _bytes(gb: float | None) -> int | None:

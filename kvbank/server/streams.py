@@ -45,7 +45,9 @@ from kvbank.server.bodies import (
     checked_token_ids,
     decode_embeds,
     tenant_of,
+    with_salt,
 )
+from kvbank.server.completions import scheduling_tenant
 from kvbank.server.errors import APIError
 from kvbank.server.limits import ServerLimits
 from kvbank.server.quotas import client_of
@@ -94,18 +96,15 @@ class Streams:
 
     # --- routes -------------------------------------------------------------------------------
 
-    async def open(self, body: StreamOpenRequest, client: str) -> dict:
+    async def open(self, body: StreamOpenRequest, client: str, scheduled_as: str | None = None) -> dict:
+        """Open a stream for `client`; its work is scheduled as the tenant `scheduled_as` (None: its salt's)."""
         self._start_expiry()
         # Before the room check: nothing may await between it and the new stream's entry.
         system: Any = await self._given("system", body.system)
         tenant = tenant_of(body.cache_salt)
         self._check_room(tenant, client)
         stream_id = f"stream-{secrets.token_hex(16)}"
-        if body.cache_salt is not None:
-            system = {
-                "prompt" if isinstance(system, str) else "prompt_token_ids": system,
-                "cache_salt": body.cache_salt,
-            }
+        system = with_salt(system, body.cache_salt, scheduled_as)
         state = self.streams[stream_id] = _StreamState(
             tenant, client, int(time.time()), body.policy or "", body.separator
         )
@@ -210,6 +209,8 @@ class Streams:
             text = question + state.question_suffix
             question = await self.async_engine.run_tokenizer(self.engine.tokenizer.encode, text, False)
             self._check_length("question", question)
+        # The question's prefill is the asker's share (its key), whoever opened the stream.
+        question = with_salt(question, None, scheduling_tenant(request, body.cache_salt))
         state.busy += 1
         try:
             stream = await self._submit(
@@ -377,7 +378,7 @@ def install_streams(app: FastAPI, streams: Streams) -> None:
     @app.post("/v1/streams")
     async def open_stream(body: StreamOpenRequest, request: Request) -> dict:
         _same_salt(request, body.cache_salt)
-        opened = await streams.open(body, client_of(request))
+        opened = await streams.open(body, client_of(request), scheduling_tenant(request, body.cache_salt))
         if await request.is_disconnected():
             # The client hung up before it learned the id, the stream's only handle: nobody could
             # use or close it, and it would hold its blocks and a slot until the idle timeout.
