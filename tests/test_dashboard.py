@@ -3,6 +3,7 @@ page itself rendered by headless Chromium before and after a real completion req
 
 import http.client
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -92,6 +93,7 @@ def test_state_json_of_an_idle_pool(base_url):
     assert sum(state["counts"].values()) == NUM_BLOCKS
     assert state["block_size"] > 0
     assert state["stats"]["num_blocks"] == NUM_BLOCKS
+    assert state["max_step_ms"] == 200  # the default step-time target
     assert state["history"], "the first poll already has a sample to chart"
     newest = state["history"][-1]["time"]
     assert _get_json(f"{base_url}/dashboard/state?since={newest}")["history"] == []
@@ -233,6 +235,20 @@ def test_page_in_headless_chromium(base_url):
     assert page.cells.count("cached") == after["counts"]["cached"]
     _assert_page_matches(page, after)
     assert _number(page.text["stat-finished"]) == 1
+    paced, over = after["stats"]["num_paced_steps"], after["stats"]["num_steps_over_target"]
+    assert paced > 0  # the completion's decode steps
+    assert page.text["label-steps-over-target"] == f"steps over 200 ms target ({over} of {paced})"
+    assert page.text["stat-steps-over-target"] == f"{100 * over / paced:.1f} %"
+
+
+def test_latency_histograms_have_a_series_per_priority(base_url):
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "priority": 3}
+    assert _call(f"{base_url}/v1/completions", body, AUTH)[0] == 200
+    status, page, _ = request(f"{base_url}/metrics", headers=AUTH)
+    assert status == 200, page
+    for name in ("kvbank:time_to_first_token_seconds", "kvbank:e2e_request_latency_seconds"):
+        assert f'{name}_count{{priority="3"}} 1\n' in page, name
+        assert set(re.findall(rf'^{re.escape(name)}_count\{{priority="([^"]+)"\}}', page, re.M)) == {"0", "3"}
 
 
 def _tier_metrics(url: str) -> dict[str, float]:
@@ -247,11 +263,9 @@ def _tier_metrics(url: str) -> dict[str, float]:
 
 def test_tiers_show_on_metrics_and_the_dashboard(kvbank_env, tmp_path):
     log_path = tmp_path / "server.log"
-    process, url = start_server(
-        ["--dtype", "float32", "--kv-host-gb", "0.5", "--kv-disk-dir", str(tmp_path / "kv"), "--log-level", "warning"],
-        kvbank_env,
-        log_path,
-    )
+    args = ["--dtype", "float32", "--kv-host-gb", "0.5", "--kv-disk-dir", str(tmp_path / "kv")]
+    args += ["--max-step-ms", "0", "--log-level", "warning"]  # no step-time target: the page shows it off
+    process, url = start_server(args, kvbank_env, log_path)
     try:
         wait_healthy(process, url, log_path)
         for _ in range(2):
@@ -274,3 +288,4 @@ def test_tiers_show_on_metrics_and_the_dashboard(kvbank_env, tmp_path):
     assert state["tiers"]["host"]["store_bytes"] > 0 and state["tiers"]["host"]["capacity_bytes"] == 2**29
     assert page.hidden["tiers"] is False
     assert page.text["tier-rows"].startswith("host") and "disk" in page.text["tier-rows"]
+    assert state["max_step_ms"] == 0 and page.text["stat-steps-over-target"] == "off"

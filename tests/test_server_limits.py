@@ -145,9 +145,9 @@ def test_metrics_use_the_documented_names_and_move(server):
         "kvbank:num_requests_waiting",
         "kvbank:prompt_tokens_total",
         "kvbank:generation_tokens_total",
-        "kvbank:time_to_first_token_seconds_count",
-        "kvbank:inter_token_latency_seconds_count",
-        "kvbank:e2e_request_latency_seconds_count",
+        'kvbank:time_to_first_token_seconds_count{priority="0"}',
+        'kvbank:inter_token_latency_seconds_count{priority="0"}',
+        'kvbank:e2e_request_latency_seconds_count{priority="0"}',
         "process_resident_memory_bytes",
     ):
         assert name in before, name
@@ -157,12 +157,12 @@ def test_metrics_use_the_documented_names_and_move(server):
     )
     after = _metrics(server)
     assert after["kvbank:generation_tokens_total"] - before["kvbank:generation_tokens_total"] == 5
-    assert after["kvbank:e2e_request_latency_seconds_count"] == before["kvbank:e2e_request_latency_seconds_count"] + 1
-    assert after["kvbank:time_to_first_token_seconds_count"] == before["kvbank:time_to_first_token_seconds_count"] + 1
-    assert after["kvbank:inter_token_latency_seconds_count"] == before["kvbank:inter_token_latency_seconds_count"] + 4
+    for name, more in (("e2e_request_latency", 1), ("time_to_first_token", 1), ("inter_token_latency", 4)):
+        count = f'kvbank:{name}_seconds_count{{priority="0"}}'
+        assert after[count] == before[count] + more, name
     assert (
-        after['kvbank:time_to_first_token_seconds_bucket{le="+Inf"}']
-        == after["kvbank:time_to_first_token_seconds_count"]
+        after['kvbank:time_to_first_token_seconds_bucket{priority="0",le="+Inf"}']
+        == after['kvbank:time_to_first_token_seconds_count{priority="0"}']
     )
 
 

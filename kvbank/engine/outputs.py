@@ -90,6 +90,8 @@ class RequestOutput:
     #: why the request ended early, when it did (it is finished): RequestFailed for the engine's own
     #: failures, or PoolFull when what the pool holds for streams left it no room
     error: Exception | None = None
+    #: the request's `SamplingParams.priority` (0 for a stream's frames), which latency metrics are labelled by
+    priority: int = 0
 
     def add(self, later: RequestOutput) -> None:
         """Fold the next delta of the same request into this one, so that it covers both."""
@@ -110,8 +112,9 @@ class RequestOutput:
 class Reports:
     """How anything the engine runs for a caller (a request, a stream's frame) reports its state.
 
-    The class sets `request_id`, `prompt`, `prompt_token_ids`, `metrics`, `num_cached_tokens` and
-    `finished`, says what it has produced (`progress`) and anything its own output type adds.
+    The class sets `request_id`, `prompt`, `prompt_token_ids`, `metrics`, `num_cached_tokens`,
+    `finished` and, where it has one, `priority`; says what it has produced (`progress`) and anything
+    its own output type adds.
     """
 
     request_id: str
@@ -119,6 +122,7 @@ class Reports:
     prompt_token_ids: list[int]
     metrics: RequestMetrics
     num_cached_tokens: int
+    priority: int = 0
     #: the output type: RequestOutput, or a subclass with the fields `extra` fills
     output_type: type[RequestOutput] = RequestOutput
 
@@ -146,5 +150,6 @@ class Reports:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            priority=self.priority,
             **self.extra(),
         )

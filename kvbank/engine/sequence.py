@@ -305,6 +305,10 @@ class Request(Reports):
     def finished(self) -> bool:
         return self.forked and all(seq.is_finished for seq in self.seqs)
 
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
     def progress(self) -> tuple[list[CompletionOutput], list[TokenLogprobs | None] | None]:
         """Every completion and prompt logprob so far, or what is new since the previous output (DELTA)."""
         if self.output_kind is RequestOutputKind.DELTA:

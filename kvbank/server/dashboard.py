@@ -9,7 +9,8 @@ JavaScript, nothing fetched from elsewhere). On load, and then once a second, it
   that counts the blocks in each state, as /metrics does (`kvbank:num_free_blocks`, `num_used_blocks`,
   `num_cached_blocks`, `num_pinned_blocks`: they add up to the pool);
 * headline numbers: prefix-cache hit rate, generation throughput, running and waiting requests,
-  KV usage, preemptions and token counters;
+  KV usage, preemptions, token counters, and the share of steps carrying decodes that overran the
+  step-time target (`num_steps_over_target` of `num_paced_steps`; "off" with `--max-step-ms 0`);
 * with KV tiers below the pool (host RAM, disk, Redis), a table of each tier's bytes used and
   capacity, entries, hits and misses, bytes and seconds loaded and stored, dropped stores, errors
   and corrupt entries; under it the rows' totals (`tier_totals`, summed from the same numbers the
@@ -216,13 +217,14 @@ def _key_error(
 
 
 def dashboard_snapshot(async_engine: AsyncEngine, sampler: StatsSampler, since: float | None = None) -> dict:
-    """The body of `/dashboard/state`: block states, their counts, the stats, the tiers' stats and the
-    history after `since`."""
+    """The body of `/dashboard/state`: block states, their counts, the stats, the step-time target
+    (`max_step_ms`, 0: none), the tiers' stats and the history after `since`."""
     states = async_engine.block_states()
     tiers = async_engine.tier_stats()
     return {
         "time": time.time(),
         "block_size": async_engine.engine.block_size,
+        "max_step_ms": async_engine.engine.config.max_step_ms or 0,
         "blocks": encode_block_states(states),
         "counts": count_block_states(states),
         "stats": async_engine.stats(),

@@ -2,7 +2,9 @@
 
 Counters and gauges come from the engine's own counters (`AsyncEngine.stats()`); latency
 histograms are fed by `RequestTimer.observe`, which the engine thread calls with every step's
-outputs. Names use the `kvbank:` prefix where vLLM uses `vllm:`, so dashboards port over.
+outputs, and carry the request's `priority` as a label (the first 16 distinct priorities, 0 among
+them; later ones fold into `priority="other"`), so summing over that label gives every request's
+totals. Names use the `kvbank:` prefix where vLLM uses `vllm:`, so dashboards port over.
 """
 
 from __future__ import annotations
@@ -39,11 +41,22 @@ LATENCY_BUCKETS = (
 )
 
 
-class Histogram:
-    """Cumulative buckets, sum and count, as Prometheus histograms keep them."""
+#: distinct request priorities that get series of their own in the latency histograms; the ones seen
+#: after them share `priority="other"`, so clients cannot grow /metrics without bound (a priority is
+#: any integer in (-2^31, 2^31))
+MAX_PRIORITY_LABELS = 16
+OTHER_PRIORITY = "other"
+_BY_PRIORITY = (
+    f" By request priority; once {MAX_PRIORITY_LABELS} priorities have series, further ones share"
+    f' priority="{OTHER_PRIORITY}".'
+)
 
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.name, self.help_text, self.buckets = name, help_text, tuple(buckets)
+
+class Histogram:
+    """Cumulative buckets, sum and count, as Prometheus histograms keep them (one series)."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.buckets = tuple(buckets)
         self.counts = [0] * (len(self.buckets) + 1)
         self.sum = 0.0
         self.count = 0
@@ -53,24 +66,72 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+    def render(self, name: str, labels: str) -> list[str]:
+        """The bucket, sum and count lines of `name`, each with `labels` (`key="value"` pairs) first."""
+        lines = []
         cumulative = 0
         for bound, count in zip((*self.buckets, float("inf")), self.counts):
             cumulative += count
             le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
-        lines += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {self.count}"]
+            lines.append(f'{name}_bucket{{{labels},le="{le}"}} {cumulative}')
+        lines += [f"{name}_sum{{{labels}}} {self.sum!r}", f"{name}_count{{{labels}}} {self.count}"]
         return lines
 
 
-class RequestTimer:
-    """Time to first token, inter-token latency and end-to-end latency of every request."""
+class PriorityHistogram:
+    """One histogram metric with a series per `priority` label value: summed over the label, the
+    series give the totals of every request."""
+
+    def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.name, self.help_text, self.buckets = name, help_text, tuple(buckets)
+        # The default priority's series exist from the start, so a fresh server already lists the metric.
+        self.series: dict[str, Histogram] = {"0": Histogram(self.buckets)}
+
+    def observe(self, priority: str, value: float) -> None:
+        """Count `value` under the label value `priority` (a `PriorityLabels` label)."""
+        if priority not in self.series:
+            self.series[priority] = Histogram(self.buckets)
+        self.series[priority].observe(value)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+        for priority in sorted(self.series, key=_label_order):
+            lines += self.series[priority].render(self.name, f'priority="{priority}"')
+        return lines
+
+
+def _label_order(priority: str) -> tuple[bool, int]:
+    return (priority == OTHER_PRIORITY, 0 if priority == OTHER_PRIORITY else int(priority))
+
+
+class PriorityLabels:
+    """The `priority` label value of each request priority: the priority itself for the first
+    MAX_PRIORITY_LABELS distinct ones seen (0 among them from the start), OTHER_PRIORITY for the rest."""
 
     def __init__(self) -> None:
-        self.ttft = Histogram("kvbank:time_to_first_token_seconds", "Time from arrival to the first output token.")
-        self.itl = Histogram("kvbank:inter_token_latency_seconds", "Time between two output tokens of a sequence.")
-        self.e2e = Histogram("kvbank:e2e_request_latency_seconds", "Time from arrival to the last output token.")
+        self._labelled: set[int] = {0}
+
+    def __call__(self, priority: int) -> str:
+        if priority not in self._labelled and len(self._labelled) < MAX_PRIORITY_LABELS:
+            self._labelled.add(priority)
+        return str(priority) if priority in self._labelled else OTHER_PRIORITY
+
+
+class RequestTimer:
+    """Time to first token, inter-token latency and end-to-end latency of every request, by priority
+    (the `priority` label, bounded by `PriorityLabels`)."""
+
+    def __init__(self) -> None:
+        self.ttft = PriorityHistogram(
+            "kvbank:time_to_first_token_seconds", "Time from arrival to the first output token." + _BY_PRIORITY
+        )
+        self.itl = PriorityHistogram(
+            "kvbank:inter_token_latency_seconds", "Time between two output tokens of a sequence." + _BY_PRIORITY
+        )
+        self.e2e = PriorityHistogram(
+            "kvbank:e2e_request_latency_seconds", "Time from arrival to the last output token." + _BY_PRIORITY
+        )
+        self._label = PriorityLabels()
         self._lock = threading.Lock()
         # (request id, completion index) -> (tokens seen, time of the latest one)
         self._seen: dict[tuple[str, int], tuple[int, float]] = {}
@@ -80,6 +141,7 @@ class RequestTimer:
         now = time.time() if now is None else now
         with self._lock:
             for output in outputs:
+                priority = self._label(output.priority)
                 for completion in output.outputs:
                     key = (output.request_id, completion.index)
                     seen, last = self._seen.get(key, (0, 0.0))
@@ -87,15 +149,15 @@ class RequestTimer:
                     if tokens > seen:
                         if seen == 0:
                             if completion.index == 0 and output.metrics.time_to_first_token is not None:
-                                self.ttft.observe(output.metrics.time_to_first_token)
+                                self.ttft.observe(priority, output.metrics.time_to_first_token)
                         else:
                             gap = (now - last) / (tokens - seen)
                             for _ in range(tokens - seen):
-                                self.itl.observe(gap)
+                                self.itl.observe(priority, gap)
                         self._seen[key] = (tokens, now)
                 if output.finished:
                     finished = output.metrics.finished_time or now
-                    self.e2e.observe(finished - output.metrics.arrival_time)
+                    self.e2e.observe(priority, finished - output.metrics.arrival_time)
                     for completion in output.outputs:
                         self._seen.pop((output.request_id, completion.index), None)
 

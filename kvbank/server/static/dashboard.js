@@ -78,6 +78,21 @@ function renderNumbers(stats) {
   setText("stat-generation-tokens", integer(stats.generation_tokens || 0));
 }
 
+// The share of steps carrying decodes that took longer than the target; with no target (0) nothing
+// is paced, so the share would read 0 % where it means nothing.
+function renderStepTarget(stats, targetMs) {
+  if (!targetMs) {
+    setText("stat-steps-over-target", "off");
+    setText("label-steps-over-target", "step-time target (--max-step-ms 0)");
+    return;
+  }
+  const paced = stats.num_paced_steps || 0;
+  const over = stats.num_steps_over_target || 0;
+  setText("stat-steps-over-target", percent(paced ? over / paced : 0));
+  setText("label-steps-over-target", "steps over " + targetMs.toLocaleString("en-US") + " ms target ("
+          + integer(over) + " of " + integer(paced) + ")");
+}
+
 function bytes(n) {
   if (n === null || n === undefined) return "–";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -186,6 +201,7 @@ function render(state) {
   renderGrid(state.blocks);
   renderCounts(state.counts, state.blocks.length, state.block_size);
   renderNumbers(state.stats);
+  renderStepTarget(state.stats, state.max_step_ms);
   renderTiers(state.tiers, state.tier_totals);
   for (const spec of CHARTS) renderChart(spec, state.time);
   setStatus(true, "live · " + new Date(state.time * 1000).toLocaleTimeString());
