@@ -7,7 +7,7 @@ each system's medians over the runs. Systems:
 
 - `kvbank` (the default configuration), `kvbank/step0` (`--max-step-ms 0`: no target, prompts take
   the whole token budget), `kvbank/stepN` (`--max-step-ms N`);
-- `llama.cpp/<config>` (llama-server with one of serve_compare.py's configurations, a slot per
+- `llama.cpp/<config>` (llama-server with one of the configurations in PEERS, a slot per
   chatting client and two more for the long prompts, continuous batching, the same threads).
 
     python bench/mixed_compare.py --systems kvbank kvbank/step0 llama.cpp/no-repack \\
@@ -34,6 +34,13 @@ from kvbank.models.loader import bundled_model_path
 
 print = functools.partial(print, flush=True)  # noqa: A001 -- progress lines appear as runs finish
 
+#: llama-server configurations: serve_compare.py's, and its nearest to chunked prefill: a smaller
+#: logical and physical batch (-b/-ub) bounds the prompt tokens one step carries beside the decodes
+PEERS = {
+    **PEER_CONFIGS,
+    "repack+b256": ["-b", "256", "-ub", "256"],
+    "repack+b128": ["-b", "128", "-ub", "128"],
+}
 #: per scenario, the fields of mixed_load's report summarised across runs
 FIELDS = {
     "chat": (
@@ -57,14 +64,16 @@ def command_for(system: str, args, port: int) -> list[str]:
             command += ["--max-step-ms", system.removeprefix("kvbank/step")]
         return command
     config = system.removeprefix("llama.cpp/")
-    if not system.startswith("llama.cpp/") or config not in PEER_CONFIGS:
+    if not system.startswith("llama.cpp/") or config not in PEERS:
         sys.exit(f"mixed_compare: unknown system {system!r}")
     if args.llama_server is None:
         sys.exit(f"mixed_compare: {system} needs --llama-server")
     slots = args.clients + 2
     command = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port)]
     command += ["-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots)]
-    return command + ["-c", str(args.slot_context * slots), "--no-webui", *PEER_CONFIGS[config]]
+    # Long prompts arrive on a clock and may pile up: HTTP threads for every connection they open.
+    command += ["--threads-http", str(4 * slots)]
+    return command + ["-c", str(args.slot_context * slots), "--no-webui", *PEERS[config]]
 
 
 def run_one(system: str, args, log: Path) -> dict:
@@ -115,23 +124,36 @@ def main() -> None:
     args.model = args.model or bundled_model_path()
     logs = Path(tempfile.mkdtemp(prefix="mixed_compare_"))
     samples: dict[str, list[dict]] = {system: [] for system in args.systems}
+    failures: list[str] = []
+    path = ROOT / "bench" / "results" / f"mixed_compare_{args.label or args.scenario}.json"
+    path.parent.mkdir(exist_ok=True)
     for run in range(args.runs):
         for system in args.systems if run % 2 == 0 else args.systems[::-1]:
-            report = run_one(system, args, logs / f"{run}_{system.replace('/', '_')}.log")
+            log = logs / f"{run}_{system.replace('/', '_')}.log"
+            try:
+                report = run_one(system, args, log)
+            except subprocess.CalledProcessError as error:  # one system's failure does not lose the others
+                failures.append(f"run {run} {system}: {error} (server log {log})")
+                print(failures[-1])
+                continue
             samples[system].append(report)
             shown = ", ".join(f"{name} {field(report, name)}" for name in FIELDS[args.scenario])
             print(f"run {run} {system}: {shown}")
+            write(path, args, samples, failures)  # after every run: a later failure keeps what was measured
+    print(json.dumps(write(path, args, samples, failures), indent=2))
+    print(f"wrote {path} (server logs in {logs})")
+
+
+def write(path: Path, args, samples: dict[str, list[dict]], failures: list[str]) -> dict:
+    """Write the samples so far with their medians per system; return the medians."""
     summary = {
         system: {name: median([field(r, name) for r in reports]) for name in FIELDS[args.scenario]}
         for system, reports in samples.items()
     }
-    print(json.dumps(summary, indent=2))
-    label = args.label or args.scenario
-    path = ROOT / "bench" / "results" / f"mixed_compare_{label}.json"
-    path.parent.mkdir(exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "model"}
-    path.write_text(json.dumps({"config": config, "summary": summary, "samples": samples}, indent=2))
-    print(f"wrote {path} (server logs in {logs})")
+    report = {"config": config, "summary": summary, "failures": failures, "samples": samples}
+    path.write_text(json.dumps(report, indent=2))
+    return summary
 
 
 if __name__ == "__main__":

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -52,7 +54,7 @@ def percentile(values: list[float], p: float) -> float | None:
 async def stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, list[float], int]:
     """(time to first token, gaps between later chunks, chunks) of one streamed completion."""
     sent, last, first, gaps, chunks = time.perf_counter(), None, None, [], 0
-    async with client.stream("POST", url, json={**body, "stream": True}) as response:
+    async with open_stream(client, url, {**body, "stream": True}) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -66,7 +68,25 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float
             else:
                 gaps.append(now - last)
             last, chunks = now, chunks + 1
+    if first is None:  # a reply whose one token decodes to no text: its end is its first token
+        first = time.perf_counter() - sent
     return first, gaps, chunks
+
+
+@contextlib.asynccontextmanager
+async def open_stream(client: httpx.AsyncClient, url: str, body: dict) -> AsyncIterator[httpx.Response]:
+    """The streamed response, sent again on a fresh connection when a kept-alive one was closed before
+    any response (a server that closes connections after a few requests), as OpenAI's client does."""
+    for attempt in range(3):
+        answered = False
+        try:
+            async with client.stream("POST", url, json=body) as response:
+                answered = True
+                yield response
+                return
+        except httpx.RemoteProtocolError:
+            if answered or attempt == 2:
+                raise
 
 
 async def chat_client(args, index: int, stop_at: float, gaps: list[float], tokens: list[int]) -> None:

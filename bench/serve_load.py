@@ -120,6 +120,8 @@ class Result:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     text: str = ""
+    #: when the client saw the request end (a reply, an error, a closed connection or a timeout)
+    ended: float | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -128,8 +130,15 @@ class Result:
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> Result:
     """Send one streaming chat request and time it; any failure becomes an error Result."""
-    start = time.perf_counter()
-    result = Result(ok=False, start=start)
+    result = Result(ok=False, start=time.perf_counter())
+    try:
+        return await _stream_chat(client, url, body, result)
+    finally:
+        result.ended = time.perf_counter()
+
+
+async def _stream_chat(client: httpx.AsyncClient, url: str, body: dict, result: Result) -> Result:
+    start = result.start
     pieces: list[str] = []
     last = None
     done = False
