@@ -48,6 +48,7 @@ FIELDS = {
         "chat_itl_p50_s",
         "chat_itl_p99_s",
         "chat_itl_max_s",
+        "long_prompts_sent",
         "long_prompts",
         "long_ttft_p50_s",
         "long_ttft_max_s",
