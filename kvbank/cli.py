@@ -209,7 +209,7 @@ def _announce(url: str, name: str, api_keys: tuple[str, ...]) -> None:
     if api_keys and os.environ.get("KVBANK_API_KEY") not in api_keys:
         which = "the --api-key value" if len(api_keys) == 1 else "one of the --api-key values"
         print(f"     (with KVBANK_API_KEY set to {which})", flush=True)
-    sign_in = " (sign in with an API key)" if api_keys else ""
+    sign_in = f" (sign in with {'the' if len(api_keys) == 1 else 'an'} API key)" if api_keys else ""
     print(f"dashboard: {url}/dashboard{sign_in}", flush=True)
 
 
