@@ -9,6 +9,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 
 import pytest
 from serving import request, served
@@ -131,16 +132,29 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
-def _stream(url: str, done: dict) -> None:
-    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True}
-    done["status"], done["text"], _ = request(f"{url}/v1/completions", body, headers=AUTH)
+def _stream(url: str, done: dict, started: threading.Event) -> None:
+    """A streamed completion; `started` is set once its first event is in (its connection carries a
+    request from then on), and `done` gets the status and the whole text."""
+    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json", **AUTH}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            first = response.readline()
+            started.set()
+            done["status"], done["text"] = response.status, (first + response.read()).decode()
+    finally:
+        started.set()
 
 
 def test_idle_and_half_open_connections_past_the_cap_leave_health_streams_and_completions_answering(server):
     url, _ = server
     stream: dict = {}
-    streaming = threading.Thread(target=_stream, args=(url, stream))
+    started = threading.Event()
+    streaming = threading.Thread(target=_stream, args=(url, stream, started))
     streaming.start()
+    assert started.wait(60)  # the stream's connection carries a request before the flood of connections
     idle = [socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) for _ in range(3 * MAX_CONNECTIONS)]
     for sock in idle[::2]:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers that never end
