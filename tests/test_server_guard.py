@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from serving import start_server, stop_server, wait_healthy
+from serving import served, start_server, stop_server, wait_healthy
 
 from kvbank.server.dashboard import LOGIN_FAILURES, LOGIN_WINDOW_S
 
@@ -48,12 +48,8 @@ def server(kvbank_env, tmp_path_factory):
     """A server that needs the API key, on loopback: its URL."""
     log_path = tmp_path_factory.mktemp("guard") / "server.log"
     args = ["--api-key", KEY, "--num-gpu-blocks", "64", "--log-level", "warning"]
-    process, url = start_server(args, kvbank_env, log_path)
-    try:
-        wait_healthy(process, url, log_path)
+    with served(args, kvbank_env, log_path) as url:
         yield url
-    finally:
-        stop_server(process)
 
 
 def test_wrong_keys_are_throttled_per_client_address(server):
