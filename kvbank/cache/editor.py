@@ -1,6 +1,6 @@
 """What long-context policies do to a sequence's cache: drop blocks, re-rotate keys, compact slots.
 
-A policy (cache/policies.py) decides; `KVEditor` carries it out on the block tables (through the
+A policy (cache/policies/) decides; `KVEditor` carries it out on the block tables (through the
 manager) and on the pool's tensors (through the storage), keeping three rules:
 - a block another sequence shares, or that the prefix index lists, is never written: it is
   replaced by a private copy first (its content stays valid for whoever else finds it);

@@ -1,6 +1,6 @@
 """A stream's frames: where each lies among its sequence's tokens, and which leave next.
 
-Plain bookkeeping for `FrameWindow` (cache/policies.py) and the streams (engine/streams.py). A
+Plain bookkeeping for `FrameWindow` (cache/policies/frame_window.py) and the streams (engine/streams.py). A
 stream sequence's token ids are exactly what its cache holds (the system prompt, then its kept
 frames) followed by frames not computed yet. Token i sits at slot `seq.lead + i`: when a frame
 leaves, the kept frames stay where they are and the leading tokens (system prompt and sinks) are

@@ -45,7 +45,7 @@ class Sequence:
         self.window_tables: list[list[int]] = []
         self.window_first = 0
         self.window_committed = 0
-        # Long-context policies (kvbank/cache/policies.py): tokens gone from the cache, the RoPE
+        # Long-context policies (kvbank/cache/policies/): tokens gone from the cache, the RoPE
         # position of slot 0, unrotated copies of the kept leading blocks, and score buffers.
         self.num_evicted = 0
         self.rope_offset = 0
