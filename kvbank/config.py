@@ -168,6 +168,8 @@ class EngineConfig:
         "x86 CPU with AVX2 or above, with a Q4 GGUF); --no-batch-invariant prefills faster",
     )
 
+    # The tiers' options: each tier (kvbank.cache.tiers.TIERS) declares those it is built from, with the
+    # same names, types and defaults as here.
     kv_host_gb: float = option(
         0.0, "host RAM for KV blocks offloaded from the pool, in GiB (0: no host tier)", plan=False
     )

@@ -9,8 +9,8 @@ import torch
 
 from kvbank import kernels
 from kvbank.config import EngineConfig
+from kvbank.models.archs import ARCHS
 from kvbank.models.config import ModelConfig
-from kvbank.models.gemma3 import Gemma3ForCausalLM
 from kvbank.models.llama import LlamaForCausalLM
 from kvbank.models.loader import ProgressFn, load_model
 from kvbank.models.packed import Int4Blocks, Int8Blocks, packed_matmul_available
@@ -85,7 +85,7 @@ def assemble(
     """
     check_supported(config, engine)
     with torch.device("meta"):
-        model = (Gemma3ForCausalLM if config.arch == "gemma3" else LlamaForCausalLM)(config)
+        model = ARCHS[config.arch].model(config)
     model.load_weights(state_dict, engine.torch_dtype)
     projections = bool(int4) or any(name.endswith("proj.weight") for name in int8 or {})
     if not engine.packs_int4_weights(projections and packed_matmul_available(torch.device(engine.device))):

@@ -10,6 +10,7 @@ class ModelConfig:
     """The shape of a decoder. The fields after `rope_scaling` describe Gemma 3's departures from
     Llama; their defaults are Llama's."""
 
+    #: the architecture, a key of kvbank.models.archs.ARCHS
     arch: str
     vocab_size: int
     hidden_size: int

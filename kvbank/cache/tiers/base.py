@@ -9,6 +9,10 @@ batch so that a remote tier answers many keys in one round trip.
 The contract: `put` may drop entries (budget, disk full, outage) and `get` may miss; neither
 raises for such conditions, but counts them in `stats`. The caller verifies every entry it gets
 and `delete`s the ones that fail, so a tier never has to trust its medium.
+
+A tier is built from engine options: it declares the ones it takes (`options`, EngineConfig fields of
+the same name, type and default) and builds itself from them (`from_options`); the registry in
+`kvbank.cache.tiers` lists the tiers, fastest first.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+GIB = 2**30
 
 #: What a tier hands back: anything exposing the buffer protocol (bytes, bytearray, a tensor's memoryview).
 Buffer = bytes | bytearray | memoryview
@@ -42,6 +49,16 @@ class TierStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class TierOption:
+    """An engine option a tier is built from: the EngineConfig field `name`, its type as annotated there
+    and its default (EngineConfig holds the help the command line shows)."""
+
+    name: str
+    type: str
+    default: Any
+
+
 class Tier(ABC):
     """One storage level: batch contains / get / put / delete of entries by 16-byte key.
 
@@ -50,10 +67,18 @@ class Tier(ABC):
 
     #: short name used in options, metrics and logs ("host", "disk", "redis")
     name: str
+    #: the engine options `from_options` reads
+    options: ClassVar[tuple[TierOption, ...]]
 
     def __init__(self) -> None:
         self.stats = TierStats()
         self.lock = threading.Lock()
+
+    @classmethod
+    @abstractmethod
+    def from_options(cls, options: Any, namespace: bytes) -> Tier:
+        """The tier as `options` (an EngineConfig, or any object with the fields `cls.options` names) ask for
+        it, for a pool whose entries live under the cache `namespace`."""
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]:

@@ -31,8 +31,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from kvbank.cache.tiers.base import Buffer, Tier
+from kvbank.cache.tiers.base import GIB, Buffer, Tier, TierOption
 
 log = logging.getLogger("kvbank.tiers")
 
@@ -56,6 +57,11 @@ class DiskTier(Tier):
     """
 
     name = "disk"
+    options = (TierOption("kv_disk_dir", "str | None", None), TierOption("kv_disk_gb", "float", 16.0))
+
+    @classmethod
+    def from_options(cls, options: Any, namespace: bytes) -> DiskTier:
+        return cls(options.kv_disk_dir, int(options.kv_disk_gb * GIB))
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int) -> None:
         super().__init__()

@@ -9,14 +9,20 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
-from kvbank.cache.tiers.base import Buffer, Tier
+from kvbank.cache.tiers.base import GIB, Buffer, Tier, TierOption
 
 
 class HostTier(Tier):
     """Entries in RAM within `capacity_bytes`, evicted least recently used first."""
 
     name = "host"
+    options = (TierOption("kv_host_gb", "float", 0.0),)
+
+    @classmethod
+    def from_options(cls, options: Any, namespace: bytes) -> HostTier:
+        return cls(int(options.kv_host_gb * GIB))
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ answered as a miss and deleted. (GETRANGE answers an empty string for a missing 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import socket
@@ -44,7 +45,7 @@ from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.exceptions import AskError, ClusterDownError, RedisClusterException, RedisError, TryAgainError
 from redis.retry import Retry
 
-from kvbank.cache.tiers.base import Buffer, Tier
+from kvbank.cache.tiers.base import Buffer, Tier, TierOption
 
 log = logging.getLogger("kvbank.tiers")
 
@@ -67,6 +68,21 @@ class RedisTier(Tier):
     """
 
     name = "redis"
+    options = (
+        TierOption("kv_redis_url", "str | None", None),
+        TierOption("kv_redis_ttl", "float | None", None),
+        TierOption("kv_redis_timeout", "float", 1.0),
+    )
+
+    @classmethod
+    def from_options(cls, options: Any, namespace: bytes) -> RedisTier:
+        # keys carry a short digest of the pool's namespace: printable, brace-free, the same on every server
+        return cls(
+            options.kv_redis_url,
+            hashlib.blake2b(namespace, digest_size=8).hexdigest(),
+            ttl_seconds=options.kv_redis_ttl,
+            timeout_seconds=options.kv_redis_timeout,
+        )
 
     def __init__(
         self,
@@ -110,6 +126,8 @@ class RedisTier(Tier):
         self._down = False
         self._backoff_s = BACKOFF_START_S
         self._retry_at = 0.0
+        #: the clock the backoff is timed by (a test may put one it controls)
+        self.clock: Callable[[], float] = time.monotonic
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         replies = self._pipelined([("EXISTS", self._name(key)) for key in keys])
@@ -194,7 +212,7 @@ class RedisTier(Tier):
         way retries and decides whether it is an outage) or the tier is backing off (it then skips the network).
         """
         with self.lock:
-            if time.monotonic() < self._retry_at:
+            if self.clock() < self._retry_at:
                 return None
         try:
             replies = _direct_get(self._connected(), commands)
@@ -211,7 +229,7 @@ class RedisTier(Tier):
     def _guarded(self, operation: Callable[[redis.Redis | RedisCluster], Any]) -> Any:
         """operation(client), or None while backing off after a fault or when it faults now."""
         with self.lock:
-            if time.monotonic() < self._retry_at:
+            if self.clock() < self._retry_at:
                 return None
         try:
             result = operation(self._connected())
@@ -238,7 +256,7 @@ class RedisTier(Tier):
     def _fault(self, error: Exception) -> None:
         with self.lock:
             self.stats.errors += 1
-            now = time.monotonic()
+            now = self.clock()
             outage_starts = not self._down
             if outage_starts:
                 self._down, self._backoff_s = True, BACKOFF_START_S
