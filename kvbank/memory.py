@@ -168,10 +168,9 @@ def kv_bytes(storage: KVStorage) -> tuple[int, int]:
 # --- a loaded engine -------------------------------------------------------------------------
 
 
-def measure(engine, load_peak: int | None = None) -> MemoryReport:
-    """Bytes of a loaded engine's actual tensors, part by part."""
-    model = engine.runner.model
-    kv_pool, residual = kv_bytes(engine.runner.storage)
+def measure(model: LlamaForCausalLM, storage: KVStorage, load_peak: int | None = None) -> MemoryReport:
+    """Bytes of a loaded engine's actual tensors (its model and its KV storage), part by part."""
+    kv_pool, residual = kv_bytes(storage)
     return MemoryReport(
         **weight_parts(model),
         kv_pool=kv_pool,
@@ -182,10 +181,10 @@ def measure(engine, load_peak: int | None = None) -> MemoryReport:
     )
 
 
-def current(engine) -> MemoryReport:
-    """The engine's report with the KV parts measured now (residual slots grow with open blocks)."""
-    kv_pool, residual = kv_bytes(engine.runner.storage)
-    return dataclasses.replace(engine.memory, kv_pool=kv_pool, residual_slots=residual)
+def current(report: MemoryReport, storage: KVStorage) -> MemoryReport:
+    """`report` with the KV parts of `storage` measured now (residual slots grow with open blocks)."""
+    kv_pool, residual = kv_bytes(storage)
+    return dataclasses.replace(report, kv_pool=kv_pool, residual_slots=residual)
 
 
 # --- a prediction from metadata ----------------------------------------------------------------

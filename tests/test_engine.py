@@ -126,6 +126,16 @@ def test_preemption_keeps_results_exact(default_llm):
     _assert_all_free(small)
 
 
+def test_waiting_prompt_tokens_count_the_prompts_not_scheduled_yet(default_llm):
+    engine, prompts = default_llm.engine, _prompts(default_llm)[:3]
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, SamplingParams(max_tokens=2), f"waiting-{i}")
+    assert engine.waiting_prompt_tokens() == sum(map(len, prompts))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.waiting_prompt_tokens() == 0
+
+
 def test_parallel_sampling_shares_prompt_blocks(llm):
     engine = llm.engine
     prompt = llm.get_tokenizer().encode(" ".join(TEXTS))[:40]  # 2 full blocks + 8 tokens

@@ -238,7 +238,7 @@ def test_every_weight_of_the_q4_k_m_file_runs_on_the_integer_kernels(llm, path):
     # `kvbank plan` predicts the same kernels and bytes from the header alone
     from kvbank import memory
 
-    predicted, measured = memory.predict(EngineConfig(model=path)), memory.measure(llm.engine)
+    predicted, measured = memory.predict(EngineConfig(model=path)), llm.engine.memory
     assert (
         predicted.projections
         == measured.projections

@@ -24,9 +24,9 @@ from kvbank.engine.decoding import Decoder
 from kvbank.engine.runner import ModelRunner
 from kvbank.engine.sampler import Sampler
 from kvbank.engine.scheduler import Scheduler
-from kvbank.engine.sequence import Request
 from kvbank.engine.sessions import SessionFiles
 from kvbank.engine.stream_host import StreamHost
+from kvbank.engine.stream_questions import RequestHooks
 from kvbank.models.build import BuiltModel
 
 
@@ -122,11 +122,11 @@ def build_services(
     built: BuiltModel,
     cache: CacheParts,
     device: torch.device,
-    requests: dict[str, Request],
+    hooks: RequestHooks,
     in_use: Callable[[str], bool],
 ) -> Services:
-    """The engine's services over `cache`; `requests` is the engine's table of requests in flight and
-    `in_use` says whether a request id is taken."""
+    """The engine's services over `cache`; `hooks` hand a stream's questions to the engine's
+    requests in flight and `in_use` says whether a request id is taken."""
     scheduler = Scheduler(cache.manager, config.max_num_seqs, cache.limits.chunk_tokens, cache.swapper)
     runner = ModelRunner(built.model, cache.storage, device)
     tokenizer, namespace = built.tokenizer, cache.namespace
@@ -136,7 +136,7 @@ def build_services(
         in_use,
     )
     streams_host = StreamHost(
-        admission, scheduler, cache.manager, cache.storage, cache.editor, cache.offload, runner, requests, namespace
+        admission, scheduler, cache.manager, cache.storage, cache.editor, cache.offload, runner, hooks, namespace
     )
     sessions = SessionFiles(
         admission, cache.manager, cache.storage, cache.entry_format, namespace, config.enable_prefix_caching
@@ -145,7 +145,7 @@ def build_services(
     eos_token_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
     generator = torch.Generator(device).manual_seed(config.seed)
     sampler = Sampler(eos_token_ids, tokenizer.token_text if tokenizer else str, generator)
-    decoder = Decoder(sampler, admission, cache.manager, scheduler, cache.offload, eos_token_ids)
+    decoder = Decoder(sampler, admission, cache.manager, scheduler, eos_token_ids)
     return Services(scheduler, runner, admission, streams_host, sessions, decoder)
 
 

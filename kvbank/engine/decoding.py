@@ -1,9 +1,11 @@
-"""From a step's logits to tokens: sample, fork `n > 1` families, detokenize, stop."""
+"""From a step's logits to tokens: sample, fork `n > 1` families, detokenize, stop.
+
+The decoder says which sequences stopped; finishing them (the tiers, then the scheduler) is the
+step's commit (engine/commit.py)."""
 
 from __future__ import annotations
 
 from kvbank.cache.manager import KVCacheManager
-from kvbank.cache.offload import KVOffload
 from kvbank.engine.admission import Admission
 from kvbank.engine.runner import StepLogits
 from kvbank.engine.sampler import Sampled, Sampler, token_logprobs
@@ -12,7 +14,7 @@ from kvbank.engine.sequence import Request, Sequence
 
 
 class Decoder:
-    """Appends each scheduled sequence's next token, and finishes the sequences that stop."""
+    """Appends each scheduled sequence's next token, and marks the sequences that stop."""
 
     def __init__(
         self,
@@ -20,14 +22,12 @@ class Decoder:
         admission: Admission,
         manager: KVCacheManager,
         scheduler: Scheduler,
-        offload: KVOffload | None,
         eos_token_ids: frozenset[int],
     ) -> None:
         self.sampler = sampler
         self.admission = admission
         self.manager = manager
         self.scheduler = scheduler
-        self.offload = offload
         self.eos_token_ids = eos_token_ids
         self.max_model_len = admission.max_model_len
 
@@ -42,8 +42,9 @@ class Decoder:
             token = request.prompt_token_ids[start + j]
             request.prompt_logprobs.append(token_logprobs(logprobs[j], token, k, self.sampler.token_text))
 
-    def sample(self, batch: list[ScheduledSeq], result: StepLogits, now: float) -> int:
-        """Sample and append a token to every sequence whose prompt is done; returns tokens appended."""
+    def sample(self, batch: list[ScheduledSeq], result: StepLogits, now: float) -> tuple[int, list[Sequence]]:
+        """Sample and append a token to every sequence whose prompt is done; returns the tokens
+        appended and the sequences they stopped (their finish reason set, still to be finished)."""
         seqs: list[Sequence] = []
         rows: list[int] = []
         for i, item in enumerate(batch):
@@ -54,12 +55,11 @@ class Decoder:
             seqs.extend(family)
             rows.extend([row] * len(family))
         if not seqs:
-            return 0
+            return 0, []
         # one row per sequence, in order (every batch without n > 1): no copy of the logits
         logits = result.logits if rows == list(range(result.logits.shape[0])) else result.logits[rows]
-        for seq, sample in zip(seqs, self.sampler(logits, seqs)):
-            self._append_token(seq, sample, now)
-        return len(seqs)
+        stopped = [seq for seq, sample in zip(seqs, self.sampler(logits, seqs)) if self._append_token(seq, sample, now)]
+        return len(seqs), stopped
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         request = parent.request
@@ -74,7 +74,7 @@ class Decoder:
         request.forked = True
         return family
 
-    def _append_token(self, seq: Sequence, sample: Sampled, now: float) -> None:
+    def _append_token(self, seq: Sequence, sample: Sampled, now: float) -> bool:
         token = sample.token_id
         seq.token_ids.append(token)
         if seq.request.metrics.first_token_time is None:
@@ -90,8 +90,7 @@ class Decoder:
             # Bytes held back for an unfinished character end the text as U+FFFD (a whole decode's ending).
             seq.text += (tail := seq.detokenizer.flush())
             reason = seq.check_stop(token, len(tail), self.eos_token_ids, context)
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason
-            if self.offload is not None:
-                self.offload.on_finish(seq)
-            self.scheduler.finish(seq)
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason
+        return True

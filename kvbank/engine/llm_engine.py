@@ -2,8 +2,13 @@
 
 `LLMEngine` orchestrates: the builder wires the cache (engine/builder.py), admission checks and
 builds requests (engine/admission.py), the stream host runs streams (engine/stream_host.py),
-session files go through engine/sessions.py, and the decoder turns logits into tokens
-(engine/decoding.py). The engine owns the step: schedule, run the model, record, decode, report.
+session files go through engine/sessions.py, the decoder turns logits into tokens
+(engine/decoding.py), and the step's commit settles the sequences a step ran (engine/commit.py).
+The engine owns the step: schedule, run the model, settle, report.
+
+One thread uses an engine. Another thread (a server's) reads only what `info()` says, which never
+changes, or asks the engine's thread for snapshots (`stats`, `waiting_prompt_tokens`, `memory_now`);
+the few methods safe from any thread say so.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +27,7 @@ from kvbank.cache.policies import DEFAULT_STREAM_POLICY, KVPolicy
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
 from kvbank.engine.builder import batch_variance, build_cache, build_services
+from kvbank.engine.commit import StepCommit
 from kvbank.engine.counters import EngineCounters
 from kvbank.engine.outputs import RequestFailed, RequestOutput
 from kvbank.engine.pacing import StepPacer
@@ -29,15 +36,35 @@ from kvbank.engine.prompts import PromptType
 from kvbank.engine.runner import StepLogits
 from kvbank.engine.scheduler import ScheduledSeq
 from kvbank.engine.sequence import Request, Sequence
+from kvbank.engine.stream_questions import RequestHooks
 from kvbank.engine.streams import FrameRequest, FrameType, PoolFull, Stream
 from kvbank.kernels import isa
 from kvbank.kernels.allocator import keep_freed_memory
+from kvbank.memory import MemoryReport
 from kvbank.models.build import build_model
-from kvbank.tokenizer import load_chat_template
+from kvbank.models.config import ModelConfig
+from kvbank.tokenizer import Tokenizer, load_chat_template
 
-__all__ = ["LLMEngine", "PromptType"]
+__all__ = ["EngineInfo", "LLMEngine", "PromptType"]
 
 log = logging.getLogger("kvbank")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine is, fixed once it is built: safe to read from any thread."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: str
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    #: most tokens one step computes
+    max_num_batched_tokens: int
+    #: whether KV tiers keep the pool's prefixes (kv_host_gb, kv_disk_dir, kv_redis_url)
+    has_tiers: bool
 
 
 class LLMEngine:
@@ -64,7 +91,8 @@ class LLMEngine:
         self.cache_namespace, self.entry_format = cache.namespace, cache.entry_format
         self.limits, self.kv_policy, self.editor = cache.limits, cache.kv_policy, cache.editor
         self.requests: dict[str, Request] = {}
-        parts = build_services(config, built, cache, self.device, self.requests, self._in_use)
+        hooks = RequestHooks(self._track, self._untrack, self._tracked)
+        parts = build_services(config, built, cache, self.device, hooks, self._in_use)
         self.scheduler, self.runner, self.admission = parts.scheduler, parts.runner, parts.admission
         #: streams (open, append, ask, fork, close), and session files (prompt, pack, save, read, install)
         self.streams_host, self.sessions, self.decoder = parts.streams_host, parts.sessions, parts.decoder
@@ -77,7 +105,13 @@ class LLMEngine:
         #: outputs settled between steps (a skipped repeat frame, a closed stream's frames), sent by the next step
         self._ready: list[RequestOutput] = []
         self.counters = EngineCounters()
-        self.memory = memory.measure(self, built.load_peak)
+        # fmt: off
+        self.commit = StepCommit(
+            self.manager, self.offload, self.editor, self.scheduler, self.streams_host, self.decoder, self.counters,
+            config.enable_prefix_caching, self._fail,
+        )
+        # fmt: on
+        self.memory = memory.measure(built.model, self.storage, built.load_peak)
         #: whether greedy output is independent of the batch (config.batch_invariant, where kept)
         self.batch_invariant = False
         if config.batch_invariant:
@@ -95,7 +129,16 @@ class LLMEngine:
                 )
 
     def _in_use(self, request_id: str) -> bool:
-        return request_id in self.requests or request_id in self.streams_host.frame_requests
+        return request_id in self.requests or self.streams_host.has_frame_request(request_id)
+
+    def _track(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+
+    def _untrack(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def _tracked(self, request_id: str) -> bool:
+        return request_id in self.requests
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -119,7 +162,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raises ValueError for anything that could never run."""
         request = self.admission.request(prompt, params or SamplingParams(), request_id, arrival_time)
-        if self.streams_host.streams:
+        if self.streams:
             # Refused now (PoolFull) rather than left waiting when streams, which are never
             # preempted, hold so much of the pool that even its prompt could not be computed.
             ids = request.prompt_token_ids
@@ -138,7 +181,7 @@ class LLMEngine:
         A frame sent to a stream is part of the stream once accepted: aborting its request only
         stops waiting for it.
         """
-        if self.streams_host.frame_requests.pop(request_id, None) is not None:
+        if self.streams_host.drop_frame_request(request_id):
             return None
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -175,7 +218,7 @@ class LLMEngine:
             return self.runner.model.embed_tokens(torch.tensor(ids, device=self.device)).cpu().clone()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self.streams_host.frame_requests or self._ready)
+        return bool(self.requests or self.streams_host.frames_pending() or self._ready)
 
     # --- streams (engine/stream_host.py: what each does and refuses) ------------------------------
 
@@ -262,20 +305,9 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.observe_prefill(prompt_tokens, time.perf_counter() - started)
         now = time.time()
-        touched: dict[str, Request] = {}
-        streams: list[Stream] = []
-        for i, item in enumerate(batch):
-            try:
-                self._record_progress(item, result, i, now)
-            except Exception as error:
-                result.sample_rows[i], result.prompt_rows[i] = -1, None
-                self._fail(item.seq, error)
-                continue
-            if item.seq.frames is not None:
-                streams.append(self.streams_host.get(item.seq.request.stream_id))
-            else:
-                touched[item.seq.request.request_id] = item.seq.request
-        self.counters.generation_tokens += self.decoder.sample(batch, result, now)
+        settled = self.commit(batch, result, now)
+        streams = [self.streams_host.get(seq.request.stream_id) for seq in settled if seq.frames is not None]
+        touched = {seq.request.request_id: seq.request for seq in settled if seq.frames is None}
         if self.pacer is not None:
             rows = sum(1 for item in batch if item.num_tokens == 1)
             self.pacer.observe(prompt_tokens, rows, time.perf_counter() - started)
@@ -336,7 +368,7 @@ class LLMEngine:
             log.error("request %s failed (incident %s)", seq.request.request_id, incident, exc_info=error)
             error = RequestFailed(f"internal error while running this request (incident {incident})")
         stream_id = seq.request.stream_id if seq.frames is not None else None
-        if stream_id is not None and stream_id in self.streams_host.streams:
+        if stream_id is not None and self.streams_host.is_open(stream_id):
             outputs = self.streams_host.close(stream_id)[1]
         else:
             request = self.requests.get(seq.request.request_id)
@@ -375,26 +407,6 @@ class LLMEngine:
         ready, self._ready = self._ready, []
         return ready
 
-    def _record_progress(self, item: ScheduledSeq, result: StepLogits, i: int, now: float) -> None:
-        seq, request = item.seq, item.seq.request
-        if request.metrics.first_scheduled_time is None:
-            request.metrics.first_scheduled_time = now
-            request.num_cached_tokens = seq.num_computed_tokens
-            self.counters.scheduled_first(seq, self.config.enable_prefix_caching)
-            if self.offload is not None:
-                self.offload.on_admit(seq)
-        self.decoder.prompt_logprobs(request, result, i)
-        seq.num_computed_tokens += item.num_tokens
-        self.manager.commit(seq)
-        if self.offload is not None:
-            self.offload.on_commit(seq)
-        if seq.frames is not None:
-            evicted = self.streams_host.after_step(seq)
-        else:
-            evicted = seq.kv_policy.after_step(seq, self.editor)
-        if evicted:
-            self.counters.evicted_tokens[seq.kv_policy.name] += evicted
-
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block not in use or pinned (tiers keep theirs); returns blocks dropped."""
         return self.manager.evict_cached()
@@ -407,6 +419,48 @@ class LLMEngine:
             self.offload = None
 
     # --- introspection ------------------------------------------------------------------------
+
+    def info(self) -> EngineInfo:
+        """What this engine is (model, limits, pool size), fixed once it is built."""
+        return EngineInfo(
+            self.config,
+            self.model_config,
+            self.model_path,
+            self.tokenizer,
+            self.max_model_len,
+            self.block_size,
+            self.num_blocks,
+            self.scheduler.max_num_batched_tokens,
+            self.offload is not None,
+        )
+
+    def waiting_prompt_tokens(self) -> int:
+        """Tokens of the sequences waiting to be scheduled (preempted ones with what they generated)."""
+        return sum(len(seq.token_ids) for seq in self.scheduler.waiting)
+
+    def memory_now(self) -> MemoryReport:
+        """The memory report (`memory`) with the KV parts measured now: residual slots grow with open blocks."""
+        return memory.current(self.memory, self.storage)
+
+    def spill_to_tiers(self, limit: int, tried: set[int]) -> int:
+        """Write-back: queue up to `limit` pool chunks that never reached the tiers (KVOffload.spill);
+        returns how many were queued, or -1 when none is left to try (or there are no tiers)."""
+        return self.offload.spill(limit, tried) if self.offload is not None else -1
+
+    def flush_tiers(self, timeout: float) -> bool:
+        """Wait until the tiers' writer has stored everything queued; False if `timeout` passed first.
+        Safe from any thread (the writer's queue has its own lock), and meant for one: it blocks."""
+        offload = self.offload
+        return offload.flush(timeout) if offload is not None else True
+
+    def refresh_tier_stats(self) -> None:
+        """Refresh the tier gauges that cost a round trip (Redis memory and key count). Safe from any
+        thread, and meant for one: it blocks on the round trip."""
+        offload = self.offload
+        for tier in offload.tiers if offload is not None else []:
+            refresh = getattr(tier, "refresh_stats", None)
+            if refresh is not None:
+                refresh()
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Each tier's bytes used and capacity (None where the store keeps its own), hits, misses,

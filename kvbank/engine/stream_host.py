@@ -1,13 +1,17 @@
 """The streams' host: opens, feeds, forks and closes streams, and launches their questions.
 
 What a stream is, and why it is one parked sequence, is told in engine/streams.py. The engine
-steps the host: `after_step` evicts (and archives) a stream's frames once a step computed them,
-`progress` finishes the frame requests a step completed and launches the questions that waited.
+steps the host: `after_step` evicts (and archives) a stream's frames once a step computed them
+(engine/commit.py runs it), `progress` finishes the frame requests a step completed and launches
+the questions that waited.
+
+The host owns its streams and the frame requests still computing; the engine owns every other
+request. A stream's questions are requests like any other once asked: they reach the engine's
+table through `RequestHooks` (engine/stream_questions.py), which the host never holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -18,7 +22,7 @@ from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.offload import KVOffload
 from kvbank.cache.policies import FrameWindow, KVPolicy, parse_policy
 from kvbank.cache.prefix import root_hash
-from kvbank.cache.recall import FrameArchive, splice_recalled
+from kvbank.cache.recall import FrameArchive
 from kvbank.cache.storage import KVStorage
 from kvbank.engine.admission import Admission
 from kvbank.engine.outputs import RequestMetrics, RequestOutput
@@ -27,12 +31,11 @@ from kvbank.engine.prompts import PromptType
 from kvbank.engine.runner import ModelRunner
 from kvbank.engine.scheduler import Scheduler
 from kvbank.engine.sequence import Request, Sequence, SequenceStatus
-from kvbank.engine.streams import FrameRequest, FrameType, PoolFull, Stream
+from kvbank.engine.stream_questions import RequestHooks, StreamQuestions
+from kvbank.engine.streams import FrameRequest, FrameType, PoolFull, Stream, stream_room
 
 #: evicted frames a stream keeps recallable (their summaries take ~11 KiB of RAM each here)
 RECALL_LIMIT = 1024
-#: a question that asks nothing in particular: what every question's queries share (cache/recall.py)
-NEUTRAL_QUESTION = "What happened?"
 
 
 class StreamHost:
@@ -47,7 +50,7 @@ class StreamHost:
         editor: KVEditor,
         offload: KVOffload | None,
         runner: ModelRunner,
-        requests: dict[str, Request],
+        hooks: RequestHooks,
         namespace: bytes,
     ) -> None:
         self.admission = admission
@@ -57,14 +60,14 @@ class StreamHost:
         self.editor = editor
         self.offload = offload
         self.runner = runner
-        #: the engine's requests: a stream's questions are requests like any other once launched
-        self.requests = requests
+        #: a stream's questions (engine/stream_questions.py)
+        self.questions = StreamQuestions(admission, scheduler, manager, storage, editor, runner, hooks)
         self.namespace = namespace
         self.max_model_len = admission.max_model_len
         self.block_size = admission.block_size
         self.streams: dict[str, Stream] = {}
         #: frames (and system prompts) not computed yet, by request id
-        self.frame_requests: dict[str, FrameRequest] = {}
+        self._frame_requests: dict[str, FrameRequest] = {}
         #: how many streams' archives hold each archived frame's tier entry (a fork shares its
         #: source's): an entry is deleted when the last of them lets it go
         self.archive_holders: dict[bytes, int] = {}
@@ -75,6 +78,22 @@ class StreamHost:
         if stream is None:
             raise KeyError(f"no open stream {stream_id!r}")
         return stream
+
+    def is_open(self, stream_id: str) -> bool:
+        """Whether `stream_id` names an open stream."""
+        return stream_id in self.streams
+
+    def has_frame_request(self, request_id: str) -> bool:
+        """Whether `request_id` is a frame (or a system prompt) still computing."""
+        return request_id in self._frame_requests
+
+    def frames_pending(self) -> bool:
+        """Whether any frame (or system prompt) is still computing."""
+        return bool(self._frame_requests)
+
+    def drop_frame_request(self, request_id: str) -> bool:
+        """Stop waiting for a frame request (the frame stays part of its stream); False if unknown."""
+        return self._frame_requests.pop(request_id, None) is not None
 
     # --- opening, forking, closing --------------------------------------------------------------
 
@@ -149,7 +168,7 @@ class StreamHost:
         self.streams[stream_id] = stream
         opened = FrameRequest(request_id, stream, None, parsed.text, parsed.token_ids, RequestMetrics(now))
         stream.pending.append(opened)
-        self.frame_requests[request_id] = opened
+        self._frame_requests[request_id] = opened
         self.scheduler.add(seq)
         if self.offload is not None:
             self.offload.request_load(seq)
@@ -261,16 +280,13 @@ class StreamHost:
             raise KeyError(f"no open stream {stream_id!r}")
         ended, outputs = [], []
         for pending in stream.pending:
-            if self.frame_requests.pop(pending.request_id, None) is not None:
+            if self.drop_frame_request(pending.request_id):
                 pending.finished = True
                 outputs.append(pending.output())
                 ended.append(pending.request_id)
-        for request in stream.waiting_asks:
-            if self.requests.pop(request.request_id, None) is not None:  # never launched: no sequence yet
-                request.forked = True
-                request.metrics.finished_time = time.time()
-                outputs.append(request.output())
-                ended.append(request.request_id)
+        for request in self.questions.drop_waiting(stream):
+            outputs.append(request.output())
+            ended.append(request.request_id)
         self.scheduler.finish(stream.seq)
         if stream.archive is not None:
             stream.archive.close()
@@ -329,7 +345,7 @@ class StreamHost:
         seq.token_ids.extend(parsed.token_ids)
         request = FrameRequest(request_id, stream, added, parsed.text, parsed.token_ids, metrics, repeat)
         stream.pending.append(request)
-        self.frame_requests[request_id] = request
+        self._frame_requests[request_id] = request
         evicted = self.fit(stream)
         if seq.status is SequenceStatus.PARKED:
             self.scheduler.add_running(seq)
@@ -380,126 +396,8 @@ class StreamHost:
     def ask(
         self, stream_id: str, question: PromptType, params: SamplingParams | None, request_id: str | None, recall: int
     ) -> Request:
-        """A request answering `question` from the stream's cached frames, once every frame sent
-        before it is computed: it forks the stream's blocks and frees its own when done.
-
-        `recall=k` first brings back the k evicted frames most relevant to the question (from the
-        stream's tier; cache/recall.py) into the question's copy of the cache."""
-        stream, admit = self.get(stream_id), self.admission
-        if not isinstance(recall, int) or isinstance(recall, bool) or recall < 0:
-            raise ValueError(f"recall={recall!r} must be an integer >= 0")
-        if recall and stream.archive is None:
-            raise ValueError(
-                f"recall={recall} needs a KV tier for evicted frames (kv_host_gb, kv_disk_dir or kv_redis_url)"
-            )
-        params = params or SamplingParams()
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs cannot be given for a stream question: its frames are cached")
-        if params.kv_policy is not None:
-            raise ValueError("a stream question takes no kv_policy: it runs on the stream's cache")
-        if isinstance(question, str):
-            question = admit.continuation(question, question + stream.question_suffix)
-        parsed = admit.parse(question, tenant=True)
-        if parsed.salt is not None:
-            raise ValueError("a question cannot carry a cache_salt: give it to open_stream")
-        admit.check_sampling(params)
-        kept = stream.seq.num_tokens
-        room = self._room(stream.seq) - kept - len(parsed.token_ids)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max(room, 1))
-        if params.max_tokens > room:
-            raise ValueError(
-                f"the stream holds {kept} tokens and the question has {len(parsed.token_ids)}: "
-                f"max_tokens={params.max_tokens} exceeds max_model_len={self.max_model_len}"
-            )
-        total = kept + len(parsed.token_ids) + params.max_tokens
-        admit.ensure_room(
-            blocks_for(stream.seq.lead + total, self.block_size) - len(stream.seq.block_table) + 1,
-            "the question",
-            self.promised(),
-        )
-        request_id = admit.request_id(request_id)
-        request = Request(
-            request_id, parsed.text, parsed.token_ids, params, stream.seq.root_hash, time.time(), stream.policy
-        )
-        # the asker's tenant when it names one (a server's: the asker's API key), else the stream's
-        request.tenant = parsed.tenant if parsed.tenant is not None else stream.seq.request.tenant
-        request.stream_id = stream_id
-        request.no_prefix_cache = True  # the forked blocks are the stream's, rotated and compacted
-        request.recall = recall
-        self.requests[request_id] = request
-        stream.last_used = time.monotonic()
-        if stream.seq.status is SequenceStatus.PARKED:
-            self._launch_ask(stream, request)
-        else:
-            stream.waiting_asks.append(request)
-        return request
-
-    def _launch_ask(self, stream: Stream, request: Request) -> None:
-        if request.recall:
-            if self._launch_recalling(stream, request):
-                return
-            stream.archive.stats.fallbacks += 1
-        source, question, params = stream.seq, request.prompt_token_ids, request.params
-        kept = source.num_computed_tokens
-        if source.lead + kept + source.rope_offset + len(question) + params.max_tokens > self.editor.rope_len:
-            self.editor.rebase_tokens(source, source.frames.keep_tokens)
-        request.prompt_token_ids = source.token_ids + question
-        request.embedded_spans = source.frames.embedded_spans()
-        room = self._room(source) - len(request.prompt_token_ids)
-        if params.max_tokens > room:  # frames longer than those the question was checked against
-            request.params = dataclasses.replace(params, max_tokens=max(room, 1))
-        seq = self.admission.sequence(request, 0, request.prompt_token_ids)
-        seq.num_computed_tokens, seq.rope_offset = kept, source.rope_offset
-        seq.lead = source.lead
-        self.manager.fork(source, seq)
-        request.seqs.append(seq)
-        self.scheduler.add_running(seq)
-
-    def _mean_queries(self, token_ids: list[int]) -> torch.Tensor:
-        device = self.storage.device
-        return self.runner.model.mean_queries(torch.tensor(token_ids, device=device)).cpu()
-
-    def _launch_recalling(self, stream: Stream, request: Request) -> bool:
-        """Start the question on its own copy of the cache: sinks, the recalled frames, the kept
-        frames (cache/recall.py); False if nothing came back or there is no room for it."""
-        source, question, params, log = stream.seq, request.prompt_token_ids, request.params, stream.seq.frames
-        started = time.perf_counter()
-        queries = self._mean_queries(question)
-        if stream.neutral_queries is None:
-            text = NEUTRAL_QUESTION + stream.question_suffix
-            neutral = self.admission.parse(self.admission.continuation(text, text)).token_ids
-            stream.neutral_queries = self._mean_queries(neutral)
-        room = self._room(source) - source.num_computed_tokens - len(question) - params.max_tokens
-        chosen, total = [], 0
-        for archived in reversed(stream.archive.choose(queries, stream.neutral_queries, request.recall, question)):
-            if total + len(archived.token_ids) <= room:  # the newest fit first
-                chosen.insert(0, archived)
-                total += len(archived.token_ids)
-        c = self.admission.model_config
-        loaded = stream.archive.load(chosen, (c.num_layers, c.num_kv_heads, c.head_dim), self.storage.dtype)
-        recalled = sum(len(a.token_ids) for a, _, _ in loaded)
-        keep, kept = log.keep_tokens, source.num_computed_tokens
-        needed = blocks_for(kept + recalled + len(question) + params.max_tokens, self.block_size)
-        if not loaded or not source.pristine_blocks or needed > self.manager.num_free_blocks:
-            return False
-        table = splice_recalled(self.manager, self.storage, source, keep, loaded, self.editor.inv_freq)
-        frames = [t for a, _, _ in loaded for t in a.token_ids]
-        request.prompt_token_ids = source.token_ids[:keep] + frames + source.token_ids[keep:] + question
-        held = log.embedded_spans()
-        spans, position = [(a, b) for a, b in held if b <= keep], keep
-        for archived, _, _ in loaded:
-            if archived.embedded:
-                spans.append((position, position + len(archived.token_ids)))
-            position += len(archived.token_ids)
-        request.embedded_spans = spans + [(a + recalled, b + recalled) for a, b in held if a >= keep]
-        seq = self.admission.sequence(request, 0, request.prompt_token_ids)
-        seq.num_computed_tokens, seq.block_table = kept + recalled, table
-        request.recalled_frames = [a.index for a, _, _ in loaded]
-        request.recall_seconds = time.perf_counter() - started
-        request.seqs.append(seq)
-        self.scheduler.add_running(seq)
-        return True
+        """A request answering `question` from the stream's cached frames (StreamQuestions.ask)."""
+        return self.questions.ask(self.get(stream_id), question, params, request_id, recall, self.promised())
 
     # --- stepping -------------------------------------------------------------------------------
 
@@ -546,9 +444,7 @@ class StreamHost:
         return end <= self._room(seq)
 
     def _room(self, seq: Sequence) -> int:
-        """Most tokens `seq` (or a question forked from it) can hold: its positions start at its
-        lead once they restart at the first slot."""
-        return min(self.max_model_len, self.editor.rope_len - seq.lead)
+        return stream_room(seq, self.max_model_len, self.editor.rope_len)
 
     def progress(self, stream: Stream, now: float) -> list[RequestOutput]:
         """Finish the frame requests a step completed; park the stream once it has no frame left to compute."""
@@ -563,12 +459,9 @@ class StreamHost:
             if first.frame is None:
                 first.num_cached_tokens = seq.request.num_cached_tokens
             first.finished, first.metrics.finished_time = True, now
-            if self.frame_requests.pop(first.request_id, None) is not None:
+            if self.drop_frame_request(first.request_id):
                 outputs.append(first.output())
         if seq.num_pending == 0 and seq.status is SequenceStatus.RUNNING:
             self.scheduler.park(seq)
-            waiting, stream.waiting_asks = stream.waiting_asks, []
-            for request in waiting:
-                if request.request_id in self.requests:
-                    self._launch_ask(stream, request)
+            self.questions.launch_waiting(stream)
         return outputs

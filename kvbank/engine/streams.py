@@ -2,7 +2,7 @@
 
 A stream is one sequence that never samples and never finishes: its system prompt is computed
 once, each appended frame computes only its own tokens, and between frames the sequence is
-parked (it keeps its blocks but is not scheduled). Its policy, `frame_window` (cache/policies.py),
+parked (it keeps its blocks but is not scheduled). Its policy, `frame_window` (cache/policies/frame_window.py),
 keeps the system prompt, the sink frames and the last N frames, evicting whole frames.
 
 A question forks the stream: a new sequence shares every block (copy-on-write), computes the
@@ -142,3 +142,9 @@ class Stream:
             **({f"recall_{k}": v for k, v in vars(self.archive.stats).items()} if self.archive else {}),
             "recallable_frames": len(self.archive.frames) if self.archive else 0,
         }
+
+
+def stream_room(seq: Sequence, max_model_len: int, rope_len: int) -> int:
+    """Most tokens a stream's sequence (or a question forked from it) can hold: its positions start
+    at its lead once they restart at the first slot, and run to the end of the rotary tables."""
+    return min(max_model_len, rope_len - seq.lead)

@@ -40,7 +40,6 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
-from kvbank import memory
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.bodies import RequestChecks
 from kvbank.server.completions import Completions, install_completions
@@ -85,8 +84,8 @@ def build_app(
     app = FastAPI(title="kvbank", summary="OpenAI-compatible API of a kvbank engine")
     install_error_handlers(app, limits.retry_after_s)
     async_engine.max_queued = limits.max_queued_requests
-    async_engine.max_prompt_tokens = limits.prompt_token_limit(async_engine.engine.max_model_len)
-    body_limit = limits.body_byte_limit(async_engine.engine.max_model_len, async_engine.engine.model_config.hidden_size)
+    async_engine.max_prompt_tokens = limits.prompt_token_limit(async_engine.info.max_model_len)
+    body_limit = limits.body_byte_limit(async_engine.info.max_model_len, async_engine.info.model_config.hidden_size)
     if body_limit is not None:
         app.add_middleware(BodyLimit, limit=body_limit)
     login = DashboardLogin(limits.api_keys()) if limits.api_key is not None else None
@@ -98,7 +97,7 @@ def build_app(
         install_host_check(app, allowed_hosts)
     app.state.drain = drain = Drain()
     app.add_middleware(DrainGate, drain=drain, retry_after_s=limits.retry_after_s)
-    checks = RequestChecks(limits, served_model_name, async_engine.engine.model_config.vocab_size)
+    checks = RequestChecks(limits, served_model_name, async_engine.info.model_config.vocab_size)
     install_worker_routes(app, async_engine, served_model_name, limits, drain)
     _install_server_routes(app, async_engine)
     install_completions(app, Completions(async_engine, checks, limits))
@@ -116,14 +115,14 @@ def _install_server_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         page = render_metrics(
-            async_engine.stats(), timer, memory=memory.current(async_engine.engine), tiers=async_engine.tier_stats()
+            async_engine.stats(), timer, memory=async_engine.memory(), tiers=async_engine.tier_stats()
         )
         return PlainTextResponse(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict:
         blocks = await async_engine.call(lambda engine: engine.reset_prefix_cache())
-        block_size = async_engine.engine.block_size
+        block_size = async_engine.info.block_size
         return {
             "object": "cache.flush",
             "blocks": blocks,

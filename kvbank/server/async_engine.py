@@ -5,6 +5,10 @@ Outputs travel as deltas (RequestOutputKind.DELTA), so a step costs the same at 
 as at the first, and deltas a reader has not collected yet are merged into one: a slow client holds
 one pending output per request, not one per step. Text is tokenized on a small worker pool, never
 on the engine thread (where it would stall every running request's decoding) nor on the event loop.
+
+Other threads never touch the engine's structures: they read what never changes (`info`), the
+snapshots the engine thread publishes after each step (`stats`, `waiting_prompt_tokens`, `memory`,
+...), or run work on the engine thread (`call`).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvbank.engine.llm_engine import LLMEngine, PromptType
+from kvbank.engine.llm_engine import EngineInfo, LLMEngine, PromptType
 from kvbank.engine.outputs import RequestFailed, RequestOutput, RequestOutputKind
 from kvbank.engine.params import SamplingParams
+from kvbank.memory import MemoryReport
 
 T = TypeVar("T")
 log = logging.getLogger("kvbank")
@@ -185,12 +190,17 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine) -> None:
+        #: the engine, for the engine thread alone: other threads go through `call`, `info` and the snapshots
         self.engine = engine
+        #: what the engine is (model, limits, pool size): fixed, safe from any thread
+        self.info: EngineInfo = engine.info()
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvbank-tokenizer")
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | _Wake | _Stop] = queue.SimpleQueue()
         self._mailboxes: dict[str, _Mailbox] = {}
         self._stats = engine.stats()
         self._tiers = engine.tier_stats()
+        self._waiting_tokens = engine.waiting_prompt_tokens()
+        self._memory = engine.memory_now()
         self._blocks = engine.block_states()
         self._blocks_time = 0.0
         self._error: BaseException | None = None
@@ -203,12 +213,12 @@ class AsyncEngine:
         #: longest prompt `add_request` accepts, checked once it is tokenized (and from a text's
         #: byte count before, where that already proves it too long); None: no bound
         self.max_prompt_tokens: int | None = None
-        self._bytes_per_token = engine.tokenizer.max_token_bytes if engine.tokenizer is not None else None
+        self._bytes_per_token = self.info.tokenizer.max_token_bytes if self.info.tokenizer is not None else None
         self._thread = threading.Thread(target=self._run, name="kvbank-engine", daemon=True)
         self._thread.start()
         self._stopping = threading.Event()
         self._tier_thread: threading.Thread | None = None
-        if engine.offload is not None:
+        if self.info.has_tiers:
             self._tier_thread = threading.Thread(target=self._refresh_tiers, name="kvbank-tier-stats", daemon=True)
             self._tier_thread.start()
 
@@ -286,7 +296,7 @@ class AsyncEngine:
 
     async def _tokenized(self, prompt: PromptType) -> tuple[PromptType, str | None]:
         """The prompt with its text replaced by token ids, and that text (None if there was none)."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.info.tokenizer
         as_dict = prompt if isinstance(prompt, dict) else {"prompt": prompt}
         text = as_dict.get("prompt")
         if tokenizer is None or not isinstance(text, str) or "prompt_token_ids" in as_dict:
@@ -373,6 +383,19 @@ class AsyncEngine:
         """`LLMEngine.block_states()` as of the latest step (refreshed at most every 0.25 s while busy)."""
         return self._blocks
 
+    def waiting_prompt_tokens(self) -> int:
+        """`LLMEngine.waiting_prompt_tokens()` as of the latest step (a snapshot)."""
+        return self._waiting_tokens
+
+    def memory(self) -> MemoryReport:
+        """`LLMEngine.memory_now()` as of the latest step (refreshed with `block_states`)."""
+        return self._memory
+
+    async def flush_tiers(self, timeout: float) -> bool:
+        """Wait, off the engine thread and the event loop, until the tiers' writer has stored what
+        it has queued; False if `timeout` passed first (True at once without tiers)."""
+        return await asyncio.to_thread(self.engine.flush_tiers, timeout)
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread; requests still running end with EngineDeadError."""
         self._stopping.set()
@@ -395,6 +418,7 @@ class AsyncEngine:
                 now = time.monotonic()
                 if now - self._blocks_time > 0.25 or not self.engine.has_unfinished_requests():
                     self._blocks, self._blocks_time = self.engine.block_states(), now
+                    self._memory = self.engine.memory_now()
         except BaseException as error:
             self._error = error
             raise
@@ -445,15 +469,12 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         self._stats = self.engine.stats()
         self._tiers = self.engine.tier_stats()
+        self._waiting_tokens = self.engine.waiting_prompt_tokens()
 
     def _refresh_tiers(self) -> None:
         """Refresh gauges that cost a round trip, off the engine thread, and have the snapshot republished."""
-        tiers = self.engine.offload.tiers if self.engine.offload is not None else []
         while not self._stopping.wait(TIER_REFRESH_S):
-            for tier in tiers:
-                refresh = getattr(tier, "refresh_stats", None)
-                if refresh is not None:
-                    refresh()
+            self.engine.refresh_tier_stats()
             self._inbox.put(_Wake())
 
     def _abort(self, request_id: str) -> None:

@@ -313,7 +313,7 @@ async def checked_token_ids(async_engine: AsyncEngine, ids: list, field: str) ->
     """`ids` counted against the server's prompt limit, then checked against the model's vocabulary
     on the tokenizer pool; APIError 400 naming `field` otherwise."""
     check_count(len(ids), field, "tokens", async_engine.max_prompt_tokens)
-    vocab_size = async_engine.engine.model_config.vocab_size
+    vocab_size = async_engine.info.model_config.vocab_size
     return await async_engine.run_tokenizer(check_token_range, ids, field, vocab_size)
 
 
@@ -397,7 +397,7 @@ def chat_messages(async_engine: AsyncEngine, messages: list[Any]) -> list[dict]:
 def render_chat(async_engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool) -> list[int]:
     """The token ids of `messages` (see `chat_messages`) rendered by the model's chat template; APIError
     400 for what the template refuses. Run it off the event loop."""
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.info.tokenizer
     if tokenizer is None:
         raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
     rendered = chat_messages(async_engine, messages)

@@ -74,7 +74,7 @@ class Completions:
 
     def __init__(self, async_engine: AsyncEngine, checks: RequestChecks, limits: ServerLimits) -> None:
         self.async_engine = async_engine
-        self.engine = async_engine.engine
+        self.engine_info = async_engine.info
         self.checks = checks
         self.limits = limits
         self.model_name = checks.model_name
@@ -87,7 +87,7 @@ class Completions:
             "created": self.created,
             "owned_by": "kvbank",
             "root": self.model_name,  # never a filesystem path: it tells a client nothing it needs
-            "max_model_len": self.engine.max_model_len,
+            "max_model_len": self.engine_info.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -147,7 +147,7 @@ class Completions:
         if body.prompt_embeds is None:
             prompts = completion_prompts(body.prompt)
             self._check_prompt_count(len(prompts), n)
-            limit, vocab_size = self.async_engine.max_prompt_tokens, self.engine.model_config.vocab_size
+            limit, vocab_size = self.async_engine.max_prompt_tokens, self.engine_info.model_config.vocab_size
             return await self.async_engine.run_tokenizer(check_prompts, prompts, limit, vocab_size)
         if body.prompt not in (None, "", []):
             raise APIError("give prompt or prompt_embeds, not both", param="prompt_embeds")
@@ -157,7 +157,7 @@ class Completions:
         if not items:
             raise APIError("prompt_embeds must not be an empty list", param="prompt_embeds")
         self._check_prompt_count(len(items), n)
-        hidden, limit = self.engine.model_config.hidden_size, self.engine.max_model_len
+        hidden, limit = self.engine_info.model_config.hidden_size, self.engine_info.max_model_len
         prompts = []
         for i, item in enumerate(items):
             name = "prompt_embeds" if len(items) == 1 else f"prompt_embeds.{i}"
@@ -173,7 +173,7 @@ class Completions:
     async def _echo(self, prompt: PromptInput) -> Echo:
         """The prompt as `echo` shows it (token ids, checked against the vocabulary already, are decoded
         off the event loop)."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine_info.tokenizer
         if tokenizer is None:
             raise APIError("echo needs a tokenizer, and this model has none", param="echo")
         text = prompt if isinstance(prompt, str) else await self.async_engine.run_tokenizer(tokenizer.decode, prompt)

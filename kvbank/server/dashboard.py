@@ -223,8 +223,8 @@ def dashboard_snapshot(async_engine: AsyncEngine, sampler: StatsSampler, since: 
     tiers = async_engine.tier_stats()
     return {
         "time": time.time(),
-        "block_size": async_engine.engine.block_size,
-        "max_step_ms": async_engine.engine.config.max_step_ms or 0,
+        "block_size": async_engine.info.block_size,
+        "max_step_ms": async_engine.info.config.max_step_ms or 0,
         "blocks": encode_block_states(states),
         "counts": count_block_states(states),
         "stats": async_engine.stats(),

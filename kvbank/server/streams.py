@@ -88,7 +88,7 @@ class Streams:
 
     def __init__(self, async_engine: AsyncEngine, checks: RequestChecks, limits: ServerLimits) -> None:
         self.async_engine = async_engine
-        self.engine = async_engine.engine
+        self.engine_info = async_engine.info
         self.checks = checks
         self.limits = limits
         self.streams: dict[str, _StreamState] = {}
@@ -153,14 +153,14 @@ class Streams:
         if len(given) != 1:
             raise APIError(f"give exactly one of text, token_ids or prompt_embeds (got {len(given)})")
         if body.prompt_embeds is not None:
-            config = self.engine.model_config
+            config = self.engine_info.model_config
             frame: Any = await self.async_engine.run_tokenizer(
-                decode_embeds, body.prompt_embeds, config.hidden_size, self.engine.max_model_len
+                decode_embeds, body.prompt_embeds, config.hidden_size, self.engine_info.max_model_len
             )
-        elif body.text is not None and self.engine.tokenizer is not None:
+        elif body.text is not None and self.engine_info.tokenizer is not None:
             # Tokenized here, off the engine thread; the engine adds the separator only to text.
             self._check_length("text", body.text)
-            encode = self.engine.tokenizer.encode
+            encode = self.engine_info.tokenizer.encode
             frame = await self.async_engine.run_tokenizer(encode, body.text + state.separator, False)
             self._check_length("text", frame)
         else:  # token ids, or text the engine refuses without a tokenizer
@@ -204,10 +204,10 @@ class Streams:
         job = Job("ask", "text_completion", "text_completion", self.checks.model_name, params, body.include_usage)
         request_id = f"{job.id}-0"
         question = await self._given("question", body.question)
-        if isinstance(question, str) and self.engine.tokenizer is not None:
+        if isinstance(question, str) and self.engine_info.tokenizer is not None:
             # Tokenized here, off the engine thread, with the end of turn the engine adds to text.
             text = question + state.question_suffix
-            question = await self.async_engine.run_tokenizer(self.engine.tokenizer.encode, text, False)
+            question = await self.async_engine.run_tokenizer(self.engine_info.tokenizer.encode, text, False)
             self._check_length("question", question)
         # The question's prefill is the asker's share (its key), whoever opened the stream.
         question = with_salt(question, None, scheduling_tenant(request, body.cache_salt))

@@ -9,8 +9,9 @@ Routers probe these under SGLang's names and shapes: sglang-router reads `served
 `model_path`, `tp_size`, `dp_size` from /server_info and `model_type`, `architectures` from
 /model_info when a worker registers, and its `power_of_two` policy polls /get_load, summing
 `num_tokens` over the entries as the worker's load. Every number comes from the engine's own
-counters as of its latest step (`AsyncEngine.stats()`), never a guess: `num_tokens` is the KV
-tokens live sequences hold plus the prompt tokens still queued.
+counters as of its latest step (`AsyncEngine.stats()` and the other snapshots the engine thread
+publishes), never a guess: `num_tokens` is the KV tokens live sequences hold plus the prompt tokens
+still queued.
 
 Draining (`Drain`): once started (by SIGTERM in `kvbank serve`), /health answers 503, so the router's
 health checker takes the replica out of rotation, and every request that may start new work is
@@ -22,7 +23,6 @@ running go on; `Drain.idle` says when none is left.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from typing import Any
@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kvbank
 from kvbank.cache.tiers.redis import redacted
+from kvbank.engine.llm_engine import EngineInfo
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.errors import SAFE_METHODS, error_response
 from kvbank.server.limits import ServerLimits
@@ -104,7 +105,7 @@ def install_worker_routes(
     app: FastAPI, async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits, drain: Drain
 ) -> None:
     """/health, /model_info, /server_info and /get_load (with the deprecated /get_* spellings SGLang kept)."""
-    engine = async_engine.engine
+    info = async_engine.info
 
     @app.get("/health")
     async def health() -> Response:
@@ -117,15 +118,15 @@ def install_worker_routes(
     @app.get("/model_info")
     @app.get("/get_model_info", include_in_schema=False)
     async def model_info() -> dict:
-        config = engine.model_config
+        config = info.model_config
         return {
-            "model_path": engine.model_path,
-            "tokenizer_path": engine.model_path,  # the tokenizer travels in the model file
+            "model_path": info.model_path,
+            "tokenizer_path": info.model_path,  # the tokenizer travels in the model file
             "served_model_name": served_model_name,
             "is_generation": True,
             "model_type": config.arch,
             "architectures": [config.arch],
-            "context_length": engine.max_model_len,
+            "context_length": info.max_model_len,
             "vocab_size": config.vocab_size,
             "weight_version": "default",
             "has_image_understanding": False,
@@ -136,20 +137,20 @@ def install_worker_routes(
     @app.get("/get_server_info", include_in_schema=False)
     async def server_info() -> dict:
         return {
-            **_server_args(async_engine),
+            **_server_args(info),
             **_shown_options(limits),
-            "model_path": engine.model_path,
-            "tokenizer_path": engine.model_path,
+            "model_path": info.model_path,
+            "tokenizer_path": info.model_path,
             "served_model_name": served_model_name,
             "tp_size": 1,
             "dp_size": 1,
             "load_balance_method": "round_robin",
             "disaggregation_mode": "null",
-            "context_length": engine.max_model_len,
-            "max_total_num_tokens": engine.num_blocks * engine.block_size,
-            "max_running_requests": engine.config.max_num_seqs,
-            "max_req_input_len": async_engine.max_prompt_tokens or engine.max_model_len,
-            "page_size": engine.block_size,
+            "context_length": info.max_model_len,
+            "max_total_num_tokens": info.num_blocks * info.block_size,
+            "max_running_requests": info.config.max_num_seqs,
+            "max_req_input_len": async_engine.max_prompt_tokens or info.max_model_len,
+            "page_size": info.block_size,
             "draining": drain.draining,
             "internal_states": [load(async_engine, drain)],
             "version": kvbank.__version__,
@@ -163,22 +164,21 @@ def install_worker_routes(
 def load(async_engine: AsyncEngine, drain: Drain | None = None) -> dict[str, Any]:
     """The engine's load now, under SGLang's names (`num_reqs`, `num_waiting_reqs`, `num_tokens`) and
     the cache's (`token_usage`, `cached_tokens`, `cache_hit_rate`), with kvbank's counters."""
-    stats = async_engine.stats()
-    engine = async_engine.engine
+    stats, info = async_engine.stats(), async_engine.info
     running = int(stats.get("num_requests_running", 0))
     waiting = int(stats.get("num_requests_waiting", 0)) + async_engine.num_queued
-    num_blocks = int(stats.get("num_blocks", engine.num_blocks))
+    num_blocks = int(stats.get("num_blocks", info.num_blocks))
     usage = float(stats.get("kv_cache_usage", 0.0))
-    used_tokens = round(usage * num_blocks * engine.block_size)
+    used_tokens = round(usage * num_blocks * info.block_size)
     return {
         "dp_rank": 0,
         "num_reqs": running + waiting,
         "num_running_reqs": running,
         "num_waiting_reqs": waiting,
-        "num_tokens": used_tokens + _waiting_prompt_tokens(async_engine),
+        "num_tokens": used_tokens + async_engine.waiting_prompt_tokens(),
         "token_usage": usage,
         "num_used_tokens": used_tokens,
-        "max_total_num_tokens": num_blocks * engine.block_size,
+        "max_total_num_tokens": num_blocks * info.block_size,
         "cached_tokens": int(stats.get("prefix_cache_hits", 0)),
         "prompt_tokens": int(stats.get("prompt_tokens", 0)),
         "cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
@@ -199,35 +199,25 @@ async def spill_to_tiers(async_engine: AsyncEngine, timeout: float) -> int:
     its cache with it; spilled, the fleet's other replicas load it instead of recomputing it.
     Nothing to do under write-through (everything left when computed) or without tiers.
     """
-    offload = async_engine.engine.offload
-    if offload is None:
+    if not async_engine.info.has_tiers:
         return 0
     deadline = time.monotonic() + timeout
     tried: set[int] = set()
     sent = 0
-    batch = lambda engine: engine.offload.spill(SPILL_BATCH, tried)  # on the engine thread
+    batch = lambda engine: engine.spill_to_tiers(SPILL_BATCH, tried)  # on the engine thread
     while time.monotonic() < deadline:
         queued = await async_engine.call(batch)
         if queued < 0:
             break
         sent += queued
-        await asyncio.to_thread(offload.flush, max(0.0, deadline - time.monotonic()))
+        await async_engine.flush_tiers(max(0.0, deadline - time.monotonic()))
     return sent
 
 
-def _waiting_prompt_tokens(async_engine: AsyncEngine) -> int:
-    # Read from the engine thread's structures without a lock: a snapshot that may be one step
-    # stale, like every other gauge here (the list is only ever replaced or appended to).
-    try:
-        return sum(len(seq.token_ids) for seq in list(async_engine.engine.scheduler.waiting))
-    except (AttributeError, RuntimeError):
-        return 0
-
-
-def _server_args(async_engine: AsyncEngine) -> dict[str, Any]:
+def _server_args(info: EngineInfo) -> dict[str, Any]:
     """The engine's settings as `_shown_options` shows them, with the step size the scheduler uses."""
-    out = _shown_options(async_engine.engine.config)
-    out["max_num_batched_tokens"] = async_engine.engine.scheduler.max_num_batched_tokens
+    out = _shown_options(info.config)
+    out["max_num_batched_tokens"] = info.max_num_batched_tokens
     return out
 
 
