@@ -26,6 +26,7 @@ from kvbank.cache.hybrid import kv_groups
 from kvbank.cache.quant import KV_CACHE_DTYPES
 from kvbank.cache.storage import plan_pool
 from kvbank.config import EngineConfig
+from kvbank.defaults import CLI_MAX_TOKENS
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
@@ -40,7 +41,6 @@ from kvbank.server.limits import ServerLimits
 from kvbank.server.worker import spill_to_tiers
 from kvbank.tokenizer import Tokenizer
 
-CLI_DEFAULT_MAX_TOKENS = 256
 _ENGINE_TYPES = typing.get_type_hints(EngineConfig)
 _LIMIT_TYPES = typing.get_type_hints(ServerLimits)
 _SAMPLING_TYPES = typing.get_type_hints(SamplingParams)
@@ -88,7 +88,7 @@ class ChatSession:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvbank` command line; returns the exit status."""
-    parser = _build_parser()
+    parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the top-level parser would show its own usage; the command's is the one that helps
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -497,7 +497,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{usage}{self.prog}: error: {message}\n")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvbank", description="A KV-cache-first LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"kvbank {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
@@ -671,14 +671,14 @@ def _add_flag(
     elif any(typing.get_origin(kind) in (tuple, list) and typing.get_args(kind)[0] is int for kind in kinds):
         kwargs.update(type=_int_list, metavar=metavar or "I,J,...")
     elif any(typing.get_origin(kind) is list for kind in kinds):
-        kwargs.update(action=_Repeatable, metavar=metavar)  # e.g. --stop A --stop B
+        kwargs.update(action=Repeatable, metavar=metavar)  # e.g. --stop A --stop B
     else:
         (kind,) = kinds
         kwargs.update(type=kind, choices=choices, metavar=metavar)
     group.add_argument(flag or "--" + name.replace("_", "-"), *aliases, **kwargs)
 
 
-class _Repeatable(argparse.Action):
+class Repeatable(argparse.Action):
     """A repeatable flag: each use adds its value to a list, and the first replaces the default (an
     environment variable's value, for one) where argparse's "append" would add to it."""
 
@@ -729,7 +729,7 @@ def _sampling_flags() -> argparse.ArgumentParser:
     group = flags.add_argument_group("sampling")
     for param in dataclasses.fields(SamplingParams):
         if param.name in _SAMPLING_HELP:
-            default = CLI_DEFAULT_MAX_TOKENS if param.name == "max_tokens" else param.default
+            default = CLI_MAX_TOKENS if param.name == "max_tokens" else param.default
             _add_flag(
                 group,
                 param.name,

@@ -11,6 +11,11 @@ from kvbank.engine.sequence import Request, Sequence
 BS = 4
 
 
+def _manager(num_blocks: int) -> KVCacheManager:
+    """A manager with prefix caching on; only the pinning test depends on the pin limit, and names its own."""
+    return KVCacheManager(num_blocks, BS, enable_prefix_caching=True, max_pinned_fraction=0.5)
+
+
 def _seq(tokens, salt=None, prompt_logprobs=None):
     params = SamplingParams(prompt_logprobs=prompt_logprobs)
     request = Request("r", None, list(tokens), params, root_hash(b"model", salt), 0.0)
@@ -27,7 +32,7 @@ def _run(manager, seq):
 
 
 def test_allocate_and_free_restore_the_pool():
-    manager = KVCacheManager(8, BS)
+    manager = _manager(8)
     seq = _run(manager, _seq(range(10)))
     assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
     manager.free(seq)
@@ -35,7 +40,7 @@ def test_allocate_and_free_restore_the_pool():
 
 
 def test_prefix_hit_shares_full_blocks_but_recomputes_the_last_token():
-    manager = KVCacheManager(16, BS)
+    manager = _manager(16)
     first = _run(manager, _seq(range(12)))
     first_table = list(first.block_table)
     manager.free(first)
@@ -47,14 +52,14 @@ def test_prefix_hit_shares_full_blocks_but_recomputes_the_last_token():
 
 
 def test_salts_and_collisions_never_share(monkeypatch):
-    manager = KVCacheManager(16, BS)
+    manager = _manager(16)
     manager.free(_run(manager, _seq(range(9), salt="a")))
     other = _seq(range(9), salt="b")
     manager.allocate(other)
     assert other.num_computed_tokens == 0
     manager.free(other)
     monkeypatch.setattr("kvbank.cache.manager.block_hash", lambda parent, tokens: b"same")
-    collider = KVCacheManager(16, BS)
+    collider = _manager(16)
     collider.free(_run(collider, _seq(range(9))))
     different = _seq(range(100, 109))
     collider.allocate(different)
@@ -62,7 +67,7 @@ def test_salts_and_collisions_never_share(monkeypatch):
 
 
 def test_eviction_takes_empty_blocks_first_then_least_recent_tails():
-    manager = KVCacheManager(4, BS)
+    manager = _manager(4)
     seq = _run(manager, _seq(range(9)))  # blocks: 2 full + 1 partial
     cached = list(seq.block_table[:2])
     manager.free(seq)
@@ -73,7 +78,7 @@ def test_eviction_takes_empty_blocks_first_then_least_recent_tails():
 
 
 def test_fork_shares_and_copy_on_write_splits_the_partial_block():
-    manager = KVCacheManager(8, BS)
+    manager = _manager(8)
     parent = _run(manager, _seq(range(6)))  # 1 full + 1 partial block
     child = parent.fork(1, None)
     manager.fork(parent, child)
@@ -91,7 +96,7 @@ def test_fork_shares_and_copy_on_write_splits_the_partial_block():
 
 
 def test_prompt_logprobs_requests_skip_the_cache():
-    manager = KVCacheManager(16, BS)
+    manager = _manager(16)
     manager.free(_run(manager, _seq(range(9))))
     wants_logprobs = _seq(range(9), prompt_logprobs=1)
     manager.allocate(wants_logprobs)
@@ -108,7 +113,7 @@ def test_pool_refuses_to_release_a_free_block():
 
 def test_a_hash_that_ignores_the_prefix_never_serves_a_block_computed_after_another_prefix(monkeypatch):
     monkeypatch.setattr("kvbank.cache.manager.block_hash", lambda parent, tokens: bytes(str(list(tokens)), "ascii"))
-    manager = KVCacheManager(16, BS)
+    manager = _manager(16)
     shared = [7, 7, 7, 7]
     manager.free(_run(manager, _seq([1, 2, 3, 4] + shared + [0])))
     manager.free(_run(manager, _seq([5, 6, 7, 8] + shared + [0])))
@@ -119,7 +124,7 @@ def test_a_hash_that_ignores_the_prefix_never_serves_a_block_computed_after_anot
 
 
 def test_pinned_prefix_survives_eviction_and_counts_against_the_limit():
-    manager = KVCacheManager(6, BS, max_pinned_fraction=0.5)
+    manager = KVCacheManager(6, BS, enable_prefix_caching=True, max_pinned_fraction=0.5)
     pinned = _seq(range(9))
     manager.free(_run(manager, pinned))
     root = pinned.root_hash

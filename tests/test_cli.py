@@ -13,6 +13,7 @@ from serving import free_port
 
 from kvbank import LLM, __version__, cli, kernels
 from kvbank.config import EngineConfig
+from kvbank.defaults import CLI_MAX_TOKENS
 from kvbank.engine.params import SamplingParams
 from kvbank.server.limits import ServerLimits
 
@@ -174,7 +175,7 @@ def test_a_bad_flag_prints_the_commands_usage_line_and_the_error_only(kvbank):
 def test_a_prefix_of_a_flag_is_not_taken_for_it(kvbank):
     result = kvbank(ABBREVIATED_FLAG)
     assert result.returncode == 2 and "unrecognized arguments: --max-tokens 64" in result.stderr
-    parser = cli._build_parser()
+    parser = cli.build_parser()
     for args in (["serve", "--kv-cache-memory", "2"], ["plan", "--memory", "1"], ["chat", "--temp", "0"]):
         with pytest.raises(SystemExit) as exited:
             parser.parse_args(args)
@@ -197,14 +198,14 @@ def test_a_port_in_use_is_an_error_before_the_model_loads(kvbank_env):
 
 def test_api_keys_come_from_repeated_flags_or_a_files_lines_and_the_environment_gives_one(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBANK_API_KEY", "sk-env")
-    parser = cli._build_parser()  # the environment's key is the flag's default
+    parser = cli.build_parser()  # the environment's key is the flag's default
     assert parser.parse_args(["serve"]).api_key == "sk-env"
     flags = ["serve", "--api-key", "sk-a", "--api-key", "sk-b"]
     assert parser.parse_args(flags).api_key == ["sk-a", "sk-b"], "the flags replace the environment's key"
     monkeypatch.delenv("KVBANK_API_KEY")
     keys = tmp_path / "keys"
     keys.write_text("sk-a\n\n  sk-b  \r\n")
-    args = cli._build_parser().parse_args(["serve", "--api-key-file", str(keys)])
+    args = cli.build_parser().parse_args(["serve", "--api-key-file", str(keys)])
     limits = ServerLimits(**{name: getattr(args, name) for name in cli._limit_options()})
     assert limits.api_keys() == ("sk-a", "sk-b")
 
@@ -238,7 +239,7 @@ def test_every_sampling_param_is_a_flag_or_says_why_not():
 
 
 def test_sampling_flags_become_the_sampling_params():
-    args = cli._build_parser().parse_args(
+    args = cli.build_parser().parse_args(
         [
             "generate",
             "Hi",
@@ -287,12 +288,12 @@ def test_sampling_flags_become_the_sampling_params():
         ignore_eos=True,
         skip_special_tokens=False,
     )
-    defaults = cli._sampling_params(cli._build_parser().parse_args(["chat"]))
-    assert defaults == SamplingParams(max_tokens=cli.CLI_DEFAULT_MAX_TOKENS)
+    defaults = cli._sampling_params(cli.build_parser().parse_args(["chat"]))
+    assert defaults == SamplingParams(max_tokens=CLI_MAX_TOKENS)
 
 
 def test_every_engine_option_is_a_flag_of_every_engine_command():
-    parser = cli._build_parser()
+    parser = cli.build_parser()
     for command in (["generate", "Hi"], ["chat"], ["serve"]):
         args = parser.parse_args([*command, "--no-enable-prefix-caching", "--kv-cache-dtype-skip-layers", "0,-1"])
         config = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
@@ -304,7 +305,7 @@ def test_every_engine_option_is_a_flag_of_every_engine_command():
 
 
 def test_plan_takes_the_options_that_change_its_numbers():
-    args = cli._build_parser().parse_args(
+    args = cli.build_parser().parse_args(
         [
             "plan",
             "--memory-gb",
@@ -364,7 +365,7 @@ def llm():
 
 
 def _run(llm, *flags: str, prompt: str = "The capital of France is"):
-    args = cli._build_parser().parse_args(["generate", prompt, *flags])
+    args = cli.build_parser().parse_args(["generate", prompt, *flags])
     return llm.generate(prompt, cli._sampling_params(args))[0].outputs[0]
 
 

@@ -36,7 +36,9 @@ def _held(seq):
 
 def _computed(tokens):
     """A 64-block hybrid pool and a sequence of `tokens` tokens computed in it."""
-    manager = KVCacheManager(64, BS, groups=kv_groups(LAYER_WINDOWS))
+    manager = KVCacheManager(
+        64, BS, enable_prefix_caching=True, max_pinned_fraction=0.5, groups=kv_groups(LAYER_WINDOWS)
+    )
     seq = _seq(range(tokens))
     _decode(manager, seq, steps=0)
     return manager, seq
@@ -81,7 +83,9 @@ def test_the_layout_groups_layers_by_table_and_shares_block_places():
 
 
 def test_window_tables_release_the_blocks_the_window_has_passed():
-    manager = KVCacheManager(64, BS, groups=kv_groups(LAYER_WINDOWS))
+    manager = KVCacheManager(
+        64, BS, enable_prefix_caching=True, max_pinned_fraction=0.5, groups=kv_groups(LAYER_WINDOWS)
+    )
     seq = _seq(range(30))
     most = _decode(manager, seq, steps=40, budget=8)
     # a decode reads positions p - 9 .. p: 3 or 4 blocks of 4; a chunk of 8 and its window: 5
@@ -101,7 +105,9 @@ def test_gemma3_memory_is_bounded_by_the_window_at_8k_and_32k(tokens):
     """Gemma 3's layout: 3 layers' K/V for every token, 15 layers' for the latest 528 positions."""
     groups = kv_groups(GEMMA3_WINDOWS)
     assert (groups.slots, groups.num_window_tables, groups.window) == (3, 5, 512)
-    manager = KVCacheManager(blocks_for(tokens, 16) + 5 * 160, 16, groups=groups)
+    manager = KVCacheManager(
+        blocks_for(tokens, 16) + 5 * 160, 16, enable_prefix_caching=True, max_pinned_fraction=0.5, groups=groups
+    )
     seq = _seq(range(tokens - 64))
     most = _decode(manager, seq, steps=64, budget=2048)
     assert _held(seq) in ([32] * 5, [33] * 5)  # constant: the window, whatever the length

@@ -141,7 +141,7 @@ def test_one_step_encodes_chained_blocks_as_one_event():
 
 
 def test_a_manager_without_events_installs_no_hooks():
-    manager = KVCacheManager(8, BLOCK_SIZE)
+    manager = KVCacheManager(8, BLOCK_SIZE, enable_prefix_caching=True, max_pinned_fraction=0.5)
     assert manager.events is None and manager.pool.on_index is None and manager.pool.on_forget is None
 
 

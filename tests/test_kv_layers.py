@@ -36,7 +36,7 @@ def test_format_names_kinds_codecs_and_cache_namespace():
 
 def test_storage_gives_each_layer_to_its_kind_and_sizes_like_the_plan():
     fmt = KVFormat("int4", skip_layers=(1,))
-    storage = KVStorage(SMALL, 10, 16, torch.bfloat16, torch.device("cpu"), fmt, reserved_seqs=3)
+    storage = KVStorage(SMALL, 10, 16, torch.bfloat16, torch.device("cpu"), fmt, reserved_seqs=3, batch_invariant=False)
     assert [kind.name for kind in storage.kinds] == ["kivi", "dense"]
     assert [type(layer).__name__ for layer in storage.layers] == ["KiviLayer", "DenseLayer", "KiviLayer", "KiviLayer"]
     plan = plan_pool(SMALL, torch.bfloat16, 2**20, 16, fmt, reserved_seqs=3)
@@ -122,7 +122,9 @@ LAYOUTS = ["auto", "int8", "fp8_e4m3", "int4", "int2"]
 
 
 def _edit_storage(dtype: str) -> KVStorage:
-    return KVStorage(SMALL, 12, 16, torch.bfloat16, torch.device("cpu"), KVFormat(dtype), reserved_seqs=2)
+    return KVStorage(
+        SMALL, 12, 16, torch.bfloat16, torch.device("cpu"), KVFormat(dtype), reserved_seqs=2, batch_invariant=False
+    )
 
 
 def _fill(storage: KVStorage, blocks: list[int], seed: int) -> None:
@@ -214,7 +216,16 @@ def test_moving_tokens_and_single_slots_copies_them_exactly(dtype):
 def test_gathered_tokens_are_the_pool_dequantized_and_scattered_ones_read_back_the_same(skip):
     """What recall reads and writes: tokens of one layout (or a mixed pool, layer by layer) handed
     out in the model dtype, equal to each layer's stored tokens; written back, they store the same."""
-    storage = KVStorage(SMALL, 12, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int8", skip), reserved_seqs=2)
+    storage = KVStorage(
+        SMALL,
+        12,
+        16,
+        torch.bfloat16,
+        torch.device("cpu"),
+        KVFormat("int8", skip),
+        reserved_seqs=2,
+        batch_invariant=False,
+    )
     _fill(storage, [0, 1, 2], seed=3)
     slots = torch.tensor([5, 16, 17, 47])
     keys, values = storage.gather_tokens(slots)
@@ -232,7 +243,9 @@ def test_each_layout_names_the_edits_it_takes():
     assert _edit_storage("auto").edits == frozenset(EDITS)
     assert _edit_storage("int8").edits == _edit_storage("fp8_e5m2").edits == TOKEN_EDITS
     assert _edit_storage("int4").edits == _edit_storage("int2").edits == {"rotate", "tokens", "gather"}
-    mixed = KVStorage(SMALL, 4, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int4", skip_layers=(0,)))
+    mixed = KVStorage(
+        SMALL, 4, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int4", skip_layers=(0,)), batch_invariant=False
+    )
     assert mixed.edits == {"rotate", "tokens", "gather"}
     with pytest.raises(NotImplementedError, match="the kivi KV layout cannot move single tokens of one layer"):
         mixed.kind("kivi").move_slots(torch.tensor([[[0]]]), torch.tensor([[[1]]]))

@@ -10,7 +10,7 @@ BLOCK = 4
 
 
 def _scheduler(num_blocks=64, max_num_seqs=8, budget=64, prefix_caching=False) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching), max_num_seqs, budget)
+    return Scheduler(KVCacheManager(num_blocks, BLOCK, prefix_caching, max_pinned_fraction=0.5), max_num_seqs, budget)
 
 
 def _add(scheduler: Scheduler, name: str, prompt_len: int, first: int = 100, priority: int = 0) -> Sequence:

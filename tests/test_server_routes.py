@@ -133,12 +133,12 @@ def test_dashboard_without_a_key_shows_no_login_and_totals_the_tier_rows(open_se
 
 def test_serve_limit_flags_default_to_server_limits(monkeypatch):
     monkeypatch.delenv("KVBANK_API_KEY", raising=False)
-    args = cli._build_parser().parse_args(["serve"])
+    args = cli.build_parser().parse_args(["serve"])
     defaults = ServerLimits()
     for field in dataclasses.fields(ServerLimits):
         if field.metadata.get("cli", True):
             assert getattr(args, field.name) == getattr(defaults, field.name), field.name
-    assert cli._build_parser().parse_args(["serve", "--stream-idle-timeout", "5"]).stream_idle_timeout_s == 5.0
+    assert cli.build_parser().parse_args(["serve", "--stream-idle-timeout", "5"]).stream_idle_timeout_s == 5.0
 
 
 def test_without_a_key_a_loopback_server_answers_only_to_loopback_names(open_server, keyed_server):
@@ -164,7 +164,10 @@ def test_allowed_hosts_are_names_or_any():
     assert ServerLimits().host_allowlist("::1") == {"localhost", "127.0.0.1", "::1"}
     assert ServerLimits().host_allowlist("0.0.0.0") is None  # exposed by choice: its names are not known
     assert ServerLimits(api_key="sk-0123456789abcdef").host_allowlist("127.0.0.1") is None
-    assert ServerLimits(allowed_hosts="Box.lan., [fd00::1]").host_allowlist("0.0.0.0") == {"box.lan", "fd00::1"}
+    proxied = ServerLimits(allowed_hosts="proxy.lan").host_allowlist("127.0.0.1")
+    assert proxied == {"localhost", "127.0.0.1", "::1", "proxy.lan"}  # added, not in place of localhost
+    listed = ServerLimits(allowed_hosts="Box.lan., [fd00::1]").host_allowlist("0.0.0.0")
+    assert listed == {"box.lan", "fd00::1", "localhost", "127.0.0.1", "::1", "0.0.0.0"}
     assert ServerLimits(allowed_hosts="*").host_allowlist("127.0.0.1") is None
     with pytest.raises(ValueError, match="allowed_hosts='a,,b' has an empty name"):
         ServerLimits(allowed_hosts="a,,b")

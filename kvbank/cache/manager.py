@@ -87,15 +87,17 @@ class KVCacheManager:
         self,
         num_blocks: int,
         block_size: int,
-        enable_prefix_caching: bool = True,
-        max_pinned_fraction: float = 0.5,
+        enable_prefix_caching: bool,
+        max_pinned_fraction: float,
         on_empty: Callable[[int], None] | None = None,
         events: CacheEvents | None = None,
         groups: KVGroups | None = None,
     ) -> None:
-        """`on_empty(block_id)`: a block's content is dropped (storage frees what it keeps beside it);
-        `events` hears of every block entering and leaving the prefix index; `groups`: the hybrid
-        layout of a model with sliding-window layers (None: every layer keeps every token)."""
+        """`enable_prefix_caching` and `max_pinned_fraction` are `EngineConfig` options, given by the
+        builder (no default here, which could drift from the config's). `on_empty(block_id)`: a
+        block's content is dropped (storage frees what it keeps beside it); `events` hears of every
+        block entering and leaving the prefix index; `groups`: the hybrid layout of a model with
+        sliding-window layers (None: every layer keeps every token)."""
         self.events = events
         self.groups = groups
         if events is None:

@@ -94,10 +94,10 @@ class KVOffload:
         storage: KVStorage,
         entry_format: EntryFormat,
         chunk_blocks: int,
-        write_policy: str = "write_through",
-        min_hits: int = 0,
+        write_policy: str,
+        min_hits: int,
+        load_timeout: float | None,
         queue_size: int = 16,
-        load_timeout: float | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"kv_tier_write_policy={write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")

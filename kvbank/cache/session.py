@@ -36,7 +36,7 @@ import torch
 from kvbank.cache.blocks import Block, BlockPool
 from kvbank.cache.prefix import block_hash
 from kvbank.cache.storage import KVStorage
-from kvbank.cache.tiers.disk import DIR_MODE, check_private, private_directory
+from kvbank.cache.tiers.disk import DIR_MODE, FILE_MODE, check_private, private_directory
 from kvbank.cache.tiers.entry import (
     PREFIX_BYTES,
     BadEntry,
@@ -49,7 +49,6 @@ from kvbank.cache.tiers.entry import (
 )
 
 SESSION_KIND = "session"
-FILE_MODE = 0o600
 SUFFIX = ".kv"
 #: no symlink followed, and no wait for a writer if the name is a FIFO
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

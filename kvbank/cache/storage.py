@@ -84,7 +84,7 @@ def plan_pool(
     model: ModelShape,
     model_dtype: torch.dtype,
     memory_bytes: int,
-    block_size: int = 16,
+    block_size: int,
     kv_format: KVFormat = DEFAULT_FORMAT,
     reserved_seqs: int = 0,
     groups: KVGroups | None = None,
@@ -124,7 +124,8 @@ class KVStorage:
 
     With a hybrid layout (`groups`), a block holds `groups.slots` layer places and `layers[i]` is the
     place of layer i: layers of different tables share a place's tensors, each through its own
-    block ids."""
+    block ids. `batch_invariant` (every kind that can attends by rows) is the `EngineConfig` option,
+    named by every caller: a default here could differ from the engine's."""
 
     def __init__(
         self,
@@ -135,7 +136,8 @@ class KVStorage:
         device: torch.device,
         kv_format: KVFormat = DEFAULT_FORMAT,
         reserved_seqs: int = 0,
-        batch_invariant: bool = False,
+        *,
+        batch_invariant: bool,
         groups: KVGroups | None = None,
     ) -> None:
         if groups is not None and set(kv_format.kinds(groups.slots, dtype)) != {"dense"}:

@@ -64,8 +64,8 @@ def build_cache(config: EngineConfig, built: BuiltModel, device: torch.device) -
         device,
         config.kv_format,
         config.max_num_seqs,
-        config.batch_invariant,
-        groups,
+        batch_invariant=config.batch_invariant,
+        groups=groups,
     )
     # fmt: off
     events = build_events(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbank.cache.policies import KVPolicy, parse_policy
+from kvbank.defaults import SAMPLING_MAX_TOKENS
 
 _GREEDY_EPS = 1e-5
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
@@ -40,7 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = 16
+    max_tokens: int | None = SAMPLING_MAX_TOKENS
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

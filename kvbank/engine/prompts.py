@@ -14,8 +14,8 @@ PromptType = str | list[int] | dict[str, Any]
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "tenant"}
 #: longest tenant a prompt may name (the scheduler keeps one entry per waiting tenant)
 MAX_TENANT_CHARS = 256
-#: dtypes accepted for embeddings; they are computed in the model's dtype
-EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: dtypes accepted for embeddings, by the names the HTTP API takes; they are computed in the model's dtype
+EMBED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: the token id standing for each embedding row in a sequence's token ids (as vLLM does)
 EMBED_PLACEHOLDER = 0
 
@@ -37,8 +37,8 @@ def check_embeds(embeds: Any, hidden_size: int, name: str = "prompt_embeds") -> 
     """`embeds` as a [tokens, hidden_size] float tensor on the CPU; ValueError naming what is wrong."""
     if not isinstance(embeds, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor [tokens, {hidden_size}], not {type(embeds).__name__}")
-    if embeds.dtype not in EMBED_DTYPES:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in EMBED_DTYPES)
+    if embeds.dtype not in EMBED_DTYPES.values():
+        allowed = ", ".join(EMBED_DTYPES)
         raise ValueError(f"{name} has dtype {str(embeds.dtype).removeprefix('torch.')}; allowed: {allowed}")
     if embeds.dim() != 2 or embeds.shape[1] != hidden_size:
         raise ValueError(f"{name} has shape {list(embeds.shape)}; the model takes [tokens, {hidden_size}]")

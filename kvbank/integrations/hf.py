@@ -32,10 +32,15 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache.policies import snapkv_keep
-from kvbank.cache.quant import DEFAULT_GROUP_SIZE, Codec, Stored, codecs_for
+from kvbank.cache.quant import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES, Codec, FullPrecision, Stored, codecs_for
+from kvbank.config import EngineConfig
 
-BLOCK_SIZE = 16
-QUANTIZED_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
+#: the engine's block: int4/int2 keys share their ranges over its tokens, here as in the pool
+BLOCK_SIZE = EngineConfig.block_size
+#: the engine's KV codecs that store fewer bits than the model computes
+QUANTIZED_DTYPES = tuple(
+    name for name in KV_CACHE_DTYPES if not isinstance(codecs_for(name, torch.float32)[0], FullPrecision)
+)
 
 
 def _check(kv_dtype: str, residual_length: int, group_size: int) -> None:

@@ -18,13 +18,10 @@ from kvbank.models.packed import GROUP_SIZE, Int4Blocks, Int8Blocks
 
 #: output rows interleaved in one record
 GROUP_ROWS = 16
-Q4_RECORD_BYTES = 320
-Q8_RECORD_BYTES = 544
 #: the kernels' record kinds: 4-bit with fp16 scales (Q4_0, Q4_1) or float32 ones (Q4_K); 5-bit
 #: (Q5_0; Q4_0) or 5-bit with float32 scales and minimums (Q5_K); 8-bit with an fp16 scale per 32
 #: inputs (Q8_0, and Q5_0 / Q4_0 fused with Q8_0) or float32 scales per 16 (Q6_K)
 KIND_Q4, KIND_Q5, KIND_Q8, KIND_Q4F, KIND_Q5F, KIND_Q8H = 4, 5, 8, 41, 51, 81
-RECORD_BYTES = {KIND_Q4: 320, KIND_Q5: 352, KIND_Q8: 544, KIND_Q4F: 384, KIND_Q5F: 448, KIND_Q8H: 640}
 
 
 def packable(out_features: int, in_features: int) -> bool:

@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from kvbank.engine.params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from kvbank.engine.prompts import EMBED_DTYPES
 from kvbank.models.loader import same_model
 from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.errors import APIError
@@ -56,7 +57,6 @@ ROUTER_DEFAULTS = {
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 #: the tenant of requests without a cache_salt
 DEFAULT_TENANT = "default"
-EMBED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLING_FIELDS = (
     "n",
     "temperature",

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvbank.defaults import COMPLETIONS_MAX_TOKENS
 from kvbank.engine.params import SamplingParams
 from kvbank.server.async_engine import AsyncEngine, RequestStream, final_outputs
 from kvbank.server.bodies import (
@@ -44,8 +45,6 @@ from kvbank.server.responses import (
     usage_json,
 )
 from kvbank.tokenizer import Tokenizer
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def system_prompt_prefix(tokenizer: Tokenizer, system_prompt: str) -> list[int]:
@@ -93,7 +92,7 @@ class Completions:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.checks.check(body)
-        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
         params = self.checks.sampling_params(
             body, self.checks.max_tokens(max_tokens, "max_tokens"), body.logprobs, body.effective_prompt_logprobs
         )

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbank.config import COMMAND_LINE_SECRET, load_secret_file, option
+from kvbank.defaults import MAX_TOKENS_CAP
+
+#: the names a request from this machine addresses a server by, which every allowlist keeps
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 @dataclass
@@ -50,14 +54,16 @@ class ServerLimits:
     )
     allowed_hosts: str | None = option(
         None,
-        "host names a request's Host header may carry, comma-separated ('*': any); others get 400, so a "
-        "web page cannot reach a local server through a name it controls (DNS rebinding)",
+        "host names a request's Host header may carry besides localhost, 127.0.0.1, ::1 and --host, which are "
+        "always answered (e.g. a reverse proxy's), comma-separated ('*': any); others get 400, so a web page "
+        "cannot reach a local server through a name it controls (DNS rebinding)",
         metavar="HOST,...",
-        default_text="without --api-key on a loopback address: localhost, 127.0.0.1, ::1 and --host; else any",
+        default_text="none: without --api-key on a loopback address only localhost, 127.0.0.1, ::1 and --host "
+        "are answered, else any name",
     )
     max_queued_requests: int | None = option(512, "requests waiting for a batch slot beyond which new ones get 429")
     max_tokens_cap: int | None = option(
-        4096,
+        MAX_TOKENS_CAP,
         "largest max_tokens a request may ask for; also the default for chat requests that name none "
         "(a policy that evicts, e.g. sink_window, runs past the context, so without a cap one request "
         "could decode forever)",
@@ -201,18 +207,21 @@ class ServerLimits:
     def host_allowlist(self, bind_host: str | None) -> frozenset[str] | None:
         """The host names a request may address (lower case, IPv6 without brackets); None: any.
 
-        `allowed_hosts` when given. Otherwise a server bound to a loopback address without an API
-        key answers only to loopback names: a page on a site the user visits can point its own DNS
-        name at 127.0.0.1 and then send requests the browser treats as same-origin, and the Host
-        header (its own name) is what tells them apart. With a key the key guards every route; on a
-        non-loopback address the names the server is reached by are not known here (`bind_host`
-        None: an app not started by `kvbank serve`, likewise)."""
+        A server bound to a loopback address without an API key answers only to the loopback names
+        and `bind_host`: a page on a site the user visits can point its own DNS name at 127.0.0.1
+        and then send requests the browser treats as same-origin, and the Host header (its own name)
+        is what tells them apart. With a key the key guards every route; on a non-loopback address
+        the names the server is reached by are not known here (`bind_host` None: an app not started
+        by `kvbank serve`, likewise): any name. `allowed_hosts` adds names to the loopback ones and
+        `bind_host` (a proxy's name must not cost the local clients and health checks theirs), and
+        makes every server check them."""
+        own = LOOPBACK_NAMES | ({_host_name(bind_host)} if bind_host is not None else set())
         if self.allowed_hosts is not None:
             names = frozenset(_host_name(name) for name in self.allowed_hosts.split(","))
-            return None if "*" in names else names
+            return None if "*" in names else own | names
         if self.api_key is not None or bind_host is None or not is_loopback(bind_host):
             return None
-        return frozenset({"localhost", "127.0.0.1", "::1", _host_name(bind_host)})
+        return own
 
     def tenant_stream_limit(self) -> int | None:
         """Streams one tenant may hold: `max_streams_per_tenant`, else a quarter of `max_streams`."""

@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvbank.defaults import ASK_MAX_TOKENS
 from kvbank.engine.streams import FrameOutput
 from kvbank.server.async_engine import AsyncEngine, final_outputs
 from kvbank.server.bodies import (
@@ -63,8 +64,6 @@ from kvbank.server.responses import (
 
 #: how often idle streams are looked for
 EXPIRY_CHECK_S = 1.0
-#: max_tokens of a question that names none
-ASK_DEFAULT_MAX_TOKENS = 64
 #: the header that names the tenant (its cache_salt) on the routes without a body
 SALT_HEADER = "X-Cache-Salt"
 
@@ -194,7 +193,7 @@ class Streams:
     async def ask(self, stream_id: str, body: AskRequest, request: Request) -> Response:
         state = self._state(stream_id, body.cache_salt)
         self.checks.check(body)
-        max_tokens = body.max_tokens if body.max_tokens is not None else ASK_DEFAULT_MAX_TOKENS
+        max_tokens = body.max_tokens if body.max_tokens is not None else ASK_MAX_TOKENS
         params = self.checks.sampling_params(
             body, self.checks.max_tokens(max_tokens, "max_tokens"), body.logprobs, None
         )
