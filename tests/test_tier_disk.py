@@ -199,23 +199,26 @@ def test_other_write_errors_drop_the_entry_without_pausing(tmp_path, monkeypatch
     assert (tier.stats.errors, tier.stats.stores_dropped, tier.stats.entries) == (1, 1, 1)
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs, where a real write fails with ENOSPC. Skipped where mounting is not permitted
-    (a developer's unprivileged shell), but a failure under CI=true: CI must run the real ENOSPC."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
+def mount_tmpfs(mnt: Path, options: str, purpose: str) -> None:
+    """Mount a tmpfs with `options` on `mnt`. Skipped where mounting is not permitted (a developer's
+    unprivileged shell), but a failure under CI=true: CI must run `purpose` for real."""
     try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True
-        )
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
         refused = mounted.stderr.decode().strip() if mounted.returncode else None
     except FileNotFoundError:
         refused = "no mount command"
     if refused is not None:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must be able to mount a tmpfs for the real disk-full test: {refused}")
+            pytest.fail(f"CI must be able to mount a tmpfs for {purpose}: {refused}")
         pytest.skip(f"cannot mount a tmpfs here: {refused}")
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, where a real write fails with ENOSPC."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mount_tmpfs(mnt, "size=1m,mode=0700", "the real disk-full test")
     yield mnt
     subprocess.run(["umount", str(mnt)], check=True)
 
@@ -300,12 +303,24 @@ def test_unusable_directory_is_a_clear_error(tmp_path):
         DiskTier(tmp_path / "kv", 0)
 
 
-@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes through any permission")
-def test_read_only_directory_is_a_clear_error(tmp_path):
-    read_only = tmp_path / "ro"
-    read_only.mkdir(mode=0o555)
-    with pytest.raises(ValueError, match="ro"):
-        DiskTier(read_only, SIZE)
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A private directory this process cannot write to: mode 500 for a user; for root, who writes
+    through any permission, a read-only tmpfs."""
+    directory = tmp_path / "ro"
+    if os.geteuid() != 0:
+        directory.mkdir(mode=0o500)
+        yield directory
+        return
+    directory.mkdir(mode=0o700)
+    mount_tmpfs(directory, "ro,mode=0700", "the read-only directory test as root")
+    yield directory
+    subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_read_only_directory_is_a_clear_error(read_only_dir):
+    with pytest.raises(ValueError, match=rf"'{read_only_dir}' is not a writable directory"):
+        DiskTier(read_only_dir, SIZE)
 
 
 # --- privacy and tamper evidence -------------------------------------------------------------

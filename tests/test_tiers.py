@@ -11,6 +11,7 @@ import struct
 import time
 import types
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from serving import start_server, stop_server, wait_healthy
 
 from kvbank import LLM, SamplingParams, cli
+from kvbank.cache import offload
 from kvbank.cache.frames import Frame
 from kvbank.cache.quant import FullPrecision, PerTokenInt8, codecs_for
 from kvbank.cache.recall import FrameArchive, rotate
@@ -320,7 +322,7 @@ def test_archived_frames_take_the_pools_format_and_another_format_never_reads_th
 
 def test_the_tier_key_flag_defaults_to_the_environment_and_is_never_shown(monkeypatch, capsys):
     monkeypatch.setenv("KVBANK_TIER_KEY", TIER_KEY)
-    parser = cli._build_parser()
+    parser = cli.build_parser()
     assert parser.parse_args(["serve"]).kv_tier_key == TIER_KEY
     assert parser.parse_args(["serve", "--kv-tier-key", OTHER_KEY]).kv_tier_key == OTHER_KEY
     with pytest.raises(SystemExit):
@@ -496,26 +498,49 @@ def test_bad_redis_entries_are_deleted_and_never_served(cold, redis_server):
         assert llm.tier_stats()["redis"]["corrupt"] == 2
 
 
+class StoppedClock:
+    """The offload code's `time`: its clock moves only when the test sets `now`, and counts its reads."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.reads = 0
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        return self.now
+
+    def set_and_wait_for_a_poll(self, now: float) -> None:
+        """Set the clock, and return once the engine has looked at it again twice (a whole poll since)."""
+        self.now, seen = now, self.reads
+        _wait_for(lambda: self.reads >= seen + 2, "the engine's next poll")
+
+
 @pytest.mark.parametrize("load_timeout", [None, 3.0])
-def test_overdue_load_is_abandoned_for_recompute(cold, redis_server, load_timeout):
+def test_overdue_load_is_abandoned_for_recompute(cold, redis_server, load_timeout, monkeypatch):
     ids, expected = cold
     options = dict(kv_redis_url=redis_server.url, kv_redis_timeout=30.0, kv_tier_load_timeout=load_timeout)
-    with LLM(**SMALL, **options) as llm:
+    clock = StoppedClock()
+    with LLM(**SMALL, **options) as llm, ThreadPoolExecutor(1) as pool:
         _run(llm, ids)
         _flush(llm)
         _evict_pool(llm)
+        offload_state = llm.engine.offload
+        # the configured bound, or what computing the 592 tokens to load is expected to take
+        bound = load_timeout or max(offload.MIN_LOAD_SECONDS, 592 * offload_state.seconds_per_token)
+        monkeypatch.setattr(offload, "time", clock)
         os.kill(redis_server.process.pid, signal.SIGSTOP)  # a server that hangs rather than fails
         try:
-            start = time.monotonic()
-            assert _run(llm, ids) == (expected, 0)
-            waited = time.monotonic() - start
+            run = pool.submit(_run, llm, ids)
+            _wait_for(lambda: offload_state.loading, "the load")
+            clock.set_and_wait_for_a_poll(clock.now + 0.99 * bound)
+            assert offload_state.loading and llm.tier_stats()["offload"]["load_timeouts"] == 0  # not given up early
+            clock.now += 0.02 * bound
+            assert run.result(timeout=120) == (expected, 0)
+            # computed while the fetch still waits on the hung server: abandoned, not after the socket timeout
+            assert llm.tier_stats()["redis"]["errors"] == 0
         finally:
             os.kill(redis_server.process.pid, signal.SIGCONT)
         assert llm.tier_stats()["offload"]["load_timeouts"] == 1
-    # abandoned at the recompute estimate (or the configured bound), not after the 30 s socket timeout
-    assert waited < 15.0
-    if load_timeout is not None:
-        assert waited >= load_timeout
 
 
 def test_two_servers_share_a_long_prompt_through_redis(redis_server, kvbank_env, tmp_path):
