@@ -37,8 +37,9 @@ def native():
 
 
 def cpu_levels(lowest: str = "scalar") -> list[str]:
-    """The instruction-set levels (kvbank/kernels/isa.h) this CPU runs, from `lowest` up; none
-    without the native kernels (the `native` fixture then fails under CI and skips elsewhere)."""
+    """The instruction-set levels (kvbank/kernels/isa.h) this CPU runs, from `lowest` up; none on a
+    CPU below `lowest` (a test parametrized over them is then skipped), and none without the native
+    kernels (the `native` fixture then fails under CI and skips elsewhere)."""
     from kvbank import kernels
     from kvbank.kernels import isa
 
@@ -46,7 +47,7 @@ def cpu_levels(lowest: str = "scalar") -> list[str]:
     if module is None:
         return []
     levels = isa.levels_below_cpu(module)
-    return levels[levels.index(lowest) :]
+    return levels[levels.index(lowest) :] if lowest in levels else []
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,13 @@ from kvbank import LLM, SamplingParams
 from kvbank.attention import AttentionMetadata
 from kvbank.attention.fast import DECODE_PARTITION, DenseStep, native_decode_kernel, paged_attention
 
-pytestmark = pytest.mark.parametrize("isa_level", cpu_levels("avx2"), indirect=True, scope="module")
+LEVELS = cpu_levels("avx2")
+pytestmark = [
+    pytest.mark.parametrize("isa_level", LEVELS, indirect=True, scope="module"),
+    pytest.mark.skipif(
+        not LEVELS, reason="batch invariance is kept from avx2 up, and this CPU (or build) runs no such level"
+    ),
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=0)
 
 
@@ -161,3 +167,56 @@ def test_the_one_call_decoder_stack_gives_the_layer_by_layer_bits(llm, monkeypat
     assert any(s is not None for s in steps)  # the stack ran (every step attends by rows here)
     monkeypatch.setattr(type(model), "_stack_attention", lambda *args: None)
     assert _answers(llm, prompts) == fused
+
+
+@pytest.mark.slow
+def test_the_decoder_stack_gives_the_same_bits_at_every_thread_count(llm, isa_level, monkeypatch):
+    """The stack's threads meet at its spin barrier after every matmul and take work on demand.
+    Many calls of uneven work (prefill chunks beside decodes, a batch that shrinks as sequences end)
+    at several thread counts, more than the cores included (waiting threads yield): every call's
+    hidden states equal one thread's, bit for bit (a thread past the barrier early reads rows not yet
+    written; work taken twice or never changes them)."""
+    if isa_level != LEVELS[-1]:
+        pytest.skip("the barrier and the work queues are the same at every level: tested at the CPU's own")
+    engine, model = llm.engine, llm.engine.runner.model
+    # Without the step-time target every run schedules the same steps (chunks sized by the token budget).
+    monkeypatch.setattr(engine, "pacer", None)
+    monkeypatch.setattr(engine.scheduler, "prefill_budget", None)
+    stack, forward = type(model)._stack_attention, type(model).forward
+    ran: list[bool] = []
+    calls: list[tuple[bool, torch.Tensor]] = []
+
+    def recording_stack(*args):
+        step = stack(*args)
+        ran.append(step is not None)
+        return step
+
+    def recording_forward(*args, **kwargs):
+        hidden = forward(*args, **kwargs)
+        calls.append((ran.pop(), hidden.clone()))
+        return hidden
+
+    monkeypatch.setattr(type(model), "_stack_attention", recording_stack)
+    monkeypatch.setattr(type(model), "forward", recording_forward)
+    prompts = [_chat(llm, f"Describe {'a long and winding ' * (4 * i)}road number {i}.") for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(5)]
+
+    def run(threads: int) -> list[tuple[bool, torch.Tensor]]:
+        calls.clear()
+        llm.reset_prefix_cache()  # every run computes every prompt
+        torch.set_num_threads(threads)
+        llm.generate(prompts, params)
+        return list(calls)
+
+    previous = torch.get_num_threads()
+    try:
+        alone = run(1)
+        runs = {threads: run(threads) for threads in (2, 3, 4)}
+    finally:
+        torch.set_num_threads(previous)
+    assert len(alone) >= 30 and all(stacked for stacked, _ in alone), "every step runs the stack"
+    assert len({hidden.shape[0] for _, hidden in alone}) >= 5, "rows vary from step to step"
+    for threads, calls_at in runs.items():
+        assert [h.shape for _, h in calls_at] == [h.shape for _, h in alone], threads
+        for i, ((_, a), (_, b)) in enumerate(zip(alone, calls_at)):
+            assert torch.equal(a, b), (threads, i)

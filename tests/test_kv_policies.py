@@ -232,8 +232,11 @@ def _scores_at_prompt_end(policy, weights: torch.Tensor, prompt_len: int) -> tor
 )
 def test_scored_policies_keep_the_tokens_that_attention_computed_independently_ranks_highest(llm, text_ids, policy):
     # The kept set after the prompt, against scores recomputed in float64 from the recorded
-    # queries and keys: every kept token scores at least as high as every dropped one (up to
-    # rounding), which a choice by position or at random fails.
+    # queries and keys: every kept token scores at least as high as every dropped one, which a
+    # choice by position or at random fails. Exactly, not up to rounding: the engine's float32
+    # scores are within 3.4e-6 of a score of these (measured, every policy here), and at this
+    # text's cut the lowest kept and highest dropped differ by at least 5.5e-5 of a score (H2O;
+    # SnapKV 1.9e-4 and 2.4e-4), so rounding cannot reorder them.
     engine = llm.engine
     engine.reset_prefix_cache()
     prompt_len, recent = 150, policy.recent if isinstance(policy, H2O) else policy.window
@@ -255,7 +258,6 @@ def test_scored_policies_keep_the_tokens_that_attention_computed_independently_r
     top = policy.heavy if isinstance(policy, H2O) else policy.budget - policy.window
     assert kept.shape[-1] == top + recent
     window = torch.arange(prompt_len - recent, prompt_len)
-    flips = 0
     for layer in range(c.num_layers):
         scores = _scores_at_prompt_end(policy, weights[layer], prompt_len)
         for head in range(c.num_kv_heads):
@@ -264,9 +266,7 @@ def test_scored_policies_keep_the_tokens_that_attention_computed_independently_r
             held = torch.zeros(scores.shape[-1], dtype=torch.bool)
             held[chosen[:top]] = True
             lowest_kept, highest_dropped = scores[head][held].min(), scores[head][~held].max()
-            assert lowest_kept >= highest_dropped * (1 - 1e-4) - 1e-9, (layer, head, lowest_kept, highest_dropped)
-            flips += int(lowest_kept < highest_dropped)
-    assert flips <= c.num_layers * c.num_kv_heads // 100  # near-ties, rarely
+            assert lowest_kept >= highest_dropped, (layer, head, lowest_kept, highest_dropped)
     _assert_all_free(llm)
 
 

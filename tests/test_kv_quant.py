@@ -129,7 +129,7 @@ EXPECTED_PER_HEAD = {
 def test_bytes_per_token_is_what_the_pool_allocates(kv):
     plan = plan_pool(SMOL, torch.bfloat16, 64 * 2**20, 16, KVFormat(kv))
     assert plan.bytes_per_token == EXPECTED_PER_HEAD[kv] * 30 * 3
-    storage = KVStorage(SMOL, 10, 16, torch.bfloat16, torch.device("cpu"), KVFormat(kv))
+    storage = KVStorage(SMOL, 10, 16, torch.bfloat16, torch.device("cpu"), KVFormat(kv), batch_invariant=False)
     assert storage.nbytes == plan.bytes_per_block * 10 == plan.bytes_per_token * 10 * 16
 
 
@@ -142,7 +142,9 @@ def test_int4_holds_at_most_028x_of_bfloat16_at_the_defaults():
 def test_skip_layers_stay_full_precision_and_are_counted():
     plan = plan_pool(SMOL, torch.bfloat16, 2**30, 16, KVFormat("int8", skip_layers=(0, -1)))
     assert plan.bytes_per_token == (28 * EXPECTED_PER_HEAD["int8"] + 2 * EXPECTED_PER_HEAD["auto"]) * 3
-    storage = KVStorage(SMOL, 8, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int8", (0, -1)))
+    storage = KVStorage(
+        SMOL, 8, 16, torch.bfloat16, torch.device("cpu"), KVFormat("int8", (0, -1)), batch_invariant=False
+    )
     kinds = [layer.kind for layer in storage.layers]
     assert kinds[0] == kinds[-1] == "dense" and set(kinds[1:-1]) == {"token"}
     assert storage.nbytes == plan.bytes_per_block * 8
@@ -223,7 +225,9 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
     torch.manual_seed(1)
     heads, kv_heads, dim, scale = 6, 2, 64, 0.125
     config = tiny_config(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
-    storage = KVStorage(config, 24, 16, torch.float32, torch.device("cpu"), KVFormat(kv), reserved_seqs=1)
+    storage = KVStorage(
+        config, 24, 16, torch.float32, torch.device("cpu"), KVFormat(kv), reserved_seqs=1, batch_invariant=False
+    )
     layer = storage.layers[0]
     pool = BlockPool(24)
     pool.on_empty = storage.release
@@ -395,33 +399,47 @@ def test_engine_and_kvbank_plan_agree(kvbank_env):
 # --- accuracy on real text --------------------------------------------------------------------
 
 
+#: Perplexity against a float32 cache, per KV dtype, at most this much higher on the fixture's text:
+#: about twice the change measured there (8 x 512 tokens: bfloat16 +0.12%, int8 +0.18%, fp8_e4m3
+#: +0.94%, fp8_e5m2 +3.7%, int4 +1.4%, int2 +37%). bfloat16's and int8's changes are within the
+#: text's sampling noise (below), so theirs is a bound on that noise instead.
+PERPLEXITY_LIMITS = {"bfloat16": 0.005, "int8": 0.005, "fp8_e4m3": 0.02, "fp8_e5m2": 0.06, "int4": 0.03, "int2": 0.75}
+
+
 @pytest.fixture(scope="module")
 def perplexities() -> dict[str, float]:
-    """Perplexity of three 1,024-token windows spread over the excerpt, for every KV dtype (bundled
-    model, bfloat16). One 1,536-token window is too few tokens: measured on four such windows,
-    int8's change against bfloat16 ranged from -0.44% to +0.54% (mean +0.12%), rounding noise."""
+    """Perplexity of 8 disjoint 512-token slices spread over the excerpt (one every 3,734 tokens), for a
+    float32 cache and every KV dtype (bundled model, bfloat16). Deterministic; what varies is the text:
+    over 16 such slices the change against float32 differed between the two halves (these 8 and the
+    8 between them) by at most 0.28 points, fp8_e5m2's by 1.3, and across quarters (2,048 tokens)
+    spread (sd) 0.22% (bfloat16), 0.33% (int8), 0.24% (fp8_e4m3), 0.86% (fp8_e5m2), 0.47% (int4) and
+    2.4% (int2), each well under its limit's distance from the change."""
     result = {}
-    for kv in ["auto", "int8", "fp8_e4m3", "int4", "int2"]:
-        llm = LLM(kv_cache_dtype=kv, kv_cache_memory_gb=0.1, enable_prefix_caching=False)
-        logprobs = [
-            _prompt_logprobs(llm, llm.get_tokenizer().encode(TEXT[start:])[:1024]) for start in (0, 10000, 20000)
-        ]
-        result[kv] = math.exp(-torch.cat(logprobs).mean().item())
+    for kv in ["float32", *PERPLEXITY_LIMITS]:
+        llm = LLM(kv_cache_dtype=kv, kv_cache_memory_gb=0.25, enable_prefix_caching=False)
+        ids = llm.get_tokenizer().encode(TEXT)
+        prompts = [ids[start : start + 512] for start in range(0, 8 * 3734, 3734)]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
+        logprobs = [d[t].logprob for o, p in zip(outputs, prompts) for d, t in zip(o.prompt_logprobs[1:], p[1:])]
+        result[kv] = math.exp(-sum(logprobs) / len(logprobs))
     print({k: round(v, 4) for k, v in result.items()})
     return result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv,limit", [("int8", 0.003), ("fp8_e4m3", 0.015), ("int4", 0.03)])
-def test_perplexity_stays_close_to_full_precision(perplexities, kv, limit):
-    delta = perplexities[kv] / perplexities["auto"] - 1
-    assert delta <= limit, f"{kv}: perplexity {perplexities[kv]:.4f} vs {perplexities['auto']:.4f} (+{delta:.2%})"
+@pytest.mark.parametrize("kv", PERPLEXITY_LIMITS)
+def test_perplexity_stays_close_to_a_float32_cache(perplexities, kv):
+    delta = perplexities[kv] / perplexities["float32"] - 1
+    limit = PERPLEXITY_LIMITS[kv]
+    assert delta <= limit, f"{kv}: perplexity {perplexities[kv]:.4f} vs {perplexities['float32']:.4f} ({delta:+.2%})"
 
 
-def test_lower_precision_costs_more_perplexity(perplexities):
-    # On 1,536 tokens int4's cost is within the noise of the 8-bit activation rounding the integer
-    # weight kernels add to every dtype alike (measured: int4 0.1% below auto): no more than 0.5% below.
-    assert perplexities["int2"] > perplexities["int4"] > perplexities["auto"] * 0.995
+@pytest.mark.slow
+def test_fewer_bits_cost_more_perplexity(perplexities):
+    # An int4, int2 or fp8 cache that kept more than its bits (or quantized nothing) passes the limits
+    # above; not this. int8's own change is within the text's noise, so nothing here can tell it apart.
+    assert perplexities["int2"] > perplexities["int4"] > perplexities["int8"]
+    assert perplexities["fp8_e5m2"] > perplexities["fp8_e4m3"] > perplexities["int8"]
     assert all(math.isfinite(p) for p in perplexities.values())
 
 

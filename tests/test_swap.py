@@ -7,6 +7,7 @@ mode and space and looks at how the counters moved.
 import pytest
 
 from kvbank import LLM, SamplingParams
+from kvbank.cache.swap import SWAP_CROSSOVER_TOKENS
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 TEXT = "Once upon a time, in a small village by the sea, there lived an old fisherman who told stories."
@@ -85,9 +86,9 @@ def test_aborting_a_swapped_sequence_frees_its_host_memory(llm, prompts):
     _assert_all_free(llm)
 
 
-def test_auto_preemption_swaps_from_one_block_and_keeps_the_tokens(prompts, unpreempted):
-    # The engine's own `auto`: swapping measured cheaper than recomputing from one block up
-    # (kvbank/cache/swap.py), so every victim holding a full block is swapped.
+def test_auto_preemption_swaps_long_victims_and_keeps_the_tokens(prompts, unpreempted):
+    # The engine's own `auto`: every victim here holds ~40 computed tokens, past the crossover
+    # (kvbank/cache/swap.py), so every one is swapped.
     auto = LLM(block_size=BLOCK_SIZE, num_gpu_blocks=SMALL_POOL, preemption_mode="auto")
     before = auto.stats()
     tokens = [o.outputs[0].token_ids for o in auto.generate(prompts, PARAMS)]
@@ -97,6 +98,41 @@ def test_auto_preemption_swaps_from_one_block_and_keeps_the_tokens(prompts, unpr
     assert counts["num_preemptions"] > 0
     assert counts["num_swaps_out"] == counts["num_swaps_in"] == counts["num_preemptions"]
     assert after["swap_bytes_used"] == 0
+
+
+@pytest.mark.parametrize(
+    ("computed", "swapped"), [(SWAP_CROSSOVER_TOKENS - 1, False), (SWAP_CROSSOVER_TOKENS, True)], ids=["below", "at"]
+)
+def test_auto_preemption_recomputes_below_the_crossover_and_swaps_from_it(llm, monkeypatch, computed, swapped):
+    """The engine's `auto` against its own crossover: a victim preempted one token short of it is
+    recomputed, one preempted at it is swapped. Below the crossover the victim still holds a full
+    block (swappable), so only the crossover decides."""
+    from kvbank.cache import swap
+
+    assert SWAP_CROSSOVER_TOKENS - 1 >= BLOCK_SIZE, "no full block below the crossover: its boundary is untestable here"
+    engine = llm.engine
+    engine.swapper.mode, engine.swapper.space_bytes = "auto", 2**30
+    decided = []
+    original = swap.Swapper.wants_swap
+
+    def recording(self, seq):
+        decided.append((seq.request.request_id, seq.num_computed_tokens, original(self, seq)))
+        return decided[-1][2]
+
+    monkeypatch.setattr(swap.Swapper, "wants_swap", recording)
+    tokens = llm.get_tokenizer().encode(" ".join([TEXT] * 3))
+    # The older sequence fills 6 of the 8 blocks, the victim the other 2 with its prompt alone;
+    # the step after both prefills the older one needs a 7th block and preempts the victim,
+    # which has computed exactly its prompt.
+    older, victim = tokens[: 6 * BLOCK_SIZE], tokens[-computed:]
+    before = llm.stats()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    _finish(engine, [("older", older, params), ("victim", victim, params)])
+    after = llm.stats()
+    counts = {name: after[name] - before[name] for name in COUNTERS}
+    assert decided == [("victim", computed, swapped)]
+    assert counts == {"num_preemptions": 1, "num_swaps_out": int(swapped), "num_swaps_in": int(swapped)}
+    _assert_all_free(llm)
 
 
 def test_an_unknown_preemption_mode_is_refused():

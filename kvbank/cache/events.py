@@ -3,9 +3,10 @@
 Wire format (that of vLLM's `vllm/distributed/kv_events.py`, which llm-d's KV cache manager and
 NVIDIA Dynamo read): every engine step whose cache changed is one ZMQ multipart message on a PUB
 socket, `(topic, sequence number as 8 bytes big-endian, payload)`, sequence numbers counting up
-from 0 with no gap. The payload is a msgpack array `[ts, events]` (an `EventBatch`; the data
-parallel rank is left out, as vLLM leaves out a default), and each event an array whose first
-element is its tag:
+from 0 with no gap. The payload is a msgpack array `[ts, events]`: an `EventBatch` without its
+optional third field, the data-parallel rank. vLLM's publisher fills that in (0 for an engine
+without data parallelism); kvbank has no data-parallel ranks and sends none, which vLLM's decoder
+reads as its default, None. Each event is an array whose first element is its tag:
 
 - `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`:
   full blocks that became findable in the prefix cache, one chain in order; `parent_block_hash`
