@@ -1,4 +1,5 @@
-"""Every code block of README.md runs as written: Python blocks, and the commands of its bash blocks.
+"""Every code block of README.md and docs/*.md runs as written: Python blocks, and the commands of
+their bash blocks. Each block runs once, where it stands; "the README" below means any of these files.
 
 Each Python block runs in a fresh interpreter in an empty folder. A block marked
 `<!-- readme-test: MARK -->` needs something beyond the package: `server` talks to a real
@@ -28,6 +29,10 @@ each of its commands is
 - `pip install -e '.[EXTRA]'`: pyproject.toml must define the extra.
 A trailing `&` (run in the background) is dropped.
 A command of any other kind fails the test, until this file learns how to check it.
+
+Their relative links point at files that exist (and at headings that exist there), the tables of
+docs/measurements.md match their raw results (bench/tables.py --check), and docs/layout.md names
+every module of the package.
 """
 
 from __future__ import annotations
@@ -53,17 +58,25 @@ pytest_plugins = ["redis_servers"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
+DOCS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"(?:<!-- readme-test: (?P<mark>[\w-]+) -->\n)?```python\n(?P<code>.*?)```", re.S)
 MARKS = {None, "server", "redis", "transformers"}
 BLOCK_TIMEOUT_S = 600
 
 
+def _name(doc: Path) -> str:
+    """A doc's path from the repository root: how test ids and messages name it."""
+    return doc.relative_to(REPO_ROOT).as_posix()
+
+
 def _blocks() -> list:
-    text = README.read_text()
     blocks = []
-    for match in _BLOCK.finditer(text):
-        line = text.count("\n", 0, match.start("code"))
-        blocks.append(pytest.param(match.group("mark"), match.group("code"), id=f"line{line}-{match.group('mark')}"))
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in _BLOCK.finditer(text):
+            line = text.count("\n", 0, match.start("code"))
+            mark, code = match.group("mark"), match.group("code")
+            blocks.append(pytest.param(mark, code, _name(doc), id=f"{_name(doc)}:line{line}-{mark}"))
     return blocks
 
 
@@ -87,8 +100,8 @@ def server(kvbank_env, tmp_path_factory):
         stop_server(process)
 
 
-@pytest.mark.parametrize("mark, code", BLOCKS)
-def test_readme_python_block_runs_as_written(mark, code, kvbank_env, tmp_path, request):
+@pytest.mark.parametrize("mark, code, doc", BLOCKS)
+def test_readme_python_block_runs_as_written(mark, code, doc, kvbank_env, tmp_path, request):
     if mark == "server":
         pytest.importorskip("openai")
         url = request.getfixturevalue("server")
@@ -100,7 +113,7 @@ def test_readme_python_block_runs_as_written(mark, code, kvbank_env, tmp_path, r
         code = code.replace("redis://cache:6379", redis_url).replace("~/.cache/kvbank", str(tmp_path / "kv"))
     elif mark == "transformers":
         pytest.importorskip("transformers")
-        _run_in_this_process(code, tmp_path, request)
+        _run_in_this_process(code, doc, tmp_path, request)
         return
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -110,7 +123,7 @@ def test_readme_python_block_runs_as_written(mark, code, kvbank_env, tmp_path, r
         text=True,
         timeout=BLOCK_TIMEOUT_S,
     )
-    assert done.returncode == 0, f"the block failed:\n{code}\n--- stderr ---\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, f"the {doc} block failed:\n{code}\n--- stderr ---\n{done.stderr[-4000:]}"
     assert done.stdout.strip() or "print(" not in code, "the block prints nothing"
 
 
@@ -120,7 +133,7 @@ def _alone(env: dict[str, str]) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
 
 
-def _run_in_this_process(code: str, folder: Path, request) -> None:
+def _run_in_this_process(code: str, doc: str, folder: Path, request) -> None:
     """Run a block in this process, in a namespace of its own, from an empty folder. For the
     transformers block: transformers reads a GGUF slowly (the header parsed twice, gguf's tensor-name
     map rebuilt per tensor: ~20 s a load in a fresh interpreter), and this process has the parsed
@@ -130,7 +143,7 @@ def _run_in_this_process(code: str, folder: Path, request) -> None:
         patch.chdir(folder)
         namespace = {"__name__": "__main__"}
         try:
-            exec(compile(code, f"README.md block in {folder.name}", "exec"), namespace)
+            exec(compile(code, f"{doc} block in {folder.name}", "exec"), namespace)
         finally:
             namespace.clear()
             gc.collect()
@@ -148,7 +161,7 @@ RUN_UNTIL_STOPPED = {"serve", "chat"}
 ROUTER_MODULE = "sglang_router.launch_router"
 MAX_GENERATED_TOKENS = 64  # a `kvbank generate` the README shows stays quick
 MORE_KEYS = "..."  # `{"a": 1, ...}` in an answer comment: more keys may follow
-# What README.md has today; the extractor finding fewer means it broke, or the README lost examples.
+# What README.md and docs/ have today; the extractor finding fewer means it broke, or the docs lost examples.
 BASH_BLOCKS_AT_LEAST = 9
 CURLS_AT_LEAST = 9
 RUN_AT_LEAST = 2
@@ -158,9 +171,14 @@ ANSWERS_AT_LEAST = 4
 
 @dataclass
 class Command:
-    line: int  # in README.md, where the command starts
+    doc: str  # README.md or docs/NAME.md
+    line: int  # where the command starts
     argv: list[str]
     answer: str | None = None  # the `# {...}` comment after it: the answer's shape
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc} line {self.line}"
 
     @property
     def kind(self) -> str:
@@ -185,16 +203,17 @@ class Command:
 
     @property
     def id(self) -> str:
-        return f"line{self.line}-{'-'.join(self.argv[:2])}"
+        return f"{self.doc}:line{self.line}-{'-'.join(self.argv[:2])}"
 
 
 @dataclass
 class BashBlock:
-    line: int  # in README.md, of its ```bash
+    doc: str
+    line: int  # of its ```bash
     commands: list[Command] = field(default_factory=list)
 
 
-def _bash_commands(code: str, first_line: int) -> list[Command]:
+def _bash_commands(code: str, doc: str, first_line: int) -> list[Command]:
     """The commands of a bash block as the shell splits them, each with the answer comment below it."""
     commands: list[Command] = []
     pending, start = "", first_line
@@ -216,18 +235,19 @@ def _bash_commands(code: str, first_line: int) -> list[Command]:
         if argv and argv[-1] == "&":
             argv = argv[:-1]
         if argv:
-            commands.append(Command(start, argv))
+            commands.append(Command(doc, start, argv))
         pending = ""
-    assert not pending, f"README.md line {start}: a bash command that never ends"
+    assert not pending, f"{doc} line {start}: a bash command that never ends"
     return commands
 
 
 def _bash_blocks() -> list[BashBlock]:
-    text = README.read_text()
     blocks = []
-    for match in _BASH.finditer(text):
-        line = text.count("\n", 0, match.start("code"))
-        blocks.append(BashBlock(line, _bash_commands(match.group("code"), line + 1)))
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in _BASH.finditer(text):
+            line = text.count("\n", 0, match.start("code"))
+            blocks.append(BashBlock(_name(doc), line, _bash_commands(match.group("code"), _name(doc), line + 1)))
     return blocks
 
 
@@ -240,14 +260,14 @@ def _of_kind(*kinds: str) -> list:
 
 
 CURL_BLOCKS = [
-    pytest.param(block, id=f"line{block.line}")
+    pytest.param(block, id=f"{block.doc}:line{block.line}")
     for block in BASH_BLOCKS
     if any(command.kind == "curl" for command in block.commands)
 ]
 
 
 def test_the_readme_has_its_bash_blocks_and_knows_their_commands():
-    unknown = [f"line {command.line}: {shlex.join(command.argv)}" for command in COMMANDS if command.kind == "unknown"]
+    unknown = [f"{command.where}: {shlex.join(command.argv)}" for command in COMMANDS if command.kind == "unknown"]
     assert not unknown, f"bash commands this test does not know how to check: {unknown}"
     kinds = [command.kind for command in COMMANDS]
     assert len(BASH_BLOCKS) >= BASH_BLOCKS_AT_LEAST
@@ -258,7 +278,7 @@ def test_the_readme_has_its_bash_blocks_and_knows_their_commands():
     assert sum(command.answer is not None for command in COMMANDS) >= ANSWERS_AT_LEAST
     for command in COMMANDS:
         if command.kind == "curl":
-            assert any(README_HOST.search(arg) for arg in command.argv), f"line {command.line}: no README host"
+            assert any(README_HOST.search(arg) for arg in command.argv), f"{command.where}: no README host"
 
 
 @pytest.fixture(scope="session")
@@ -307,7 +327,7 @@ def _run_curls(block: BashBlock, curl: str, url: str) -> None:
     for command in block.commands:
         if command.kind != "curl":
             continue
-        args = [_resolve(arg, url, ids, command.line) for arg in command.argv[1:]]
+        args = [_resolve(arg, url, ids, command.where) for arg in command.argv[1:]]
         done = subprocess.run(
             [curl, *args, "-sS", "-w", "\n%{http_code}"],
             stdin=subprocess.DEVNULL,
@@ -315,7 +335,7 @@ def _run_curls(block: BashBlock, curl: str, url: str) -> None:
             text=True,
             timeout=BLOCK_TIMEOUT_S,
         )
-        where = f"README.md line {command.line}: {shlex.join(['curl', *args])}"
+        where = f"{command.where}: {shlex.join(['curl', *args])}"
         assert done.returncode == 0, f"{where}\ncurl exited with {done.returncode}: {done.stderr}"
         body, _, status = done.stdout.rpartition("\n")
         assert status.startswith("2"), f"{where}\nHTTP {status}: {body[-3000:]}"
@@ -333,11 +353,11 @@ def _run_curls(block: BashBlock, curl: str, url: str) -> None:
             _assert_same_keys(_shown(command.answer, where), answer, where, "answer")
 
 
-def _resolve(arg: str, url: str, ids: dict[str, str], line: int) -> str:
+def _resolve(arg: str, url: str, ids: dict[str, str], where: str) -> str:
     """The README's host becomes the test server's; a placeholder id, the one an earlier call answered."""
 
     def earlier_id(match: re.Match) -> str:
-        assert match["kind"] in ids, f"README.md line {line}: no earlier call of the block gave a {match[0]} id"
+        assert match["kind"] in ids, f"{where}: no earlier call of the block gave a {match[0]} id"
         return ids[match["kind"]]
 
     return PLACEHOLDER_ID.sub(earlier_id, README_HOST.sub(url, arg))
@@ -393,7 +413,7 @@ def test_readme_cli_command_runs_as_written(command, kvbank_env, tmp_path):
         text=True,
         timeout=BLOCK_TIMEOUT_S,
     )
-    where = f"README.md line {command.line}: {shlex.join(command.argv)}"
+    where = f"{command.where}: {shlex.join(command.argv)}"
     assert done.returncode == 0, f"{where}\nexited with {done.returncode}:\n{done.stderr[-4000:]}"
     assert done.stdout.strip(), f"{where}\nprinted nothing"
 
@@ -462,7 +482,7 @@ def _parses_with_its_flags(command: Command, argv: list[str], env: dict, folder:
 
 
 def _check_help(command: Command, done: subprocess.CompletedProcess) -> None:
-    where = f"README.md line {command.line}: {shlex.join(command.argv)}"
+    where = f"{command.where}: {shlex.join(command.argv)}"
     assert done.returncode == 0, f"{where}\nits arguments do not parse:\n{done.stderr[-4000:]}"
     known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", done.stdout))
     shown = {arg.split("=", 1)[0] for arg in command.argv[1:] if arg.startswith("--")}
@@ -473,7 +493,7 @@ def _check_help(command: Command, done: subprocess.CompletedProcess) -> None:
 def test_readme_make_target_exists(command):
     makefile = (REPO_ROOT / "Makefile").read_text()
     for target in command.argv[1:]:
-        assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"README.md line {command.line}: no `{target}`"
+        assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"{command.where}: no `{target}`"
 
 
 @pytest.mark.parametrize("command", _of_kind("router", "bench"))
@@ -514,8 +534,8 @@ def test_readme_redis_server_command_starts_and_answers(command, tmp_path):
                 assert client.ping()
                 break
             except redis.ConnectionError:
-                assert process.poll() is None, f"README.md line {command.line}: redis-server exited"
-                assert time.monotonic() < deadline, f"README.md line {command.line}: redis-server never answered"
+                assert process.poll() is None, f"{command.where}: redis-server exited"
+                assert time.monotonic() < deadline, f"{command.where}: redis-server never answered"
                 time.sleep(0.05)
     finally:
         process.kill()
@@ -527,7 +547,68 @@ def test_readme_pip_extra_exists(command):
     import tomllib
 
     match = re.fullmatch(r"\.\[(?P<extras>[\w,-]+)\]", command.argv[3])
-    assert match, f"README.md line {command.line}: install this checkout with an extra, `.[name]`"
+    assert match, f"{command.where}: install this checkout with an extra, `.[name]`"
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     missing = set(match["extras"].split(",")) - set(extras)
-    assert not missing, f"README.md line {command.line}: pyproject.toml has no extra {sorted(missing)}"
+    assert not missing, f"{command.where}: pyproject.toml has no extra {sorted(missing)}"
+
+
+# --- links, measurement tables, layout -----------------------------------------------------------
+
+_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+_FENCED = re.compile(r"^```.*?^```", re.S | re.M)
+EXTERNAL = ("http://", "https://", "mailto:")
+LAYOUT = REPO_ROOT / "docs" / "layout.md"
+#: Folders docs/layout.md describes as a whole: their files are named by the folder, so that moving
+#: files within them keeps the page true.
+DESCRIBED_AS_FOLDERS = ("kvbank/kernels/", "kvbank/cache/policies/", "kvbank/models/")
+
+
+def _anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings (a repeated heading's get -1, -2, ...)."""
+    anchors, seen = set(), {}
+    for line in _FENCED.sub("", doc.read_text()).splitlines():
+        heading = re.match(r"#{1,6} (.+)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading[1].strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_name)
+def test_relative_links_point_at_files_and_headings_that_exist(doc):
+    broken = []
+    for match in _LINK.finditer(_FENCED.sub("", doc.read_text())):
+        target = match["target"]
+        if target.startswith(EXTERNAL):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no such heading in {_name(linked)}")
+    assert not broken, f"{_name(doc)} links to what is not there: {broken}"
+
+
+def test_measurement_tables_match_their_raw_results_and_name_their_commands():
+    spec = importlib.util.spec_from_file_location("bench_tables", REPO_ROOT / "bench" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    assert tables.problems(tables.MEASUREMENTS.read_text()) == []
+
+
+def test_layout_names_every_module_of_the_package():
+    text = LAYOUT.read_text()
+    unnamed = set()
+    for path in (REPO_ROOT / "kvbank").rglob("*.py"):
+        module = _name(path)
+        folder = next((folder for folder in DESCRIBED_AS_FOLDERS if module.startswith(folder)), None)
+        if folder is None and path.name == "__init__.py" and module != "kvbank/__init__.py":
+            folder = module.removesuffix("__init__.py")
+        if f"`{folder or module}`" not in text:
+            unnamed.add(folder or module)
+    assert not unnamed, f"docs/layout.md does not name {sorted(unnamed)}: give each a line"
+    gone = sorted(name for name in re.findall(r"`(kvbank/[\w/.]*)`", text) if not (REPO_ROOT / name).exists())
+    assert not gone, f"docs/layout.md names what is not in the package: {gone}"
