@@ -11,7 +11,8 @@ ROOT = Path(kvbank.__file__).parent
 
 # top to bottom; a module belongs to the first entry its dotted name starts with
 LAYERS = (
-    ("kvbank.__main__", "kvbank.cli"),
+    ("kvbank.__main__", "kvbank.options_doc"),
+    ("kvbank.cli",),
     ("kvbank.server",),
     ("kvbank.engine",),
     ("kvbank.memory",),
@@ -19,7 +20,7 @@ LAYERS = (
     ("kvbank.config",),
     ("kvbank.cache",),
     ("kvbank.attention",),
-    ("kvbank.kernels", "kvbank.tokenizer"),
+    ("kvbank.kernels", "kvbank.tokenizer", "kvbank.defaults"),
 )
 
 
@@ -115,6 +116,36 @@ def test_no_import_circles():
     assert circles(import_graph(ROOT)) == []
 
 
+def private_imports(root: Path) -> list[str]:
+    """`module: name` for each private name (`_x`, not `__x__`) one module takes from another module of the
+    package, by import or as an attribute of an imported module."""
+    modules = module_files(root)
+    found = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(root.name):
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in modules:
+                        imported.add(alias.asname or alias.name)
+                    elif _private(alias.name):
+                        found.append(f"{name}: {node.module}.{alias.name}")
+        for node in ast.walk(tree):
+            named = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            if named and node.value.id in imported and _private(node.attr):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    return sorted(found)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_module_takes_another_modules_private_names():
+    assert private_imports(ROOT) == []
+
+
 def test_the_checks_find_a_circle_and_an_upward_import_through_relative_and_local_imports(tmp_path):
     package = tmp_path / "kvbank"
     (package / "engine").mkdir(parents=True)
@@ -130,3 +161,7 @@ def test_the_checks_find_a_circle_and_an_upward_import_through_relative_and_loca
     assert graph["kvbank.engine.b"] == {"kvbank.engine.a"}
     assert circles(graph) == [["kvbank.engine.a", "kvbank.engine.b"]]
     assert upward(graph) == ["kvbank.cache.c -> kvbank.engine.a"]
+    (package / "cache" / "d.py").write_text(
+        "from kvbank.engine.a import _hidden\nfrom kvbank.engine import b\nb._peek()\n"
+    )
+    assert private_imports(package) == ["kvbank.cache.d: b._peek", "kvbank.cache.d: kvbank.engine.a._hidden"]
