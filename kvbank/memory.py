@@ -105,7 +105,7 @@ def weight_parts(model: LlamaForCausalLM) -> dict[str, int]:
     return parts
 
 
-#: what each record kind of QuantLinear holds (kvbank/kernels/qmatmul.cpp)
+#: what each record kind of QuantLinear holds (kvbank/kernels/matmul.h)
 _KERNELS = {
     KIND_Q4: "integer 4-bit (Q4_0/Q4_1)",
     KIND_Q4F: "integer 4-bit, float32 scales (Q4_K)",

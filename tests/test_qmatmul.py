@@ -1,4 +1,4 @@
-"""Integer GGUF matmuls (kvbank/kernels/qmatmul.cpp): exact against a float64 reference of the same
+"""Integer GGUF matmuls (kvbank/kernels/matmul.h): exact against a float64 reference of the same
 quantized operands, bit-identical across instruction sets and batch sizes, and the fused layer
 calls equal to the same steps done one by one."""
 

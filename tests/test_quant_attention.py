@@ -1,4 +1,4 @@
-"""The native kernel that attends a quantized KV cache in place (kvbank/kernels/quant_decode.cpp),
+"""The native kernel that attends a quantized KV cache in place (kvbank/kernels/quant_attention.cpp),
 against the reference: the codecs' own dequantization and plain attention, over many shapes; and
 through the engine, against the PyTorch reference path, for every quantized KV dtype."""
 
@@ -307,7 +307,7 @@ def test_every_code_is_read_as_the_codec_reads_it(kernel, kv, dtype):
 @pytest.mark.parametrize("kv", ["bfloat16", "int8", "fp8_e4m3"])
 def test_a_prefills_rows_attended_together_keep_each_rows_bits_alone(kernel, kv):
     # A prefill's rows read the same blocks, and the AVX2 version attends up to 8 of them per block
-    # it decodes (quant_rows in quant_decode.h). Each row must get its bits alone, whatever shares
+    # it decodes (quant_rows in quant_attention.cpp). Each row must get its bits alone, whatever shares
     # its tile: rows of one sequence across a partition boundary, a row of another sequence among
     # them, rows that start later (a window), and on every version the CPU has.
     generator = torch.Generator().manual_seed(7)

@@ -1,7 +1,7 @@
 """Batched paged attention on top of scaled_dot_product_attention.
 
 Decodes: all single-token sequences in one call. Where the native kernel runs (bfloat16 on an x86
-CPU with AVX2 or above, kvbank/kernels/dense_decode.cpp), it reads each sequence's blocks in place
+CPU with AVX2 or above, kvbank/kernels/dense_attention.cpp), it reads each sequence's blocks in place
 through the block table. Otherwise the cached blocks are gathered whole into a padded
 [batch, heads, blocks*block_size, dim] view and padding is masked; query heads of one KV head are
 laid along the query axis, so grouped-query attention needs no K/V expansion, and leading blocks

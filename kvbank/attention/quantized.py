@@ -1,7 +1,7 @@
 """Attention over a quantized pool.
 
 Where the native kernel runs (an x86 CPU with AVX2, bfloat16 or float32 model, head dim 64 or 128;
-kvbank/kernels/quant_decode.cpp), tokens are attended as decodes of their own sequence and the
+kvbank/kernels/quant_attention.cpp), tokens are attended as decodes of their own sequence and the
 codes are read in place through the block table, dequantized in registers: every token in
 batch-invariant mode (prefill included), the decodes otherwise.
 
@@ -41,7 +41,7 @@ from kvbank.attention.metadata import AttentionMetadata
 DEQUANT_CHUNK_TOKENS: dict[str, int] | None = {"token": 2048, "kivi": 1024}
 
 
-#: codec name -> the native kernel's format id (quant_decode.cpp)
+#: codec name -> the native kernel's format id (quant_attention.h)
 NATIVE_FORMATS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4, "int2": 5}
 
 

@@ -25,11 +25,41 @@ logger = logging.getLogger("kvbank.kernels")
 
 _SOURCE_DIR = Path(__file__).parent
 #: The translation units, compiled apart (in parallel) and linked into one module.
-UNITS = ("bindings.cpp", "layers.cpp", "quant_decode.cpp", "dense_decode.cpp", "qmatmul.cpp", "sampling.cpp")
+UNITS = (
+    "bindings.cpp",
+    "layers.cpp",
+    "matmul.cpp",
+    "matmul_avx2.cpp",
+    "matmul_vnni.cpp",
+    "fused.cpp",
+    "stack.cpp",
+    "dense_attention.cpp",
+    "quant_attention.cpp",
+    "quant_attention_avx512.cpp",
+    "cache_write.cpp",
+    "key_blocks.cpp",
+    "sampling.cpp",
+)
 #: Everything that names the build: the units and the headers they share.
-SOURCES = (*UNITS, "native.h", "isa.h", "layers.h", "paged_decode.h", "quant_decode.h", "dense_decode.h")
-# parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread.
-CFLAGS = ("-O3", "-fopenmp")
+SOURCES = (
+    *UNITS,
+    "native.h",
+    "isa.h",
+    "simd.h",
+    "layers.h",
+    "matmul.h",
+    "fused.h",
+    "stack.h",
+    "partials.h",
+    "dense_attention.h",
+    "quant_attention.h",
+    "quant_kernels.h",
+    "cache_write.h",
+)
+# parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread. Hidden
+# visibility: the units share helpers through headers, and exported from the library each call to
+# them would go through the PLT; only the module's entry point needs to be seen.
+CFLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # after the one attempt: "module", or "failure" (why it failed)

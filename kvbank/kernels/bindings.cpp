@@ -1,10 +1,11 @@
 // The Python module of kvbank's native kernels: the registry's state and the operators of the
-// other units (layers.cpp, quant_decode.cpp, dense_decode.cpp, qmatmul.cpp), declared in native.h.
-// Every unit compiles alone; job types they share live in headers (layers.h, paged_decode.h,
-// quant_decode.h, dense_decode.h), each including what it uses.
+// other units, declared in native.h (QuantStack in stack.h). Every unit compiles alone, with one
+// job; what units share is declared in headers (matmul.h, fused.h, partials.h, dense_attention.h,
+// quant_attention.h, cache_write.h, layers.h, simd.h), each including what it uses.
 #include <torch/extension.h>
 
 #include "native.h"
+#include "stack.h"
 
 #include <alloca.h>
 

@@ -116,16 +116,16 @@ struct FamilyInfo {
 
 inline const FamilyInfo& family_info(Family family) {
   static const FamilyInfo families[kFamilies] = {
-      // integer GGUF matmuls, and the one-call decoder stack built on them (qmatmul.cpp; amx: int8
+      // integer GGUF matmuls, and the one-call decoder stack built on them (matmul*.cpp, stack.cpp; amx: int8
       // tiles for 16 rows at a time, the avx512_vnni kernels for the rest, the same bits)
       {"matmul", {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni, Isa::Amx}},
-      // decode and row attention over a bfloat16 paged cache (dense_decode.h)
+      // decode and row attention over a bfloat16 paged cache (dense_attention.cpp)
       {"dense_attention", {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
-      // attention read in place from int8/fp8/int4/int2 caches (quant_decode.h)
+      // attention read in place from int8/fp8/int4/int2 caches (quant_attention*.cpp)
       {"quant_attention", {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16}},
-      // int8/fp8 and int4/int2 cache writes (quant_decode.h)
+      // int8/fp8 and int4/int2 cache writes (cache_write.cpp)
       {"quant_write", {Isa::Scalar, Isa::Avx2}},
-      // silu(gate) * up of the fused MLP, and the stack's residual adds, norm scaling and stores (qmatmul.cpp)
+      // silu(gate) * up of the fused MLP, and the stack's residual adds, norm scaling and stores (fused.cpp)
       {"activation", {Isa::Scalar, Isa::Avx2, Isa::Avx512}},
       // greedy sampling: each row's first largest logit (sampling.cpp)
       {"sampling", {Isa::Scalar, Isa::Avx2, Isa::Avx512}},

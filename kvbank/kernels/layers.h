@@ -10,7 +10,7 @@
 #include <cmath>
 #include <cstring>
 
-namespace {
+namespace kvbank {
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) {
@@ -83,4 +83,4 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, in
   });
 }
 
-}  // namespace
+}  // namespace kvbank

@@ -8,36 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "isa.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KVBANK_X86 1
-#include <immintrin.h>
-#define KVBANK_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-// e^x for x <= 0, 16 lanes. AVX-512F alone, so that every AVX-512 kernel can inline it; its
-// power-of-two scaling is exact, so it gives the 8-lane and scalar versions' bits.
-__attribute__((target("avx512f"))) inline __m512 exp_neg_v(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-KVBANK_AVX512 inline __m512 bf16_to_f32(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
+#include "simd.h"
 
 // Where each of `rows` rows' keys begin (a sliding window, or a stream's sequence after its frames
 // left), as the decode kernels take them (Partials::starts): null when `starts` is not given;
@@ -69,13 +40,13 @@ inline void check_block_tables(const torch::Tensor& tables, const torch::Tensor&
   }
 }
 
-// dense_decode.cpp
+// dense_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t partition, std::optional<torch::Tensor> starts);
+std::string dense_attention_isa();
 
-
-// quant_decode.cpp
+// quant_attention.cpp
 torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
                                      std::optional<torch::Tensor> k_grid, torch::Tensor v_codes, torch::Tensor v_scale,
                                      std::optional<torch::Tensor> v_zero, torch::Tensor block_tables,
@@ -83,11 +54,17 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
                                      std::optional<torch::Tensor> own_rows, std::string isa,
                                      std::optional<torch::Tensor> starts);
+bool has_quant_decode();
+std::vector<std::string> quant_decode_isas();
+
+// cache_write.cpp
 void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots);
 std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t format, torch::Tensor k_codes,
                                       torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
                                       torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                                       torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots);
+
+// key_blocks.cpp
 void rotate_key_blocks(std::vector<torch::Tensor> codes, int64_t format, std::vector<torch::Tensor> ranges,
                        std::vector<torch::Tensor> grids, torch::Tensor src, torch::Tensor dst, torch::Tensor cos,
                        torch::Tensor sin, bool bf16_keys);
@@ -96,17 +73,12 @@ torch::Tensor read_key_blocks(std::vector<torch::Tensor> codes, int64_t format, 
 void store_key_blocks(torch::Tensor x, std::vector<torch::Tensor> codes, int64_t format,
                       std::vector<torch::Tensor> ranges, std::vector<torch::Tensor> grids, torch::Tensor ids);
 void copy_rows(std::vector<torch::Tensor> tensors, torch::Tensor src, torch::Tensor dst);
-bool has_quant_decode();
-
-// dense_decode.cpp
-std::string dense_attention_isa();
-std::vector<std::string> quant_decode_isas();
 
 // layers.cpp
 torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 
-// qmatmul.cpp
+// fused.cpp
 std::string qmatmul_isa();
 torch::Tensor geglu(torch::Tensor gate_up);
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t kind, bool float_out, std::string isa);
@@ -123,36 +95,3 @@ torch::Tensor qhead(torch::Tensor hidden, torch::Tensor norm_w, double eps, torc
 
 // sampling.cpp
 torch::Tensor argmax_rows(torch::Tensor logits, std::string isa);
-// A decoder stack on packed GGUF weights, run for a whole step in one call (qmatmul.cpp).
-class QuantStack {
- public:
-  // Per layer four projections (q/k/v, o, gate/up, down), each one records tensor or several side
-  // by side with their kinds, and two norms (Llama: before attention and before the MLP) or, with
-  // `gemma`, six (before and after attention, before and after the MLP, then q's and k's per head),
-  // with GeGLU for SiLU-gated units.
-  QuantStack(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> kinds,
-             std::vector<torch::Tensor> norms, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-             bool gemma);
-  int64_t num_layers() const;
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
-                        std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                        torch::Tensor context_lens, double scale, int64_t partition, int64_t format,
-                        std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales,
-                        std::vector<torch::Tensor> k_grids, std::vector<torch::Tensor> v_zeros,
-                        std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
-                        std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
-                        std::optional<torch::Tensor> own_rows,
-                        std::optional<torch::Tensor> starts, std::optional<torch::Tensor> cos_local,
-                        std::optional<torch::Tensor> sin_local, std::vector<int64_t> local_layers,
-                        std::vector<int64_t> layer_groups, std::vector<torch::Tensor> group_slots,
-                        std::vector<torch::Tensor> group_tables, std::vector<torch::Tensor> group_lens,
-                        std::vector<torch::Tensor> group_starts);
-
- private:
-  std::vector<std::vector<torch::Tensor>> weights_;
-  std::vector<std::vector<int64_t>> kinds_;
-  std::vector<torch::Tensor> norms_;
-  double eps_;
-  int64_t num_heads_, num_kv_heads_, head_dim_;
-  bool gemma_;
-};

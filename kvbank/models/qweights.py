@@ -1,4 +1,4 @@
-"""GGUF weights laid out for kvbank's integer matmul kernels (kvbank/kernels/qmatmul.cpp).
+"""GGUF weights laid out for kvbank's integer matmul kernels (kvbank/kernels/matmul.h).
 
 A CPU decode step is bound by reading weights. These layers keep the GGUF's bytes (4-bit Q4_0 /
 Q4_1 projections, the 8-bit Q8_0 embedding table that is also the LM head) and multiply them with
@@ -42,7 +42,7 @@ def _floats_as_bytes(values: torch.Tensor, groups: int, blocks: int, per_block: 
 
 
 def pack_q4(blocks: Int4Blocks) -> torch.Tensor:
-    """uint8 [out / 16, in / 32, 320] records (see qmatmul.cpp) of 4-bit weights; 384-byte records
+    """uint8 [out / 16, in / 32, 320] records (see kvbank/kernels/matmul.h) of 4-bit weights; 384-byte records
     with float32 scales and minimums when `blocks.wide` (kind 41)."""
     out_features, in_features = blocks.q.shape
     groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
@@ -57,7 +57,7 @@ def pack_q4(blocks: Int4Blocks) -> torch.Tensor:
 
 
 def pack_q8(blocks: Int8Blocks) -> torch.Tensor:
-    """uint8 [out / 16, in / 32, 544] records (see qmatmul.cpp) of 8-bit weights, stored as w + 128;
+    """uint8 [out / 16, in / 32, 544] records (see kvbank/kernels/matmul.h) of 8-bit weights, stored as w + 128;
     640-byte records with two float32 scales per block when the scales are per 16 inputs (kind 81)."""
     out_features, in_features = blocks.q.shape
     groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
@@ -82,7 +82,7 @@ def _q5_bits(u: torch.Tensor, groups: int, nb: int) -> torch.Tensor:
 
 
 def pack_q5(blocks: Int8Blocks) -> torch.Tensor:
-    """uint8 [out / 16, in / 32, 352] records (see qmatmul.cpp) of weights in -16..15, stored as
+    """uint8 [out / 16, in / 32, 352] records (see kvbank/kernels/matmul.h) of weights in -16..15, stored as
     q + 16 (_q5_bits), then the fp16 scales."""
     out_features, in_features = blocks.q.shape
     groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE
@@ -91,7 +91,7 @@ def pack_q5(blocks: Int8Blocks) -> torch.Tensor:
 
 
 def pack_q5f(blocks: Int4Blocks) -> torch.Tensor:
-    """uint8 [out / 16, in / 32, 448] records (see qmatmul.cpp) of weights q in 0..31 (Q5_K) as
+    """uint8 [out / 16, in / 32, 448] records (see kvbank/kernels/matmul.h) of weights q in 0..31 (Q5_K) as
     _q5_bits, then float32 scales and minimums."""
     out_features, in_features = blocks.q.shape
     groups, nb = out_features // GROUP_ROWS, in_features // GROUP_SIZE

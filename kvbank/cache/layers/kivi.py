@@ -93,7 +93,7 @@ class ResidualSlots:
         return torch.zeros(slots, *self.shape, dtype=self.dtype, device=self.device)
 
 
-#: columns of a ResidualPlan's table (kPlanFields in kvbank/kernels/quant_decode.h)
+#: columns of a ResidualPlan's table (kPlanFields in kvbank/kernels/quant_attention.h)
 PLAN_FIELDS = 5
 
 
@@ -104,7 +104,7 @@ class ResidualPlan:
     Every block that receives tokens gets a scratch row: its earlier tokens are loaded from its
     residual slot, the new tokens are written in, and then blocks that are now full are quantized
     into the pool while the others go back to their residual slots. `table` says so per row for
-    the native writes (kivi_write in kvbank/kernels/quant_decode.cpp): block id, residual slot
+    the native writes (kivi_write in kvbank/kernels/cache_write.cpp): block id, residual slot
     (-1: none), tokens the block held before the step, tokens it holds after, and 1 where a later
     row of the same sequence attends the block from the pool (a chunk over several blocks: the
     fused stack quantizes those rows before attention, the others after it); `moves` says the

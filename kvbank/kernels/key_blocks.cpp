@@ -1,227 +1,12 @@
-// The quantized attention and cache writes, as torch operators (job types: quant_decode.h).
-#include "quant_decode.h"
+// Key blocks of every layer read, rotated or stored as a whole (a stream's position shift, a
+// recall), dense or KIVI, bit for bit the Python codecs; and rows copied between blocks.
+#include "cache_write.h"
+
+#include "quant_kernels.h"
 
 #include <ATen/Parallel.h>
 
-bool has_quant_decode() {
-#ifdef KVBANK_X86
-  return kvbank::family_available(kvbank::Family::QuantAttention);
-#else
-  return false;
-#endif
-}
-
-std::vector<std::string> quant_decode_isas() {
-  std::vector<std::string> names;
-#ifdef KVBANK_X86
-  if (!has_quant_decode()) return names;
-  kvbank::Isa best = kvbank::Isa::Avx2;
-  kvbank::family_variant(kvbank::Family::QuantAttention, &best);
-  for (kvbank::Isa v : kvbank::family_info(kvbank::Family::QuantAttention).variants)
-    if (static_cast<int>(v) <= static_cast<int>(best)) names.emplace_back(kvbank::isa_name(v));
-#endif
-  return names;
-}
-
-torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Tensor k_codes, torch::Tensor k_scale,
-                                     std::optional<torch::Tensor> k_grid, torch::Tensor v_codes, torch::Tensor v_scale,
-                                     std::optional<torch::Tensor> v_zero, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale, int64_t partition,
-                                     std::optional<torch::Tensor> scratch_k, std::optional<torch::Tensor> scratch_v,
-                                     std::optional<torch::Tensor> own_rows, std::string isa,
-                                     std::optional<torch::Tensor> starts) {
-  TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU");
-  int level = 0;
-#ifdef KVBANK_X86
-  kvbank::Isa wanted = kvbank::active_isa();
-  TORCH_CHECK(isa == "auto" || kvbank::isa_from_name(isa, &wanted),
-              "isa must be auto, scalar, avx2, avx512 or avx512_bf16, got ", isa);
-  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(kvbank::active_isa()), "this CPU (capped at ",
-              kvbank::isa_name(kvbank::active_isa()), ") does not run the ", isa, " version of the quantized kernel");
-  level = quant_isa_at(wanted);
-#endif
-  TORCH_CHECK(format >= kBf16 && format <= kInt2, "unknown quantized KV format ", format);
-  TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat, "q must be bfloat16 or float32");
-  const int64_t heads = q.size(1), group = q.size(2), dim = q.size(3);
-  const bool kivi = format == kInt4 || format == kInt2;
-  TORCH_CHECK(dim == 64 || dim == 128, "head dim must be 64 or 128, got ", dim);
-  TORCH_CHECK(group >= 1 && group <= 8, "at most 8 query heads per KV head, got ", group);
-  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes(), "codes must be [blocks, block_size, heads, bytes]");
-  TORCH_CHECK(k_codes.size(2) == heads, "q has ", heads, " KV heads, the cache ", k_codes.size(2));
-  const int64_t block_size = k_codes.size(1);
-  TORCH_CHECK(block_size <= 64 && partition > 0 && partition % block_size == 0,
-              "block size <= 64 and partition a multiple of it");
-  const bool dense = format == kBf16;
-  const int64_t code_bytes = kivi ? dim * (format == kInt4 ? 4 : 2) / 8 : dense ? 2 * dim : dim;
-  TORCH_CHECK(k_codes.size(3) * k_codes.element_size() == code_bytes, "codes have ",
-              k_codes.size(3) * k_codes.element_size(), " bytes per head, expected ", code_bytes);
-  TORCH_CHECK(!dense || (k_codes.scalar_type() == torch::kBFloat16 && v_codes.scalar_type() == torch::kBFloat16),
-              "a dense cache must be bfloat16");
-  TORCH_CHECK(dense || ((kivi || k_scale.scalar_type() == torch::kHalf) && v_scale.scalar_type() == torch::kHalf),
-              "scales must be float16");
-  int64_t value_groups = 1;
-  if (dense) {
-    // no scales
-  } else if (kivi) {
-    // k_scale holds the key range bytes
-    TORCH_CHECK(k_grid.has_value() && v_zero.has_value(), "int4/int2 need key grids and value zero points");
-    TORCH_CHECK(k_scale.scalar_type() == torch::kByte && k_scale.dim() == 3 && k_scale.size(0) == k_codes.size(0) &&
-                    k_scale.size(1) == heads && k_scale.size(2) == dim,
-                "key ranges must be uint8 [blocks, heads, dim]");
-    TORCH_CHECK(k_grid->scalar_type() == torch::kHalf && k_grid->dim() == 3 && k_grid->size(0) == k_codes.size(0) &&
-                    k_grid->size(1) == heads && k_grid->size(2) == 3 && k_grid->is_contiguous(),
-                "key grids must be contiguous float16 [blocks, heads, 3]");
-    TORCH_CHECK(v_scale.dim() == 4 && v_scale.size(0) == k_codes.size(0) && v_scale.size(1) == block_size &&
-                    v_scale.size(2) == heads,
-                "value scales must be [blocks, block_size, heads, groups]");
-    TORCH_CHECK(v_zero->scalar_type() == torch::kChar && v_zero->sizes() == v_scale.sizes() && v_zero->is_contiguous(),
-                "value zero points must be contiguous int8 like the value scales");
-    value_groups = v_scale.size(3);
-    TORCH_CHECK(value_groups >= 1 && dim % value_groups == 0 && (dim / value_groups) % 16 == 0,
-                "value groups must be whole multiples of 16 channels, got ", value_groups, " groups of dim ", dim);
-  } else {
-    TORCH_CHECK(k_scale.dim() == 3 && k_scale.size(1) == block_size && k_scale.size(2) == heads,
-                "scales must be [blocks, block_size, heads]");
-  }
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
-              "block tables and lengths must be int64");
-  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one table and length per row");
-  const bool scratch = own_rows.has_value();
-  if (scratch) {
-    TORCH_CHECK(scratch_k.has_value() && scratch_v.has_value(), "own rows need scratch blocks");
-    TORCH_CHECK(scratch_k->scalar_type() == q.scalar_type() && scratch_v->scalar_type() == q.scalar_type(),
-                "scratch blocks must be in q's dtype");
-    TORCH_CHECK(scratch_k->dim() == 4 && scratch_k->size(1) == block_size && scratch_k->size(2) == heads &&
-                    scratch_k->size(3) == dim && scratch_k->sizes() == scratch_v->sizes(),
-                "scratch blocks must be [rows, block_size, heads, dim]");
-    TORCH_CHECK(own_rows->scalar_type() == torch::kLong && own_rows->size(0) == q.size(0), "one own row per row");
-  }
-  for (const auto* t : {&k_codes, &v_codes, &k_scale, &v_scale}) TORCH_CHECK(t->is_contiguous(), "caches must be contiguous");
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
-  torch::Tensor sk, sv, own;
-  if (scratch) {
-    sk = scratch_k->contiguous();
-    sv = scratch_v->contiguous();
-    own = own_rows->contiguous();
-  }
-  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1, "block tables must be [rows, width], lengths [rows]");
-  torch::Tensor first;
-  const int64_t* from = row_starts(starts, q.size(0), first);
-  check_block_tables(block_tables, context_lens, from, block_size, k_codes.size(0));
-  if (scratch) {
-    const int64_t* rows = own.data_ptr<int64_t>();
-    for (int64_t r = 0; r < q.size(0); ++r)
-      TORCH_CHECK(rows[r] >= 0 && rows[r] < sk.size(0), "own row ", rows[r], " is outside the ", sk.size(0),
-                  " scratch blocks");
-  }
-  auto out = torch::empty_like(q);
-#ifdef KVBANK_X86
-  QuantLayer L{format,
-               reinterpret_cast<const uint8_t*>(k_codes.data_ptr()),
-               kivi ? nullptr : reinterpret_cast<const uint16_t*>(k_scale.data_ptr()),
-               kivi ? reinterpret_cast<const uint8_t*>(k_scale.data_ptr()) : nullptr,
-               kivi ? reinterpret_cast<const uint16_t*>(k_grid->data_ptr()) : nullptr,
-               reinterpret_cast<const uint8_t*>(v_codes.data_ptr()),
-               reinterpret_cast<const uint16_t*>(v_scale.data_ptr()),
-               kivi ? reinterpret_cast<const int8_t*>(v_zero->data_ptr()) : nullptr,
-               heads,
-               dim,
-               block_size,
-               code_bytes,
-               value_groups,
-               scratch ? sk.data_ptr() : nullptr,
-               scratch ? sv.data_ptr() : nullptr,
-               scratch ? own.data_ptr<int64_t>() : nullptr};
-  if (q.scalar_type() == torch::kBFloat16) {
-    quant_decode<c10::BFloat16>(L, q, block_tables, context_lens, scale, partition, out, level, from);
-  } else {
-    quant_decode<float>(L, q, block_tables, context_lens, scale, partition, out, level, from);
-  }
-#endif
-  return out;
-}
-
-void quant_write_tokens(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor slots) {
-  TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite),
-              "quantized KV writes need an x86 CPU");
-  TORCH_CHECK(format == kInt8 || format == kFp8E4M3 || format == kFp8E5M2,
-              "per-token quantized writes are int8 (1), fp8_e4m3 (2) or fp8_e5m2 (3), got format ", format);
-  TORCH_CHECK(x.dim() == 3, "x must be [tokens, heads, dim], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat, "x must be bfloat16 or float32");
-  const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2);
-  TORCH_CHECK(dim % 8 == 0, "head dim must be a multiple of 8, got ", dim);
-  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == heads && codes.size(3) == dim && codes.element_size() == 1,
-              "codes must be one byte each, [blocks, block_size, ", heads, ", ", dim, "], got ", codes.sizes());
-  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.dim() == 3 && scale.size(0) == codes.size(0) &&
-                  scale.size(1) == codes.size(1) && scale.size(2) == heads,
-              "scales must be float16 [blocks, block_size, heads], got ", scale.sizes());
-  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == n,
-              "slots must be int64 [", n, "], got ", slots.sizes());
-  // Rows may be strided (k and v are views into the fused projection); each token's heads are dense.
-  if (x.stride(2) != 1 || x.stride(1) != dim) x = x.contiguous();
-  slots = slots.contiguous();
-  const int64_t capacity = codes.size(0) * codes.size(1);
-  const int64_t* slot_p = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(slot_p[i] >= 0 && slot_p[i] < capacity, "slot ", slot_p[i], " is outside the cache's ", capacity, " slots");
-#ifdef KVBANK_X86
-  if (x.scalar_type() == torch::kBFloat16) {
-    quant_write<c10::BFloat16>(format, x, codes, scale, slots);
-  } else {
-    quant_write<float>(format, x, codes, scale, slots);
-  }
-#endif
-}
-
-std::vector<torch::Tensor> kivi_write(torch::Tensor k, torch::Tensor v, int64_t format, torch::Tensor k_codes,
-                                      torch::Tensor k_ranges, torch::Tensor k_grid, torch::Tensor v_codes,
-                                      torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
-                                      torch::Tensor residual_v, torch::Tensor plan, torch::Tensor scratch_slots) {
-  TORCH_CHECK(kvbank::family_available(kvbank::Family::QuantWrite), "KIVI writes need an x86 CPU");
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [tokens, heads, dim], got ", k.sizes(), " and ",
-              v.sizes());
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-                  (k.scalar_type() == torch::kBFloat16 || k.scalar_type() == torch::kFloat),
-              "k and v must both be bfloat16 or float32");
-  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
-  check_kivi_layer(format, heads, dim, k_codes, k_ranges, k_grid, v_codes, v_scale, v_zero, residual_k, residual_v,
-                   k.scalar_type());
-  // Rows may be strided (k and v are views into the fused projection); each token's heads are dense.
-  if (k.stride(2) != 1 || k.stride(1) != dim) k = k.contiguous();
-  if (v.stride(2) != 1 || v.stride(1) != dim) v = v.contiguous();
-  const int64_t block_size = k_codes.size(1);
-  const int64_t rows = check_kivi_plan(plan, scratch_slots, tokens, k_codes.size(0), block_size, residual_k.size(0));
-  // zeros: the reference path attends whole scratch rows under a mask
-  auto scratch_k = torch::zeros({rows, block_size, heads, dim}, k.options().memory_format(torch::MemoryFormat::Contiguous));
-  auto scratch_v = torch::zeros_like(scratch_k);
-#ifdef KVBANK_X86
-  auto run = [&](auto* type_tag) {
-    using T = std::remove_pointer_t<decltype(type_tag)>;
-    const KiviWrite<T> W = kivi_pointers<T>(format, k_codes, k_ranges, k_grid, v_codes, v_scale, v_zero, residual_k,
-                                            residual_v, scratch_k.data_ptr<T>(), scratch_v.data_ptr<T>(), plan,
-                                            scratch_slots);
-    const T* k_p = k.data_ptr<T>();
-    const T* v_p = v.data_ptr<T>();
-    at::parallel_for(0, rows, 1, [&](int64_t from, int64_t to) {
-      for (int64_t r = from; r < to; ++r) W.preload(r);
-    });
-    for (int64_t t = 0; t < tokens; ++t) W.place(t, k_p + t * k.stride(0), v_p + t * v.stride(0));
-    at::parallel_for(0, rows, 1, [&](int64_t from, int64_t to) {
-      for (int64_t r = from; r < to; ++r) W.finish(r);
-    });
-  };
-  if (k.scalar_type() == torch::kBFloat16) {
-    run(static_cast<c10::BFloat16*>(nullptr));
-  } else {
-    run(static_cast<float*>(nullptr));
-  }
-#endif
-  return {scratch_k, scratch_v};
-}
+using namespace kvbank;
 
 #ifdef KVBANK_X86
 namespace {
@@ -318,7 +103,7 @@ void rotate_layer_blocks(int64_t format, const torch::Tensor& codes, const torch
   }
   const int bits = format == kInt4 ? 4 : 2;
   const int64_t code_bytes = codes.size(3);
-  auto kivi_keys = scalar_writes() ? kivi_keys_scalar<T> : kivi_keys8<T>;
+  auto kivi_keys = kivi_keys_variant<T>();
   uint8_t* c = codes.data_ptr<uint8_t>();
   uint8_t* r = ranges.data_ptr<uint8_t>();
   uint16_t* g = reinterpret_cast<uint16_t*>(grid.data_ptr());
@@ -464,7 +249,7 @@ void store_key_blocks(torch::Tensor x, std::vector<torch::Tensor> codes, int64_t
 #ifdef KVBANK_X86
   const int bits = format == kInt4 ? 4 : 2;
   const int64_t code_bytes = codes[0].size(3);
-  auto kivi_keys = scalar_writes() ? kivi_keys_scalar<float> : kivi_keys8<float>;
+  auto kivi_keys = kivi_keys_variant<float>();
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, layers * n, 1, [&](int64_t from, int64_t to) {

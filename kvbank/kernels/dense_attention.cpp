@@ -1,111 +1,15 @@
-// Decode attention straight from the paged KV cache: one query token per sequence, grouped-query
-// heads, the context read block by block through the block table (no gathered copy), in float32
-// with an online softmax. Long contexts are split into partitions merged by log-sum-exp, so that
-// a few sequences still keep every core busy.
-#pragma once
+// The bfloat16 (and float32, float16) paged decode attention: the scalar reference and the
+// avx512_bf16 kernel, the job that picks among them and the quantized kernel's format 0
+// (dense_attention.h), and its torch operator.
+#include "dense_attention.h"
 
-#include "native.h"
+#include "quant_attention.h"
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <type_traits>
-
-namespace {
-
-constexpr int kMaxGroup = 16;
-constexpr int kMaxDim = 256;
-constexpr int kMaxBlock = 64;
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const c10::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-
-// e^x for x <= 0 (e^-inf = 0) in plain arithmetic, so loops over it vectorize.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;  // x / ln 2
-  const float n = std::floor(t);
-  const float f = (t - n) * 0.69314718055994531f;  // in [0, ln 2)
-  float p = 1.0f / 5040;
-  p = p * f + 1.0f / 720;
-  p = p * f + 1.0f / 120;
-  p = p * f + 1.0f / 24;
-  p = p * f + 1.0f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+namespace kvbank {
 
 #ifdef KVBANK_X86
-
-// Tokens ahead of the one being read whose K and V rows a kernel asks memory for. Each row's
-// blocks lie anywhere in memory, so the hardware prefetchers cannot follow them; a long context
-// streams from DRAM (every decode step reads all of it), and a block asked for only one block
-// ahead, into L1, arrives late: L1 has few outstanding misses, and prefetches beyond them stall
-// the loop. Asking for the block ~48 tokens ahead into L2 keeps enough of them in flight
-// (measured on Zen 4 at 1,024 tokens, 64 sequences: 1.6x the attention's speed out of cache, the
-// same within it).
-constexpr int64_t kPrefetchTokens = 48;
-
-// One line into L2. An asm statement, not _mm_prefetch: GCC takes a function whose only effect
-// is __builtin_prefetch for one without effects, and drops calls to it once inlined.
-inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
-
-// Asks for the L2 lines of the KV head at `offset` bytes into each token row (`row_bytes` long,
-// rows `token_bytes` apart) of the block `kPrefetchTokens` tokens past the block of `start` (and,
-// at a range's first block, of every block up to it), for their tokens before `end`.
-inline void prefetch_ahead(const void* k, const void* v, const int64_t* table, int64_t block_size, int64_t begin,
-                           int64_t start, int64_t end, int64_t token_bytes, int64_t offset, int64_t row_bytes) {
-  const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / block_size);
-  for (int64_t j = start == begin ? 1 : ahead; j <= ahead; ++j) {
-    const int64_t first = (start / block_size + j) * block_size;
-    if (first >= end) return;
-    const int64_t count = std::min(end - first, block_size);
-    const int64_t at = table[first / block_size] * block_size * token_bytes + offset;
-    for (int64_t t = 0; t < count; ++t) {
-      for (int64_t c = 0; c < row_bytes; c += 64) {
-        prefetch_l2(static_cast<const char*>(k) + at + t * token_bytes + c);
-        prefetch_l2(static_cast<const char*>(v) + at + t * token_bytes + c);
-      }
-    }
-  }
-}
-
-// Lane t of the result: the sum of the lanes of the vector of token t, for 16 tokens (the dense
-// and quantized attention kernels' scores). The tree
-// leaves token 4i + k in lane 4k + i, so the inputs go in that (self-inverse) order.
-__attribute__((target("avx512f"))) inline __m512 transpose_sums16(const __m512* part) {
-  __m512 t[8], u[4], s[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = part[4 * ((2 * i) % 4) + (2 * i) / 4], b = part[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int j = 0; j < 4; ++j)
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-  for (int m = 0; m < 2; ++m)
-    s[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // bfloat16 q and cache, G query heads per KV head, head dim D (a multiple of 32): q.k by
 // bfloat16 pair dot products into float32, 16 tokens' sums by one transpose tree, softmax and the
 // value sum in float32 registers.
@@ -284,133 +188,8 @@ FastRange fast_range(int64_t group) {
   return nullptr;
 }
 
-// Partial results of decode attention split into work items (row, KV head, partition of the
-// context) and merged per (row, KV head) by log-sum-exp. The dense and quantized kernels and the
-// fused decoder stack (qmatmul.cpp) all use it, so a row's result never depends on the batch.
-struct Partials {
-  int64_t n, heads, group, dim, partition, parts;
-  const int64_t* lens;
-  // Where each row's keys begin (a sliding window: the row reads positions starts[i] .. lens[i]
-  // - 1), or null for position 0. Partitions stay at absolute positions, so a row's items and
-  // their arithmetic depend on its own window alone.
-  const int64_t* starts = nullptr;
-  std::unique_ptr<float[]> acc, maxes, sums;
-
-  Partials(int64_t n_, int64_t heads_, int64_t group_, int64_t dim_, const int64_t* lens_, int64_t partition_)
-      : n(n_), heads(heads_), group(group_), dim(dim_), partition(partition_), lens(lens_) {
-    int64_t longest = 0;
-    for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lens[i]);
-    parts = std::max<int64_t>(1, (longest + partition - 1) / partition);
-    // Partial results: [n, heads, parts, group, dim] and [n, heads, parts, group] (max, sum).
-    // Left uninitialized: every item writes its max and sum, and the merge reads only the partial
-    // sums of non-empty items. A prefill's rows bring many items, so zeroing would cost a pass.
-    const int64_t rows = n * heads * parts * group;
-    acc.reset(new float[rows * dim]);
-    maxes.reset(new float[rows]);
-    sums.reset(new float[rows]);
-  }
-
-  int64_t items() const { return n * heads * parts; }
-  int64_t pairs() const { return n * heads; }
-
-  // The item at position k of the schedule. Items of one KV head and partition are adjacent, row
-  // after row: a prefill's rows are consecutive rows of one sequence, so a thread running a run of
-  // them reads the same partition of the cache (64 KiB for 256 bfloat16 tokens of a 64-wide head)
-  // from its own cache level instead of from memory, once per row. Only the order changes: each
-  // item's arithmetic, and so every row's result, is the same in any schedule.
-  int64_t scheduled(int64_t k) const { return (k % n) * heads * parts + k / n; }
-
-  // The row, KV head and token range of `item`; false (and an empty result) when the range is empty.
-  bool span(int64_t item, int64_t& i, int64_t& h, int64_t& begin, int64_t& end) {
-    i = item / (heads * parts);
-    h = item / parts % heads;
-    const int64_t part = item % parts;
-    begin = part * partition;
-    end = std::min(lens[i], begin + partition);
-    if (starts != nullptr) begin = std::max(begin, starts[i]);
-    if (begin < end) return true;
-    for (int64_t g = 0; g < group; ++g) {
-      maxes[item * group + g] = -std::numeric_limits<float>::infinity();
-      sums[item * group + g] = 0.0f;
-    }
-    return false;
-  }
-
-  template <typename T>
-  void merge(int64_t pair, T* out) {
-    for (int64_t g = 0; g < group; ++g) {
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t part = 0; part < parts; ++part) best = std::max(best, maxes[(pair * parts + part) * group + g]);
-      float total = 0.0f;
-      float merged[kMaxDim] = {};
-      for (int64_t part = 0; part < parts; ++part) {
-        const int64_t row = (pair * parts + part) * group + g;
-        if (sums[row] == 0.0f) continue;
-        const float w = exp_neg(maxes[row] - best);
-        total += w * sums[row];
-        const float* a = acc.get() + row * dim;
-        for (int64_t d = 0; d < dim; ++d) merged[d] += w * a[d];
-      }
-      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      T* o = out + (pair * group + g) * dim;
-      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(merged[d] * inv);
-    }
-  }
-};
-
-// Hands out [from, to) ranges of [0, count), `length` positions at a time, to whichever thread
-// asks next (each thread of a region calls drain once; one object per pass over the positions).
-class OnDemand {
- public:
-  template <typename F>
-  void drain(int64_t count, int64_t length, F&& run) {
-    for (int64_t from = next_.fetch_add(length, std::memory_order_relaxed); from < count;
-         from = next_.fetch_add(length, std::memory_order_relaxed))
-      run(from, std::min(count, from + length));
-  }
-
- private:
-  std::atomic<int64_t> next_{0};
-};
-
-// Hands out positions of a Partials schedule in runs to whichever thread asks next. Rows of a
-// prefill differ in length (the causal mask), so equal shares of the items are unequal work; runs
-// taken on demand keep every thread busy to the end. Which thread runs an item never changes it.
-class ItemQueue {
- public:
-  // Calls run(items, count) for runs of items of `partials`, on the calling thread (one of
-  // `threads` draining the queue), until none are left. A run is up to 8 consecutive positions,
-  // fewer when there are few items, so that a decode step's handful still spreads over every
-  // thread; consecutive positions are consecutive rows of one KV head and partition
-  // (Partials::scheduled), which a kernel may attend together.
-  template <typename F>
-  void drain(const Partials& partials, int threads, F&& run) {
-    const int64_t count = partials.items();
-    const int64_t length = std::max<int64_t>(1, std::min<int64_t>(kRun, count / (4 * std::max(threads, 1))));
-    int64_t items[kRun];
-    ranges_.drain(count, length, [&](int64_t from, int64_t to) {
-      for (int64_t k = from; k < to; ++k) items[k - from] = partials.scheduled(k);
-      run(items, static_cast<int>(to - from));
-    });
-  }
-
-  static constexpr int64_t kRun = 8;
-
- private:
-  OnDemand ranges_;
-};
-
-// Every item of `partials` through run(items, count), in runs (ItemQueue::drain), on the
-// kernels' threads.
-template <typename F>
-void run_items(const Partials& partials, F&& run) {
-  ItemQueue queue;
-  const int threads = at::get_num_threads();
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { queue.drain(partials, threads, run); });
-}
-
 // One decode attention over raw pointers, as Partials work items: the tensor entry point and the
-// fused decoder stack (qmatmul.cpp) run the same items and merges, so both give the same bits.
+// fused decoder stack (stack.cpp) run the same items and merges, so both give the same bits.
 template <typename T, int D>
 struct DecodeJob {
   const T *q_p, *k_p, *v_p;
@@ -484,4 +263,136 @@ void decode_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
   }
 }
 
+DenseJob::DenseJob(const Bf16* q, const Bf16* k, const Bf16* v, const int64_t* tables, const int64_t* lens, Bf16* out,
+                   int64_t n, int64_t heads, int64_t group, int64_t dim, int64_t block_size, int64_t width,
+                   double scale, int64_t partition)
+    : heads_(heads), dim_(dim), block_size_(block_size) {
+  kvbank::Isa variant = kvbank::Isa::Scalar;
+  kvbank::family_variant(kvbank::Family::DenseAttention, &variant);
+  const bool lanes = variant == kvbank::Isa::Avx2 || variant == kvbank::Isa::Avx512;
+  if (lanes && (dim == 64 || dim == 128 || dim == 256) && group <= 8) {
+    const int isa = variant == kvbank::Isa::Avx512 ? kQuantAvx512 : kQuantAvx2;
+    quant_.reset(new QuantJob<Bf16>(q, tables, lens, out, n, heads, group, dim, block_size, width, scale, partition,
+                                    isa));
+  } else if (dim == 64) {
+    d64_.reset(new DecodeJob<Bf16, 64>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                       partition));
+  } else if (dim == 128) {
+    d128_.reset(new DecodeJob<Bf16, 128>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                         partition));
+  } else if (dim == 256) {
+    d256_.reset(new DecodeJob<Bf16, 256>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                         partition));
+  } else {
+    any_.reset(new DecodeJob<Bf16, 0>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
+                                      partition));
+  }
+}
+
+DenseJob::~DenseJob() = default;
+
+template <typename F>
+decltype(auto) DenseJob::visit(F&& f) const {
+  if (d64_) return f(*d64_);
+  if (d128_) return f(*d128_);
+  if (d256_) return f(*d256_);
+  return f(*any_);
+}
+
+const Partials& DenseJob::partials() const {
+  return quant_ ? quant_->partials : visit([](auto& job) -> const Partials& { return job.partials; });
+}
+
+void DenseJob::set_starts(const int64_t* starts) {
+  if (quant_) {
+    quant_->partials.starts = starts;
+  } else {
+    visit([&](auto& job) { job.partials.starts = starts; });
+  }
+}
+
+int64_t DenseJob::items() const { return quant_ ? quant_->items() : visit([](auto& job) { return job.items(); }); }
+int64_t DenseJob::pairs() const { return quant_ ? quant_->pairs() : visit([](auto& job) { return job.pairs(); }); }
+
+void DenseJob::item(int64_t i, const Bf16* k, const Bf16* v) {
+  if (quant_) return quant_->item(i, layer(k, v));
+  visit([&](auto& job) { job.item(i, k, v); });
+}
+
+void DenseJob::run(const int64_t* items, int count, const Bf16* k, const Bf16* v) {
+  if (quant_) return quant_->run(items, count, layer(k, v));
+  for (int j = 0; j < count; ++j) item(items[j], k, v);
+}
+
+void DenseJob::merge(int64_t pair) {
+  if (quant_) return quant_->merge(pair);
+  visit([&](auto& job) { job.merge(pair); });
+}
+
+QuantLayer DenseJob::layer(const Bf16* k, const Bf16* v) const {
+  return QuantLayer{kBf16,    reinterpret_cast<const uint8_t*>(k), nullptr, nullptr, nullptr,
+                    reinterpret_cast<const uint8_t*>(v), nullptr, nullptr, heads_, dim_, block_size_,
+                    2 * dim_, 1,       nullptr,  nullptr, nullptr};
+}
+
+namespace {
+
+void dense_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tables,
+                  const torch::Tensor& lens, double scale, int64_t partition, torch::Tensor& out,
+                  const int64_t* starts) {
+  DenseJob job(q.data_ptr<Bf16>(), k.data_ptr<Bf16>(), v.data_ptr<Bf16>(), tables.data_ptr<int64_t>(),
+               lens.data_ptr<int64_t>(), out.data_ptr<Bf16>(), q.size(0), q.size(1), q.size(2), q.size(3), k.size(1),
+               tables.size(1), scale, partition);
+  job.set_starts(starts);
+  const Bf16* k_p = k.data_ptr<Bf16>();
+  const Bf16* v_p = v.data_ptr<Bf16>();
+  run_items(job.partials(), [&](const int64_t* items, int count) { job.run(items, count, k_p, v_p); });
+  at::parallel_for(0, job.pairs(), 1, [&](int64_t from, int64_t to) {
+    for (int64_t pair = from; pair < to; ++pair) job.merge(pair);
+  });
+}
+
 }  // namespace
+}  // namespace kvbank
+
+using namespace kvbank;
+
+
+std::string dense_attention_isa() {
+  kvbank::Isa variant = kvbank::Isa::Scalar;
+  kvbank::family_variant(kvbank::Family::DenseAttention, &variant);
+  return kvbank::isa_name(variant);
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t partition, std::optional<torch::Tensor> starts) {
+  TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and caches must share a dtype");
+  TORCH_CHECK(q.size(1) == k_cache.size(2) && q.size(3) == k_cache.size(3), "q heads/dim do not match the cache");
+  TORCH_CHECK(q.size(2) <= kMaxGroup && q.size(3) <= kMaxDim && k_cache.size(1) <= kMaxBlock,
+              "group <= ", kMaxGroup, ", head dim <= ", kMaxDim, ", block size <= ", kMaxBlock);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "block tables and lengths must be int64");
+  TORCH_CHECK(partition > 0 && partition % k_cache.size(1) == 0, "partition must be a multiple of the block size");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.dim() == 1 &&
+                  context_lens.size(0) == q.size(0),
+              "one block table row and one context length per row of q");
+  torch::Tensor first;
+  const int64_t* s = row_starts(starts, q.size(0), first);
+  check_block_tables(block_tables, context_lens, s, k_cache.size(1), k_cache.size(0));
+  auto out = torch::empty_like(q);
+  switch (q.scalar_type()) {
+    case torch::kFloat: decode_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;
+    case torch::kBFloat16: dense_decode(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;
+    case torch::kHalf: decode_dim<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, partition, out, s); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}

@@ -1,0 +1,29 @@
+// Activations and the fused layer ops (fused.cpp): the elementwise steps of a decoder layer, the
+// same bits from every variant of the activation family, shared by the per-layer ops and the stack.
+#pragma once
+
+#include "matmul.h"
+
+namespace kvbank {
+
+// out[k] = silu(gate[k]) * up[k] from the projections rounded to T.
+template <typename T>
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n);
+// out[k] = gelu(gate[k]) * up[k] for bfloat16 rows.
+void geglu_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t n);
+// Whether the elementwise loops below run 16 lanes (the activation family's avx512 variant).
+bool elementwise16();
+// dst[k] = src[k] rounded to T.
+template <typename T>
+void store_values(const float* src, T* dst, int64_t n, bool wide);
+// residual[k] += x[k], rounded to T.
+template <typename T>
+void add_values(const T* x, T* residual, int64_t n, bool wide);
+#ifdef KVBANK_X86
+// The whole 16s of out[i] = x[i] + add[i] rounded to bfloat16, as float (no add: x[i]); how many it did.
+KVBANK_AVX512_F int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n);
+// The whole 16s of values[i] = values[i] * inv * weight[i]; how many it did.
+KVBANK_AVX512_F int64_t scale_bf16_avx512(float* values, float inv, const c10::BFloat16* weight, int64_t n);
+#endif
+
+}  // namespace kvbank
