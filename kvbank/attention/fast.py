@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from kvbank import kernels
 from kvbank.attention.metadata import AttentionMetadata, SharedPrefix, index_tensor, table_tensor
 
-_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+#: PyTorch's CPU flash attention, which also returns each row's log-sum-exp (None where absent)
+flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 #: The CPU flash kernel compiles, and keeps for good, a kernel for every new tail shape of its
 #: query and key blocks; with prompt lengths arbitrary, a server would keep compiling (~160 KB
@@ -168,7 +169,8 @@ def chunk_visibility(start: int, end: int, block_size: int, lead: int = 0) -> to
     return visible
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` ([tokens, heads, dim]) with zero rows added up to `rows` tokens."""
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
 
 
@@ -227,14 +229,14 @@ def paged_attention(
             # Causal: padding rows at the end changes nothing for the rows before them.
             rows = padded_length(n, KEY_PAD)
             queries, keys, values = (
-                _pad_rows(x[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0) for x in (q, k, v)
+                pad_rows(x[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0) for x in (q, k, v)
             )
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1
             )
         else:
             rows, width = mask.shape[-2:]
-            queries = _pad_rows(q[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0)
+            queries = pad_rows(q[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0)
             table = _cover(chunk.block_table, -(-width // k_cache.shape[1])).unsqueeze(0)
             keys = _gather_blocks(k_cache, table)[:, :, :width]
             values = _gather_blocks(v_cache, table)[:, :, :width]
@@ -290,7 +292,7 @@ def attend_window_rows(
 
 def cascade_available(device: torch.device) -> bool:
     """Shared-prefix decoding merges partial results by log-sum-exp, which only the CPU flash kernel returns."""
-    return device.type == "cpu" and _flash_with_lse is not None
+    return device.type == "cpu" and flash_with_lse is not None
 
 
 def _cascade_decode(
@@ -298,7 +300,7 @@ def _cascade_decode(
 ) -> torch.Tensor:
     # Decode attention (queries [n, kv_heads, group, dim]) with shared prefixes read once; float32 out.
     num_kv_heads, group, head_dim = queries.shape[1:]
-    out, lse = _flash_with_lse(
+    out, lse = flash_with_lse(
         queries,
         _gather_blocks(k_cache, step.suffix_block_tables),
         _gather_blocks(v_cache, step.suffix_block_tables),
@@ -312,9 +314,9 @@ def _cascade_decode(
         rows, m = prefix.rows, prefix.rows.numel()
         # All of the group's queries attend the shared blocks as one sequence: nothing is masked.
         together = queries[rows].transpose(1, 2).reshape(m * group, num_kv_heads, head_dim)
-        together = _pad_rows(together, padded_query_rows(m * group)).transpose(0, 1).unsqueeze(0)
+        together = pad_rows(together, padded_query_rows(m * group)).transpose(0, 1).unsqueeze(0)
         table = prefix.block_table.unsqueeze(0)
-        shared_out, shared_lse = _flash_with_lse(
+        shared_out, shared_lse = flash_with_lse(
             together, _gather_blocks(k_cache, table), _gather_blocks(v_cache, table), 0.0, False, scale=scale
         )[:2]
         shared_out = shared_out[0, :, : m * group].view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()

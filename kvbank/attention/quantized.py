@@ -27,8 +27,8 @@ from kvbank import kernels
 from kvbank.attention.fast import (
     DECODE_PARTITION,
     KEY_PAD,
-    _flash_with_lse,
-    _pad_rows,
+    flash_with_lse,
+    pad_rows,
     padded_length,
     padded_query_rows,
 )
@@ -194,7 +194,7 @@ class _Merged:
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
     ) -> None:
         """queries [B, H, Lq, D]; keys, values [B, H, C, D]; mask additive, broadcastable to [B, H, Lq, C]."""
-        out, lse = _flash_with_lse(queries, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+        out, lse = flash_with_lse(queries, keys, values, 0.0, False, attn_mask=mask, scale=scale)
         # A query that sees nothing in this range contributes nothing (the kernel reports lse 0).
         hidden = torch.isinf(mask).all(dim=-1).expand(lse.shape)
         lse = lse.masked_fill(hidden, float("-inf"))
@@ -211,7 +211,7 @@ class _Merged:
 
 
 def _chunk_blocks(device: torch.device, kind: str, block_size: int) -> int | None:
-    if device.type != "cpu" or _flash_with_lse is None or DEQUANT_CHUNK_TOKENS is None:
+    if device.type != "cpu" or flash_with_lse is None or DEQUANT_CHUNK_TOKENS is None:
         return None
     return max(1, DEQUANT_CHUNK_TOKENS[kind] // block_size)
 
@@ -271,7 +271,7 @@ def quantized_paged_attention(
         out[:n] = attended.reshape(n, -1, head_dim).to(q.dtype)
     for i, (chunk, mask) in enumerate(zip(meta.prefills, view.chunk_masks)):
         rows = mask.shape[-2]
-        queries = _pad_rows(q[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0)
+        queries = pad_rows(q[chunk.start : chunk.end], rows).transpose(0, 1).unsqueeze(0)
         table = chunk.block_table.unsqueeze(0)
         blocks = len(chunk.block_table)
         chunk_step = step if step is not None and step < blocks else None  # one range: concatenate
