@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-from kvbank import cli
+from kvbank import cli, flags
 from kvbank.config import EngineConfig
 from kvbank.defaults import MAX_TOKENS_DEFAULTS
 from kvbank.server.limits import ServerLimits
@@ -91,7 +91,7 @@ def _takes(action: argparse.Action) -> str:
     if action.choices:
         return " \\| ".join(f"`{choice}`" for choice in action.choices)
     kind = action.metavar or {int: "integer", float: "number"}.get(action.type, "text")
-    repeatable = isinstance(action, (argparse._AppendAction, cli.Repeatable))
+    repeatable = isinstance(action, (argparse._AppendAction, flags.Repeatable))
     return f"`{kind}`, repeatable" if repeatable else f"`{kind}`"
 
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from serving import free_port
 
-from kvbank import LLM, __version__, cli, kernels
+from kvbank import LLM, __version__, cli, flags, kernels
 from kvbank.config import EngineConfig
 from kvbank.defaults import CLI_MAX_TOKENS
 from kvbank.engine.params import SamplingParams
@@ -235,7 +235,7 @@ def test_a_repeated_or_empty_api_key_is_refused_at_startup_without_showing_a_key
 
 def test_every_sampling_param_is_a_flag_or_says_why_not():
     fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
-    assert fields == set(cli._SAMPLING_HELP) | set(cli._SAMPLING_NOT_ON_CLI)
+    assert fields == set(flags.SAMPLING_HELP) | set(flags.SAMPLING_NOT_ON_CLI)
 
 
 def test_sampling_flags_become_the_sampling_params():

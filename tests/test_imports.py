@@ -13,6 +13,7 @@ ROOT = Path(kvbank.__file__).parent
 LAYERS = (
     ("kvbank.__main__", "kvbank.options_doc"),
     ("kvbank.cli",),
+    ("kvbank.flags",),
     ("kvbank.server",),
     ("kvbank.engine",),
     ("kvbank.memory",),
