@@ -420,7 +420,7 @@ def test_the_one_call_decoder_stack_gives_the_layer_by_layer_bits(cache, llm, ll
     assert steps and all(s is not None for s in steps)  # every step, prefill chunks and decodes alike
     # hybrid: the full table and each window table; swa_full: one table, with and without the window
     groups = 1 + engine.engine.manager.groups.num_window_tables if cache == "hybrid" else 2
-    assert all(len(set(s["layer_groups"])) == groups for s in steps)
+    assert all(len(set(s.layer_groups)) == groups for s in steps)
     monkeypatch.setattr(model, "_gemma_stack_step", lambda *args: None)
     assert _outputs(engine, prompts, params) == fused
     assert engine.engine.manager.num_free_blocks == engine.engine.num_blocks

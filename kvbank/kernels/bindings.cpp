@@ -100,24 +100,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "with their kinds, and the two norm weights; gemma: six norms per layer (input, post-attention, "
            "pre-feedforward, post-feedforward, q per head, k per head) and GeGLU")
       .def_property_readonly("num_layers", &QuantStack::num_layers)
-      .def("forward", &QuantStack::forward, nogil, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
-           py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
-           py::arg("scale"), py::arg("partition"), py::arg("format") = 0,
-           py::arg("k_scales") = std::vector<torch::Tensor>(), py::arg("v_scales") = std::vector<torch::Tensor>(),
-           py::arg("k_grids") = std::vector<torch::Tensor>(), py::arg("v_zeros") = std::vector<torch::Tensor>(),
-           py::arg("residual_ks") = std::vector<torch::Tensor>(), py::arg("residual_vs") = std::vector<torch::Tensor>(),
-           py::arg("kivi_plan") = py::none(), py::arg("scratch_slots") = py::none(), py::arg("own_rows") = py::none(),
-           py::arg("starts") = py::none(), py::arg("cos_local") = py::none(), py::arg("sin_local") = py::none(),
-           py::arg("local_layers") = std::vector<int64_t>(), py::arg("layer_groups") = std::vector<int64_t>(),
-           py::arg("group_slots") = std::vector<torch::Tensor>(), py::arg("group_tables") = std::vector<torch::Tensor>(),
-           py::arg("group_lens") = std::vector<torch::Tensor>(), py::arg("group_starts") = std::vector<torch::Tensor>(),
-           "Every layer for a step whose tokens all attend by rows; returns the last layer's output plus the residual. "
-           "format 0: bfloat16 caches; 1 int8, 2 fp8_e4m3, 3 fp8_e5m2: codes as k/v caches with their float16 scales; "
-           "4 int4, 5 int2 (KIVI): key range bytes as k_scales, key grids, value zero points, residual slots, the step's plan and scratch slots (kivi_write) and "
-           "each row's own scratch row; starts [tokens] (int64): where each row's keys begin (else 0). "
-           "Layers rotated by cos_local/sin_local where local_layers says 1; attention groups (bfloat16 caches): layer "
-           "l attends through group layer_groups[l], 0 being slot_mapping/block_tables/context_lens/starts and g > 0 "
-           "group_slots/tables/lens/starts[g - 1] (a sliding window is a group whose starts trail by the window)");
+      .def("forward", &QuantStack::forward, nogil, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("step"),
+           "Every layer for a step whose tokens all attend by rows (x [rows, hidden] bfloat16, cos/sin [rows, "
+           "head_dim]); returns the last layer's output plus the residual");
+  // The step's fields, as StackStep (stack.h) documents them; lists are assigned whole.
+  py::class_<StackStep>(m, "StackStep", "One step of QuantStack.forward beyond its rows: caches and attention")
+      .def(py::init<>())
+      .def_readwrite("format", &StackStep::format)
+      .def_readwrite("k_caches", &StackStep::k_caches)
+      .def_readwrite("v_caches", &StackStep::v_caches)
+      .def_readwrite("k_scales", &StackStep::k_scales)
+      .def_readwrite("v_scales", &StackStep::v_scales)
+      .def_readwrite("k_grids", &StackStep::k_grids)
+      .def_readwrite("v_zeros", &StackStep::v_zeros)
+      .def_readwrite("residual_ks", &StackStep::residual_ks)
+      .def_readwrite("residual_vs", &StackStep::residual_vs)
+      .def_readwrite("slot_mapping", &StackStep::slot_mapping)
+      .def_readwrite("block_tables", &StackStep::block_tables)
+      .def_readwrite("context_lens", &StackStep::context_lens)
+      .def_readwrite("starts", &StackStep::starts)
+      .def_readwrite("kivi_plan", &StackStep::kivi_plan)
+      .def_readwrite("scratch_slots", &StackStep::scratch_slots)
+      .def_readwrite("own_rows", &StackStep::own_rows)
+      .def_readwrite("scale", &StackStep::scale)
+      .def_readwrite("partition", &StackStep::partition)
+      .def_readwrite("cos_local", &StackStep::cos_local)
+      .def_readwrite("sin_local", &StackStep::sin_local)
+      .def_readwrite("local_layers", &StackStep::local_layers)
+      .def_readwrite("layer_groups", &StackStep::layer_groups)
+      .def_readwrite("group_slots", &StackStep::group_slots)
+      .def_readwrite("group_tables", &StackStep::group_tables)
+      .def_readwrite("group_lens", &StackStep::group_lens)
+      .def_readwrite("group_starts", &StackStep::group_starts);
   m.def("quant_decode_attention", &quant_decode_attention, nogil, py::arg("q"), py::arg("format"), py::arg("k_codes"),
         py::arg("k_scale"), py::arg("k_grid"), py::arg("v_codes"), py::arg("v_scale"), py::arg("v_zero"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("partition"),

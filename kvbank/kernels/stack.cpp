@@ -119,19 +119,24 @@ class SpinBarrier {
 // the decode kernel's items after the rows' new keys and values are written at their slots. The
 // arithmetic per token is the layer-by-layer path's (qlayer_attn_in, paged attention by rows,
 // qlayer_mlp), so the two give the same bits.
-torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
-                                  std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-                                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t partition,
-                                  int64_t format, std::vector<torch::Tensor> k_scales, std::vector<torch::Tensor> v_scales,
-                                  std::vector<torch::Tensor> k_grids, std::vector<torch::Tensor> v_zeros,
-                                  std::vector<torch::Tensor> residual_ks, std::vector<torch::Tensor> residual_vs,
-                                  std::optional<torch::Tensor> kivi_plan, std::optional<torch::Tensor> scratch_slots,
-                                  std::optional<torch::Tensor> own_rows,
-                                  std::optional<torch::Tensor> starts, std::optional<torch::Tensor> cos_local,
-                                  std::optional<torch::Tensor> sin_local, std::vector<int64_t> local_layers,
-                                  std::vector<int64_t> layer_groups, std::vector<torch::Tensor> group_slots,
-                                  std::vector<torch::Tensor> group_tables, std::vector<torch::Tensor> group_lens,
-                                  std::vector<torch::Tensor> group_starts) {
+torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const StackStep& step) {
+  TORCH_CHECK(step.slot_mapping.defined() && step.block_tables.defined() && step.context_lens.defined() &&
+                  step.scale > 0.0 && step.partition > 0,
+              "a stack step needs its slot mapping, block tables, context lengths, scale and partition");
+  // The step's fields by the names the body uses; the tables and lengths it makes contiguous are copies.
+  const std::vector<torch::Tensor>&k_caches = step.k_caches, &v_caches = step.v_caches, &k_scales = step.k_scales,
+                                  &v_scales = step.v_scales, &k_grids = step.k_grids, &v_zeros = step.v_zeros,
+                                  &residual_ks = step.residual_ks, &residual_vs = step.residual_vs,
+                                  &group_slots = step.group_slots, &group_starts = step.group_starts;
+  std::vector<torch::Tensor> group_tables = step.group_tables, group_lens = step.group_lens;
+  const torch::Tensor& slot_mapping = step.slot_mapping;
+  torch::Tensor block_tables = step.block_tables, context_lens = step.context_lens;
+  const std::optional<torch::Tensor>&kivi_plan = step.kivi_plan, &scratch_slots = step.scratch_slots,
+                                    &own_rows = step.own_rows, &starts = step.starts, &cos_local = step.cos_local,
+                                    &sin_local = step.sin_local;
+  const std::vector<int64_t>&local_layers = step.local_layers, &layer_groups = step.layer_groups;
+  const double scale = step.scale;
+  const int64_t partition = step.partition, format = step.format;
   using T = c10::BFloat16;
   const int64_t layers = num_layers();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,

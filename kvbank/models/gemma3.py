@@ -20,6 +20,7 @@ from torch import nn
 from kvbank.attention import AttentionMetadata
 from kvbank.attention.fast import DECODE_PARTITION, window_row_starts
 from kvbank.attention.window import WindowRows, window_attention, window_rows
+from kvbank.cache.layers.base import stack_step
 from kvbank.models.config import ModelConfig
 from kvbank.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, rope_inv_freq
 
@@ -128,21 +129,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local = self.rope_local_cos[positions], self.rope_local_sin[positions]
         step = self._gemma_stack_step(x, kv_caches, meta)
         if step is not None:
-            caches = [c.stack_caches() for c in kv_caches]
-            hidden = self._stack().forward(
-                x=x,
-                cos=full[0],
-                sin=full[1],
-                cos_local=local[0],
-                sin_local=local[1],
-                k_caches=[c.k for c in caches],
-                v_caches=[c.v for c in caches],
-                scale=self.layers[0].self_attn.scale,
-                partition=DECODE_PARTITION,
-                local_layers=[int(layer.self_attn.window is not None) for layer in self.layers],
-                **step,
-            )
-            return hidden[:T]
+            step.cos_local, step.sin_local = local
+            return self._stack().forward(x=x, cos=full[0], sin=full[1], step=step)[:T]
         windows: dict[int, dict[int, WindowRows]] = {}
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -154,11 +142,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta, shared)
         return (x + residual)[:T]
 
-    def _gemma_stack_step(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> dict | None:
-        """The step's attention arguments when it can run as one native call over every layer: bfloat16
-        rows, every projection on the integer kernels, bfloat16 caches attended by rows. Layers that
-        attend through one table (the hybrid cache's full table or a window's) and the same window
-        share a group: its slots, block tables, context lengths and starts (trailing by the window)."""
+    def _gemma_stack_step(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
+        """The step as the native stack takes it (a StackStep, but for the local rotary tables) when it
+        can run as one native call over every layer: bfloat16 rows, every projection on the integer
+        kernels, bfloat16 caches attended by rows; else None. Layers that attend through one table (the
+        hybrid cache's full table or a window's) and the same window share a group: its slots, block
+        tables, context lengths and starts (trailing by the window)."""
         rows = x.shape[0]
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.layers[0].mlp.native is None:
             return None
@@ -171,9 +160,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             )
             if not all(hasattr(p, "segments") and p.integer_path(rows) for p in projections):
                 return None
-        if not all(hasattr(c, "row_attention") for c in kv_caches):
-            return None
-        if any(stack is None or stack.format != 0 for stack in (c.stack_caches() for c in kv_caches)):
+        step = stack_step(kv_caches)
+        if step is None or step.format != 0:
             return None
         groups: dict[tuple, int] = {}
         layer_groups: list[int] = []
@@ -197,17 +185,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 lens.append(rows_attention["context_lens"])
                 starts.append(first)
             layer_groups.append(groups[key])
-        return {
-            "slot_mapping": slots[0],
-            "block_tables": tables[0],
-            "context_lens": lens[0],
-            "starts": starts[0],
-            "layer_groups": layer_groups,
-            "group_slots": slots[1:],
-            "group_tables": tables[1:],
-            "group_lens": lens[1:],
-            "group_starts": starts[1:],
-        }
+        step.slot_mapping, step.block_tables, step.context_lens, step.starts = slots[0], tables[0], lens[0], starts[0]
+        step.layer_groups = layer_groups
+        step.group_slots, step.group_tables = slots[1:], tables[1:]
+        step.group_lens, step.group_starts = lens[1:], starts[1:]
+        step.local_layers = [int(layer.self_attn.window is not None) for layer in self.layers]
+        step.scale = self.layers[0].self_attn.scale
+        step.partition = DECODE_PARTITION
+        return step
 
     stack_gemma = True
 

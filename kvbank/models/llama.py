@@ -17,6 +17,7 @@ from kvbank import kernels
 from kvbank.attention import AttentionMetadata
 from kvbank.attention.fast import DECODE_PARTITION
 from kvbank.attention.rope import apply_rope
+from kvbank.cache.layers.base import stack_step
 from kvbank.models.config import ModelConfig
 from kvbank.models.packed import Int4Blocks, Int8Blocks, PackedLinear
 from kvbank.models.qweights import (
@@ -29,9 +30,6 @@ from kvbank.models.qweights import (
     pack_q8,
     packable,
 )
-
-#: StackCache fields that a cache format may have beside its K and V, passed to the stack per layer
-STACK_EXTRAS = ("k_scale", "v_scale", "k_grid", "v_zero", "residual_k", "residual_v")
 
 
 class RMSNorm(nn.Module):
@@ -334,27 +332,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         step = self._stack_attention(rows, kv_caches, meta)
         if step is not None:
-            step, caches = step
-            # per-layer tensors the format has (scales, grids, zero points, residual slots), by the stack's names
-            extra = {
-                f"{name}s": [getattr(c, name) for c in caches]
-                for name in STACK_EXTRAS
-                if getattr(caches[0], name) is not None
-            }
-            hidden = self._stack().forward(
-                x=x,
-                cos=cos,
-                sin=sin,
-                k_caches=[c.k for c in caches],
-                v_caches=[c.v for c in caches],
-                slot_mapping=meta.slot_mapping,
-                scale=self.layers[0].self_attn.scale,
-                partition=DECODE_PARTITION,
-                format=caches[0].format,
-                **step,
-                **extra,
-            )
-            return hidden[:T]
+            return self._stack().forward(x=x, cos=cos, sin=sin, step=step)[:T]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
@@ -387,23 +365,28 @@ class LlamaForCausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return torch.stack(means)
 
-    def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata) -> tuple[dict, list] | None:
-        """The step's row attention arguments and the layers' caches (StackCache) when this step
-        can run as one native call over every layer: all layers on integer kernels for this many
-        rows, caches attended by rows (bfloat16, or int8/fp8/int4/int2 read in place), one format
-        for every layer, no scores."""
+    def _stack_attention(self, rows: int, kv_caches: list, meta: AttentionMetadata):
+        """The step as the native stack takes it (a StackStep: the layers' caches and the rows'
+        attention) when this step can run as one native call over every layer: all layers on integer
+        kernels for this many rows, caches attended by rows (bfloat16, or int8/fp8/int4/int2 read in
+        place), one format for every layer, no scores; else None."""
         first = self.layers[0]
         if first.native is None or not first.self_attn.qkv_proj.integer_path(rows):
             return None
         if not all(layer.native is not None for layer in self.layers):
             return None
-        if not all(hasattr(c, "row_attention") for c in kv_caches) or len({c.kind for c in kv_caches}) != 1:
+        if len({c.kind for c in kv_caches}) != 1:
             return None
         rows_attention = kv_caches[0].row_attention(meta)
-        caches = [c.stack_caches() for c in kv_caches]
-        if rows_attention is None or None in caches or len({c.format for c in caches}) != 1:
+        step = stack_step(kv_caches)
+        if rows_attention is None or step is None:
             return None  # one cache format, and one the stack takes, for every layer
-        return rows_attention, caches
+        for field, value in rows_attention.items():
+            setattr(step, field, value)
+        step.slot_mapping = meta.slot_mapping
+        step.scale = first.self_attn.scale
+        step.partition = DECODE_PARTITION
+        return step
 
     #: the native stack's layer form: Llama's (False) or Gemma's (True: six norms, GeGLU)
     stack_gemma = False

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
+from kvbank import kernels
 from kvbank.attention.fast import ScoreJob
 from kvbank.attention.metadata import AttentionMetadata
 from kvbank.cache.limits import EDITS
@@ -128,6 +129,41 @@ class KVLayer(Protocol):
 
     def attend(self, q: torch.Tensor, written: Any, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention of every new token (q: [T, heads, dim]) over its sequence's cached past."""
+
+    def stack_caches(self) -> StackCache | None:
+        """The layer's caches as the fused model step takes them; None when it cannot."""
+
+    def row_attention(self, meta: AttentionMetadata) -> dict[str, torch.Tensor] | None:
+        """The step's row attention as StackStep fields (block tables, context lengths, starts and
+        the kind's own) when this step attends by rows through the fused model step; else None."""
+
+
+#: StackStep's per-layer lists and the StackCache field each is made of
+STACK_LISTS = (
+    ("k_caches", "k"),
+    ("v_caches", "v"),
+    ("k_scales", "k_scale"),
+    ("v_scales", "v_scale"),
+    ("k_grids", "k_grid"),
+    ("v_zeros", "v_zero"),
+    ("residual_ks", "residual_k"),
+    ("residual_vs", "residual_v"),
+)
+
+
+def stack_step(layers: list[KVLayer]) -> Any | None:
+    """A native StackStep (the argument of kernels' QuantStack.forward) holding every layer's caches,
+    the rest for the caller to fill; None when a layer's caches cannot go into the fused step or the
+    layers' formats differ."""
+    caches = [layer.stack_caches() for layer in layers]
+    if None in caches or len({c.format for c in caches}) != 1:
+        return None
+    step = kernels.native().StackStep()
+    step.format = caches[0].format
+    for field, name in STACK_LISTS:
+        if getattr(caches[0], name) is not None:  # the tensors the format has
+            setattr(step, field, [getattr(c, name) for c in caches])
+    return step
 
 
 class KVKind(ABC):
