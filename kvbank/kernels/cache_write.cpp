@@ -126,7 +126,7 @@ void kivi_values_scalar(int bits, const T* x, int64_t dim, int64_t group, uint8_
 
 // 8 int32 lanes (each a byte's value) stored as 8 bytes.
 template <bool Signed>
-KVBANK_AVX2_F16C inline void store_bytes8(__m256i v, uint8_t* out) {
+KVBANK_AVX2 inline void store_bytes8(__m256i v, uint8_t* out) {
   const __m256i w = Signed ? _mm256_packs_epi32(v, v) : _mm256_packus_epi32(v, v);
   const __m256i b = Signed ? _mm256_packs_epi16(w, w) : _mm256_packus_epi16(w, w);
   const uint32_t lo = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(b)));
@@ -140,7 +140,7 @@ KVBANK_AVX2_F16C inline void store_bytes8(__m256i v, uint8_t* out) {
 // smallest normal: adding 2^(denormal exponent) lets the float adder round at fp8's subnormal
 // step. At or past the overflow threshold: e4m3's NaN, e5m2's infinity (or NaN).
 template <bool E4M3>
-KVBANK_AVX2_F16C inline __m256i f32_to_fp8(__m256 y) {
+KVBANK_AVX2 inline __m256i f32_to_fp8(__m256 y) {
   constexpr int kMant = E4M3 ? 3 : 2;
   constexpr int kBias = E4M3 ? 7 : 15;
   constexpr int kShift = 23 - kMant;
@@ -171,7 +171,7 @@ KVBANK_AVX2_F16C inline __m256i f32_to_fp8(__m256 y) {
 }
 
 template <typename T>
-KVBANK_AVX2_F16C void quantize_head8(int64_t format, const T* x, int64_t dim, uint8_t* codes, uint16_t* scale_out) {
+KVBANK_AVX2 void quantize_head8(int64_t format, const T* x, int64_t dim, uint8_t* codes, uint16_t* scale_out) {
   const float top = format == kInt8 ? 127.0f : format == kFp8E4M3 ? 448.0f : 57344.0f;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 peak = _mm256_setzero_ps();
@@ -230,14 +230,14 @@ void quant_write(int64_t format, const torch::Tensor& x, torch::Tensor& codes, t
 // from the pool (kPlanEarly). Quantization is bit for bit KiviKeys / KiviValues.quantize (kvbank/cache/quant.py):
 // the same float32 operations in the same order, float16 roundings toward the side that keeps
 // every value inside its range, codes rounded to nearest even and clamped, packed planar.
-KVBANK_AVX2_F16C inline float hmin8(__m256 v) {
+KVBANK_AVX2 inline float hmin8(__m256 v) {
   const __m128 x = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 y = _mm_min_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_min_ss(y, _mm_movehdup_ps(y)));
 }
 
 // 8 codes (x - low) / scale, rounded and clamped to [0, top], as bytes.
-KVBANK_AVX2_F16C inline void kivi_codes8(__m256 x, __m256 low, __m256 scale, __m256 top, uint8_t* out) {
+KVBANK_AVX2 inline void kivi_codes8(__m256 x, __m256 low, __m256 scale, __m256 top, uint8_t* out) {
   const __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(x, low), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   store_bytes8<false>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_setzero_ps()), top)), out);
 }
@@ -247,7 +247,7 @@ KVBANK_AVX2_F16C inline void kivi_codes8(__m256 x, __m256 low, __m256 scale, __m
 // largest grid minimum at or below the channel's smallest key, the smallest grid scale that
 // spans its keys from there (KiviKeys.quantize).
 template <typename T>
-KVBANK_AVX2_F16C void kivi_keys8(int bits, const T* x, int64_t tokens, int64_t stride, int64_t dim, uint8_t* codes,
+KVBANK_AVX2 void kivi_keys8(int bits, const T* x, int64_t tokens, int64_t stride, int64_t dim, uint8_t* codes,
                                 int64_t code_stride, uint8_t* ranges, uint16_t* grid) {
   alignas(32) uint8_t q[64][128];
   alignas(32) float lo[128], hi[128], low[128], scale[128];
@@ -300,7 +300,7 @@ KVBANK_AVX2_F16C void kivi_keys8(int bits, const T* x, int64_t tokens, int64_t s
 // width / top, at least |minimum| / 127, rounded up) and an int8 zero point (minimum / scale,
 // rounded); codes x / scale - zero, rounded and clamped (KiviValues.quantize).
 template <typename T>
-KVBANK_AVX2_F16C void kivi_values8(int bits, const T* x, int64_t dim, int64_t group, uint8_t* codes, uint16_t* scale,
+KVBANK_AVX2 void kivi_values8(int bits, const T* x, int64_t dim, int64_t group, uint8_t* codes, uint16_t* scale,
                                   int8_t* zero) {
   alignas(32) uint8_t q[128];
   const float top = static_cast<float>((1 << bits) - 1);

@@ -14,7 +14,7 @@ namespace kvbank {
 // bfloat16 pair dot products into float32, 16 tokens' sums by one transpose tree, softmax and the
 // value sum in float32 registers.
 template <int G, int D>
-KVBANK_AVX512 void attend_range_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+KVBANK_AVX512_BF16 void attend_range_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                                      const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
                                      int64_t heads, int64_t head, float scale, float* acc_out, float* max_out,
                                      float* sum_out) {

@@ -38,7 +38,7 @@ inline float silu_mul_one(float gate, float up) {
 }
 
 #ifdef KVBANK_X86
-KVBANK_AVX512_F inline __m512 round_bf16_v(__m512 x) {
+KVBANK_AVX512 inline __m512 round_bf16_v(__m512 x) {
   // Round to nearest even at bfloat16 (finite values), as narrow_to does.
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -47,7 +47,7 @@ KVBANK_AVX512_F inline __m512 round_bf16_v(__m512 x) {
 }
 
 // The whole 16s of silu_mul_row for bfloat16; returns how many it did.
-KVBANK_AVX512_F int64_t silu_mul_bf16_avx512(const float* gate, const float* up, float* out, int64_t n) {
+KVBANK_AVX512 int64_t silu_mul_bf16_avx512(const float* gate, const float* up, float* out, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
     const __m512 g = round_bf16_v(_mm512_loadu_ps(gate + k)), u = round_bf16_v(_mm512_loadu_ps(up + k));
@@ -67,7 +67,7 @@ KVBANK_AVX2 inline __m256 round_bf16_8(__m256 x) {
 }
 
 // bfloat16 bits of 16 floats as narrow_to gives them: round to nearest even, NaN to 0x7FC0.
-KVBANK_AVX512_F inline __m256i narrow16(__m512 x) {
+KVBANK_AVX512 inline __m256i narrow16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
@@ -75,7 +75,7 @@ KVBANK_AVX512_F inline __m256i narrow16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-KVBANK_AVX512_F inline __m512 widen16(const c10::BFloat16* p) {
+KVBANK_AVX512 inline __m512 widen16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
@@ -83,7 +83,7 @@ KVBANK_AVX512_F inline __m512 widen16(const c10::BFloat16* p) {
 // The whole 16s of the stack's elementwise loops for bfloat16 (the scalar loops do the rest, the
 // same operations one value at a time); each returns how many it did.
 // dst[i] = src[i] rounded to bfloat16
-KVBANK_AVX512_F int64_t store_bf16_avx512(const float* src, c10::BFloat16* dst, int64_t n) {
+KVBANK_AVX512 int64_t store_bf16_avx512(const float* src, c10::BFloat16* dst, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), narrow16(_mm512_loadu_ps(src + k)));
@@ -91,7 +91,7 @@ KVBANK_AVX512_F int64_t store_bf16_avx512(const float* src, c10::BFloat16* dst, 
 }
 
 // residual[i] = residual[i] + x[i], rounded to bfloat16
-KVBANK_AVX512_F int64_t add_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* residual, int64_t n) {
+KVBANK_AVX512 int64_t add_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* residual, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual + k),
@@ -100,7 +100,7 @@ KVBANK_AVX512_F int64_t add_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* r
 }
 
 // out[i] = x[i] + add[i] rounded to bfloat16, as float (no add: x[i])
-KVBANK_AVX512_F int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n) {
+KVBANK_AVX512 int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
     const __m512 v = add ? _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -112,7 +112,7 @@ KVBANK_AVX512_F int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloa
 }
 
 // values[i] = values[i] * inv * weight[i]
-KVBANK_AVX512_F int64_t scale_bf16_avx512(float* values, float inv, const c10::BFloat16* weight, int64_t n) {
+KVBANK_AVX512 int64_t scale_bf16_avx512(float* values, float inv, const c10::BFloat16* weight, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16)
     _mm512_storeu_ps(values + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(values + k), _mm512_set1_ps(inv)),
@@ -163,7 +163,7 @@ inline c10::BFloat16 geglu_one(c10::BFloat16 gate, c10::BFloat16 up) {
 }
 
 #ifdef KVBANK_X86
-KVBANK_AVX512_F int64_t geglu_bf16_avx512(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out,
+KVBANK_AVX512 int64_t geglu_bf16_avx512(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out,
                                           int64_t n) {
   int64_t k = 0;
   const __m512 one = _mm512_set1_ps(1.0f);

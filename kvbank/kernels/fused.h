@@ -21,9 +21,9 @@ template <typename T>
 void add_values(const T* x, T* residual, int64_t n, bool wide);
 #ifdef KVBANK_X86
 // The whole 16s of out[i] = x[i] + add[i] rounded to bfloat16, as float (no add: x[i]); how many it did.
-KVBANK_AVX512_F int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n);
+KVBANK_AVX512 int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n);
 // The whole 16s of values[i] = values[i] * inv * weight[i]; how many it did.
-KVBANK_AVX512_F int64_t scale_bf16_avx512(float* values, float inv, const c10::BFloat16* weight, int64_t n);
+KVBANK_AVX512 int64_t scale_bf16_avx512(float* values, float inv, const c10::BFloat16* weight, int64_t n);
 #endif
 
 }  // namespace kvbank

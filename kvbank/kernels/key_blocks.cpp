@@ -21,7 +21,7 @@ inline void unpack_planar(int bits, const uint8_t* p, int64_t dim, uint8_t* out)
 }
 
 // low + code * scale with one rounding (torch.addcmul, as KiviKeys.dequantize), 8 channels at a time.
-KVBANK_AVX2_F16C void dequantize_row8(const uint8_t* codes, const float* scale, const float* low, int64_t dim,
+KVBANK_AVX2 void dequantize_row8(const uint8_t* codes, const float* scale, const float* low, int64_t dim,
                                       float* out) {
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + d))));

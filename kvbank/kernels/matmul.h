@@ -131,7 +131,7 @@ struct QuantRows {
   void quantize_row_scalar(int64_t r, const float* x);
 #ifdef KVBANK_X86
   // The same arithmetic 16 lanes at a time (matmul_vnni.cpp), 8 lanes at a time (matmul_avx2.cpp).
-  KVBANK_VNNI void quantize_row_avx512(int64_t r, const float* x);
+  KVBANK_AVX512_VNNI void quantize_row_avx512(int64_t r, const float* x);
   KVBANK_AVX2 void quantize_row_avx2(int64_t r, const float* x);
 #endif
 };

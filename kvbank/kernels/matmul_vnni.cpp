@@ -8,7 +8,7 @@
 namespace kvbank {
 
 // The same arithmetic 16 lanes at a time (cvtps rounds to nearest even, as nearbyint does).
-KVBANK_VNNI void QuantRows::quantize_row_avx512(int64_t r, const float* x) {
+KVBANK_AVX512_VNNI void QuantRows::quantize_row_avx512(int64_t r, const float* x) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
@@ -30,17 +30,17 @@ KVBANK_VNNI void QuantRows::quantize_row_avx512(int64_t r, const float* x) {
 namespace {
 
 // 4 activation bytes broadcast to every lane, straight from memory (a load, no shuffle).
-KVBANK_VNNI inline __m512i quad(const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+KVBANK_AVX512_VNNI inline __m512i quad(const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
 
 // 16 lanes' scales (or minimums) at `offset` of a record: fp16 (Q4, Q8) or float32 (Q4F, Q8H).
 template <bool F32>
-KVBANK_VNNI inline __m512 record_values16(const uint8_t* rec, int64_t offset) {
+KVBANK_AVX512_VNNI inline __m512 record_values16(const uint8_t* rec, int64_t offset) {
   if (F32) return _mm512_loadu_ps(rec + offset);
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + offset)));
 }
 
 template <int R, bool F32>
-KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+KVBANK_AVX512_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
   constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
@@ -83,7 +83,7 @@ KVBANK_VNNI void q4_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
 // weights, and a weight chunk is decoded once for the R rows. Per row and group the integer dot
 // products are exact and the float sums run in block order, as in q4_group_avx512: same bits.
 template <int R, bool F32>
-KVBANK_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0,
+KVBANK_AVX512_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0,
                                 float* out1) {
   constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
   __m512 acc0[R], acc1[R];
@@ -127,7 +127,7 @@ KVBANK_VNNI void q4_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
 
 // Q8 and Q8H (H) as q8_group_scalar: the low and high 16 inputs' products summed apart.
 template <int R, bool H>
-KVBANK_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+KVBANK_AVX512_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
   constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
@@ -164,7 +164,7 @@ KVBANK_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r
 
 // q8_group_avx512 for two groups at once, as q4_pair_avx512: same bits.
 template <int R>
-KVBANK_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0,
+KVBANK_AVX512_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const QuantRows& a, int64_t r0, float* out0,
                                 float* out1) {
   __m512 acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
@@ -203,7 +203,7 @@ KVBANK_VNNI void q8_pair_avx512(const uint8_t* w0, const uint8_t* w1, const Quan
 
 // Q5 on VNNI: a chunk's fifth bits come in as a byte mask that adds 16 where set.
 template <int R, bool K>
-KVBANK_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+KVBANK_AVX512_VNNI void q5_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
   constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();

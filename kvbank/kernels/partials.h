@@ -89,7 +89,7 @@ inline void prefetch_ahead(const void* k, const void* v, const int64_t* table, i
 // Lane t of the result: the sum of the lanes of the vector of token t, for 16 tokens (the dense
 // and quantized attention kernels' scores). The tree
 // leaves token 4i + k in lane 4k + i, so the inputs go in that (self-inverse) order.
-__attribute__((target("avx512f"))) inline __m512 transpose_sums16(const __m512* part) {
+KVBANK_AVX512 inline __m512 transpose_sums16(const __m512* part) {
   __m512 t[8], u[4], s[2];
   for (int i = 0; i < 8; ++i) {
     const __m512 a = part[4 * ((2 * i) % 4) + (2 * i) / 4], b = part[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];

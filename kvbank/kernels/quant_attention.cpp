@@ -86,7 +86,7 @@ void quant_range_scalar(const QuantLayer& L, const T* q, const int64_t* table, i
 // order, its own tokens counted, so tiling never changes a bit. With R > 1 no row reads a block
 // from the step's scratch rows (own_row < 0).
 template <typename T, int G, int D>
-KVBANK_AVX2_F16C void quant_rows(const QuantLayer& L, const T* const* q, const int64_t* table, int64_t begin,
+KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_t* table, int64_t begin,
                                  const int64_t* ends, int R, int64_t head, int64_t own_block, int64_t own_row,
                                  float scale, float* const* acc_out, float* const* max_out, float* const* sum_out) {
   constexpr int V = D / 8;
@@ -266,7 +266,7 @@ KVBANK_AVX2_F16C void quant_rows(const QuantLayer& L, const T* const* q, const i
 
 // One row (the QuantRange signature): quant_rows with R = 1.
 template <typename T, int G, int D>
-KVBANK_AVX2_F16C void quant_range(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
+KVBANK_AVX2 void quant_range(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
                                   int64_t head, int64_t own_block, int64_t own_row, float scale, float* acc_out,
                                   float* max_out, float* sum_out) {
   quant_rows<T, G, D>(L, &q, table, begin, &end, 1, head, own_block, own_row, scale, &acc_out, &max_out, &sum_out);

@@ -17,7 +17,7 @@ namespace {
 // runs per token.
 
 template <typename T>
-KVBANK_AVX512_Q inline __m512 load16(const T* p) {
+KVBANK_AVX512 inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else {
@@ -28,7 +28,7 @@ KVBANK_AVX512_Q inline __m512 load16(const T* p) {
 
 // One head of one token as D / 16 float32 vectors of codes, channels in order.
 template <int F, int D>
-KVBANK_AVX512_Q inline void decode16(const uint8_t* p, __m512* out) {
+KVBANK_AVX512 inline void decode16(const uint8_t* p, __m512* out) {
   constexpr int V = D / 16;
   auto bytes16 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offset)); };
   if constexpr (F == kBf16) {
@@ -62,7 +62,7 @@ KVBANK_AVX512_Q inline void decode16(const uint8_t* p, __m512* out) {
 
 constexpr int kMaxQuantBlock = 64;  // tokens per block the kernels take
 
-KVBANK_AVX512_Q inline __mmask16 first16(int n) {
+KVBANK_AVX512 inline __mmask16 first16(int n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
 
@@ -176,7 +176,7 @@ KVBANK_INLINE512 void finish_heads(const Heads512<G, D>& H, float* acc_out, floa
 
 // Keys decoded to float32 rows and dotted with float32 queries: every format, either dtype.
 template <typename T, int G, int D, int F>
-KVBANK_AVX512_Q void quant_range512_f(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
+KVBANK_AVX512 void quant_range512_f(const QuantLayer& L, const T* q, const int64_t* table, int64_t begin, int64_t end,
                                       int64_t head, int64_t own_block, int64_t own_row, float scale, float* acc_out,
                                       float* max_out, float* sum_out) {
   constexpr int V = D / 16;
@@ -302,7 +302,7 @@ inline int lut_channel(int vector, int word) { return 16 * (word / 8) + 8 * vect
 // 64 codes as bfloat16 words in the tables' channel order (two vectors); luts: high bytes
 // (two halves), then low bytes.
 template <int F>
-KVBANK_AVX512_LUT inline __attribute__((always_inline)) void codes_to_bf16(const __m512i* luts, const uint8_t* p, __m512i* out) {
+KVBANK_AVX512_BF16 inline __attribute__((always_inline)) void codes_to_bf16(const __m512i* luts, const uint8_t* p, __m512i* out) {
   const __m512i c = _mm512_loadu_si512(p);
   const __m512i index = F == kInt8 ? _mm512_abs_epi8(c) : c;
   // high | (c & sign)
@@ -314,7 +314,7 @@ KVBANK_AVX512_LUT inline __attribute__((always_inline)) void codes_to_bf16(const
 }
 
 template <int G, int D, int F>
-KVBANK_AVX512_LUT void quant_range512_lut(const QuantLayer& L, const c10::BFloat16* q, const int64_t* table,
+KVBANK_AVX512_BF16 void quant_range512_lut(const QuantLayer& L, const c10::BFloat16* q, const int64_t* table,
                                           int64_t begin, int64_t end, int64_t head, int64_t own_block, int64_t own_row,
                                           float scale, float* acc_out, float* max_out, float* sum_out) {
   static_assert(F == kInt8 || F == kFp8E4M3 || F == kFp8E5M2, "per-token codes only");
@@ -428,7 +428,7 @@ alignas(64) constexpr uint16_t kNibbleBf16[32] = {0x0000, 0x3F80, 0x4000, 0x4040
 // One head of one token's int4 codes as D / 32 vectors of bfloat16 words, channels in order
 // (byte i: channel i low nibble, i + D/2 high).
 template <int D>
-KVBANK_AVX512_LUT inline __attribute__((always_inline)) void nibbles_to_bf16(__m512i values, const uint8_t* p,
+KVBANK_AVX512_BF16 inline __attribute__((always_inline)) void nibbles_to_bf16(__m512i values, const uint8_t* p,
                                                                              __m512i* out) {
   for (int j = 0; j < D / 64; ++j) {
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
@@ -438,12 +438,12 @@ KVBANK_AVX512_LUT inline __attribute__((always_inline)) void nibbles_to_bf16(__m
 }
 
 // 16 floats rounded to bfloat16 (to nearest even) and back.
-KVBANK_AVX512_LUT inline __m512 bf16_round(__m512 x) {
+KVBANK_AVX512_BF16 inline __m512 bf16_round(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
 template <int G, int D>
-KVBANK_AVX512_LUT void kivi4_range512_bf16(const QuantLayer& L, const c10::BFloat16* q, const int64_t* table,
+KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFloat16* q, const int64_t* table,
                                            int64_t begin, int64_t end, int64_t head, int64_t own_block,
                                            int64_t own_row, float scale, float* acc_out, float* max_out,
                                            float* sum_out) {

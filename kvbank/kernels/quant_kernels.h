@@ -104,7 +104,7 @@ struct KeyGrids8 {
   __m256 scales[2], mins[2];
 };
 
-KVBANK_AVX2_F16C inline KeyGrids8 key_grids8(const QuantLayer& L, int64_t block, int64_t head) {
+KVBANK_AVX2 inline KeyGrids8 key_grids8(const QuantLayer& L, int64_t block, int64_t head) {
   const uint16_t* grid = L.k_grid + (block * L.heads + head) * 3;
   const __m256 top = _mm256_set1_ps(half_value(grid[0])), start = _mm256_set1_ps(half_value(grid[1]));
   const __m256 step = _mm256_set1_ps(half_value(grid[2]));
@@ -118,13 +118,13 @@ KVBANK_AVX2_F16C inline KeyGrids8 key_grids8(const QuantLayer& L, int64_t block,
 }
 
 // 8 lanes of a 16-entry table: indices 0..15 (bit 3 picks the half).
-KVBANK_AVX2_F16C inline __m256 lookup16(const __m256* table, __m256i index) {
+KVBANK_AVX2 inline __m256 lookup16(const __m256* table, __m256i index) {
   const __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(table[0], index), _mm256_permutevar8x32_ps(table[1], index), high);
 }
 
 // Every channel's key scale and minimum (float32) of one block and head, from the range bytes.
-KVBANK_AVX2_F16C inline void kivi_key_ranges8(const QuantLayer& L, int64_t block, int64_t head, int64_t dim,
+KVBANK_AVX2 inline void kivi_key_ranges8(const QuantLayer& L, int64_t block, int64_t head, int64_t dim,
                                               float* scale, float* low) {
   const KeyGrids8 g = key_grids8(L, block, head);
   const uint8_t* ranges = L.k_ranges + (block * L.heads + head) * dim;
@@ -135,28 +135,28 @@ KVBANK_AVX2_F16C inline void kivi_key_ranges8(const QuantLayer& L, int64_t block
   }
 }
 // All-ones in the first n lanes.
-KVBANK_AVX2_F16C inline __m256 first_lanes(int n) {
+KVBANK_AVX2 inline __m256 first_lanes(int n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-KVBANK_AVX2_F16C inline float hsum8(__m256 v) {
+KVBANK_AVX2 inline float hsum8(__m256 v) {
   const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
 }
 
-KVBANK_AVX2_F16C inline float hmax8(__m256 v) {
+KVBANK_AVX2 inline float hmax8(__m256 v) {
   const __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
 }
 
 // 8 float16 values to float32.
-KVBANK_AVX2_F16C inline __m256 halves(const uint16_t* p) {
+KVBANK_AVX2 inline __m256 halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-KVBANK_AVX2_F16C inline __m256i bytes8(const uint8_t* p) {
+KVBANK_AVX2 inline __m256i bytes8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
@@ -164,7 +164,7 @@ KVBANK_AVX2_F16C inline __m256i bytes8(const uint8_t* p) {
 // and mantissa bits, moved into a float16, read its value times 2^-8 (subnormals included: both
 // formats' subnormals land on float16 numbers), which the token's scale undoes (kFp8E4M3Unit).
 template <bool E4M3>
-KVBANK_AVX2_F16C inline __m256 fp8_to_f32(const uint8_t* p) {
+KVBANK_AVX2 inline __m256 fp8_to_f32(const uint8_t* p) {
   const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   if constexpr (E4M3) {
     // shifted by 7 the sign lands on bit 14; adding that bit to itself carries it to bit 15
@@ -176,7 +176,7 @@ KVBANK_AVX2_F16C inline __m256 fp8_to_f32(const uint8_t* p) {
 }
 
 // Row sums of 8 vectors: lane t of the result is the sum of v[t]'s lanes.
-KVBANK_AVX2_F16C inline __m256 row_sums(const __m256* v) {
+KVBANK_AVX2 inline __m256 row_sums(const __m256* v) {
   const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
   const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
@@ -184,7 +184,7 @@ KVBANK_AVX2_F16C inline __m256 row_sums(const __m256* v) {
 }
 
 template <typename T>
-KVBANK_AVX2_F16C inline __m256 load8(const T* p) {
+KVBANK_AVX2 inline __m256 load8(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_loadu_ps(p);
   } else {
@@ -195,7 +195,7 @@ KVBANK_AVX2_F16C inline __m256 load8(const T* p) {
 
 // One head of token t as V float32 vectors of codes (scales applied by the caller).
 template <int V>
-KVBANK_AVX2_F16C inline void decode_codes(int64_t format, const uint8_t* p, __m256* out) {
+KVBANK_AVX2 inline void decode_codes(int64_t format, const uint8_t* p, __m256* out) {
   switch (format) {
     case kBf16:
       for (int v = 0; v < V; ++v) out[v] = load8(reinterpret_cast<const c10::BFloat16*>(p) + v * 8);

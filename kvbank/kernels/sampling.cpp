@@ -38,7 +38,7 @@ int64_t first_nan(const float* x, int64_t n) {
 // Each lane keeps the largest value it has seen and where (a strictly larger value replaces it,
 // so a lane keeps its first maximum); the lanes then agree on the largest value and, among the
 // lanes holding it, the smallest index. A NaN anywhere sends the row to the scalar pass.
-__attribute__((target("avx2,fma"))) int64_t argmax_avx2(const float* x, int64_t n) {
+KVBANK_AVX2 int64_t argmax_avx2(const float* x, int64_t n) {
   if (n < 8) return argmax_scalar(x, n);
   __m256 best = _mm256_loadu_ps(x);
   __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -69,7 +69,7 @@ __attribute__((target("avx2,fma"))) int64_t argmax_avx2(const float* x, int64_t 
   return argmax_tail(x, i, n, top, pick);
 }
 
-__attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t n) {
+KVBANK_AVX512 int64_t argmax_avx512(const float* x, int64_t n) {
   if (n < 16) return argmax_scalar(x, n);
   __m512 best = _mm512_loadu_ps(x);
   __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

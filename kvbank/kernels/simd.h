@@ -9,29 +9,25 @@
 #define KVBANK_X86 1
 #include <immintrin.h>
 
-// avx2 level: AVX2, FMA, F16C.
+// One target attribute per level of isa.h, each naming that level's features (every level holds the
+// ones below it), so a kernel says which level it is compiled for and nothing else. The build turns
+// off floating-point contraction, so a wider feature set never changes a kernel's bits.
 #define KVBANK_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define KVBANK_AVX2_F16C KVBANK_AVX2
-// avx512 level (F/BW/DQ/VL) with FMA: the fused layer ops' elementwise loops.
-#define KVBANK_AVX512_F __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
-// avx512 level with FMA and F16C: the quantized attention's 16-lane kernels.
-#define KVBANK_AVX512_Q __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
-#define KVBANK_INLINE512 KVBANK_AVX512_Q inline __attribute__((always_inline))
-// avx512_vnni level: the integer matmuls.
-#define KVBANK_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
-// avx512_bf16 level: bfloat16 pair dot products (the dense attention).
-#define KVBANK_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-// avx512_bf16 level with VBMI: the quantized attention's bfloat16 tables.
-#define KVBANK_AVX512_LUT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,f16c")))
+#define KVBANK_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
+#define KVBANK_INLINE512 KVBANK_AVX512 inline __attribute__((always_inline))
+#define KVBANK_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define KVBANK_AVX512_BF16 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,avx512vbmi")))
 #if defined(KVBANK_AMX_BUILD)
-// amx level: int8 tiles.
-#define KVBANK_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8")))
+#define KVBANK_AMX                                                                                     \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,avx512vbmi," \
+                        "amx-tile,amx-int8")))
 #define KVBANK_HAS_AMX 1
 #endif
 
-// e^x for x <= 0, 16 lanes. AVX-512F alone, so that every AVX-512 kernel can inline it; its
+// e^x for x <= 0, 16 lanes, at the avx512 level so that every AVX-512 kernel can inline it; its
 // power-of-two scaling is exact, so it gives the 8-lane and scalar versions' bits.
-__attribute__((target("avx512f"))) inline __m512 exp_neg_v(__m512 x) {
+KVBANK_AVX512 inline __m512 exp_neg_v(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -53,7 +49,7 @@ KVBANK_AVX512 inline __m512 bf16_to_f32(const uint16_t* p) {
 }
 
 // e^x for x <= 0, 8 lanes: the scalar exp_neg's polynomial and rounding.
-KVBANK_AVX2_F16C inline __m256 exp_neg8(__m256 x) {
+KVBANK_AVX2 inline __m256 exp_neg8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_floor_ps(t);
