@@ -9,23 +9,33 @@ import pytest
 import torch
 from conftest import cpu_levels
 
-from kvbank import LLM, SamplingParams
+from kvbank import LLM, SamplingParams, kernels
 from kvbank.attention import quantized
 from kvbank.attention.fast import DECODE_PARTITION
-from kvbank.attention.quantized import NATIVE_FORMATS
+from kvbank.attention.quantized import NATIVE_CODECS, native_formats
 from kvbank.attention.rope import apply_rope, rotation_tables
 from kvbank.cache.layers import kivi, token
-from kvbank.cache.layers.dense import NATIVE_DENSE
 from kvbank.cache.quant import codecs_for
 
 TEXT = (Path(__file__).parent / "data" / "austen_excerpt.txt").read_text()
-QUANTIZED = list(NATIVE_FORMATS)
+QUANTIZED = list(NATIVE_CODECS)
 
 
 @pytest.fixture(scope="module")
 def kernel(native):
     assert native.has_quant_decode(), "every x86 CPU runs the quantized attention (its scalar variant at the least)"
     return native
+
+
+def _format(name):
+    """The native kernels' id of KV format `name`."""
+    return native_formats(kernels.native())[name]
+
+
+def test_the_module_numbers_every_format_python_hands_it(kernel):
+    formats = native_formats(kernel)
+    assert set(formats) == {"dense", *NATIVE_CODECS}
+    assert len(set(formats.values())) == len(formats), formats
 
 
 def _reference(q, keys, values, lens, scale):
@@ -84,7 +94,7 @@ def _case(kernel, kv, dim, block, group, dtype, value_group, lens, scratch, seed
         kernel.poison_stacks()  # scratch the kernel reads without writing would be NaN, not old finite values
         outs[isa] = kernel.quant_decode_attention(
             q,
-            NATIVE_FORMATS[kv],
+            _format(kv),
             *_stored_args(k_stored, v_stored),
             tables,
             torch.tensor(lens),
@@ -235,7 +245,7 @@ def test_native_writes_equal_the_codec_bit_for_bit(kernel, kv, dtype, isa_level)
         component = codec.components(block, x.shape[1], dim)
         codes = torch.full((blocks, *component["codes"][0]), 77, dtype=component["codes"][1])
         scale = torch.zeros(blocks, *component["scale"][0], dtype=torch.float16)
-        kernel.quant_write_tokens(strided, NATIVE_FORMATS[kv], codes, scale, slots)
+        kernel.quant_write_tokens(strided, _format(kv), codes, scale, slots)
         expected = codec.quantize(x)
         assert torch.equal(codes.view(-1, *codes.shape[2:])[slots], expected["codes"]), (kv, dtype, dim)
         got_scale = scale.view(-1, x.shape[1])[slots]
@@ -287,7 +297,7 @@ def test_every_code_is_read_as_the_codec_reads_it(kernel, kv, dtype):
     for isa in kernel.quant_decode_isas():
         out = kernel.quant_decode_attention(
             q,
-            NATIVE_FORMATS[kv],
+            _format(kv),
             stored["codes"],
             stored["scale"],
             None,
@@ -319,7 +329,7 @@ def test_a_prefills_rows_attended_together_keep_each_rows_bits_alone(kernel, kv)
         args, format_ = (keys.bfloat16(), none, None, values.bfloat16(), none, None), 0
     else:
         key_codec, value_codec = codecs_for(kv, torch.float32)
-        args, format_ = _stored_args(key_codec.quantize(keys), value_codec.quantize(values)), NATIVE_FORMATS[kv]
+        args, format_ = _stored_args(key_codec.quantize(keys), value_codec.quantize(values)), _format(kv)
     order = torch.randperm(blocks, generator=generator)
     sequence, other = order[:20], order[20:]
     lens = [*range(250, 270), 300, *range(270, 290)]
@@ -357,7 +367,7 @@ def _kivi_write(kernel, kv, k, v, sides, residual, plan, slots):
     return kernel.kivi_write(
         k,
         v,
-        NATIVE_FORMATS[kv],
+        _format(kv),
         *_stored_args(ks, vs),
         residual[0],
         residual[1],
@@ -445,7 +455,7 @@ def test_bad_kivi_write_arguments_are_refused_with_the_numbers(kernel):
         kernel.kivi_write(
             k,
             v,
-            NATIVE_FORMATS["int4"],
+            _format("int4"),
             *_stored_args(*sides),
             residual[0],
             residual[1],
@@ -477,11 +487,11 @@ def test_native_key_rotation_equals_the_torch_rotation_bit_for_bit(kernel, kv, d
         native = [codec.quantize(k.to(dtype)) for k in keys]
         torch_side = [{name: t.clone() for name, t in stored.items()} for stored in native]
     caches = (
-        (native, NATIVE_DENSE, [], [])
+        (native, _format("dense"), [], [])
         if kv == "bfloat16"
         else (
             [k["codes"] for k in native],
-            NATIVE_FORMATS[kv],
+            _format(kv),
             [k["ranges"] for k in native],
             [k["grid"] for k in native],
         )
@@ -517,7 +527,7 @@ def test_native_key_blocks_read_and_store_as_the_codec_does(kernel, kv, isa_leve
     stored = [codec.quantize(k.bfloat16()) for k in keys]
     caches = (
         [k["codes"] for k in stored],
-        NATIVE_FORMATS[kv],
+        _format(kv),
         [k["ranges"] for k in stored],
         [k["grid"] for k in stored],
     )
@@ -672,7 +682,7 @@ def test_the_default_configuration_attends_quantized_kv_natively(kernel):
     llm = LLM(kv_cache_dtype="int4", num_gpu_blocks=32)
     storage = llm.engine.runner.storage
     assert storage.kind("kivi").attend_rows
-    assert {layer.native_format for layer in storage.layers} == {NATIVE_FORMATS["int4"]}
+    assert {layer.native_format for layer in storage.layers} == {_format("int4")}
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float]]]:

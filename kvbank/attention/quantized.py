@@ -17,6 +17,7 @@ kernel meets few shapes and memory stays flat under varied prompt lengths.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,8 +42,15 @@ from kvbank.attention.metadata import AttentionMetadata
 DEQUANT_CHUNK_TOKENS: dict[str, int] | None = {"token": 2048, "kivi": 1024}
 
 
-#: codec name -> the native kernel's format id (quant_attention.h)
-NATIVE_FORMATS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4, "int2": 5}
+#: the quantized codecs the native kernels attend in place (their ids come from the module)
+NATIVE_CODECS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
+
+
+@functools.cache
+def native_formats(native) -> dict[str, int]:
+    """The native module's KV format ids by codec name ("dense": a cache in the model dtype), as its
+    kernels number them."""
+    return dict(native.kv_formats())
 
 
 def native_quant_kernel(

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "native.h"
+#include "quant_attention.h"
 #include "stack.h"
 
 #include <alloca.h>
@@ -23,6 +24,19 @@ void poison_stacks(int64_t bytes) {
     for (int64_t i = from; i < to; ++i) fill();
   });
   fill();
+}
+
+// The KV formats the attention, cache-write and key kernels take, by the name of the codec that
+// stores each: the one place Python learns their ids.
+py::dict kv_formats() {
+  py::dict formats;
+  formats["dense"] = static_cast<int64_t>(kvbank::kBf16);
+  formats["int8"] = static_cast<int64_t>(kvbank::kInt8);
+  formats["fp8_e4m3"] = static_cast<int64_t>(kvbank::kFp8E4M3);
+  formats["fp8_e5m2"] = static_cast<int64_t>(kvbank::kFp8E5M2);
+  formats["int4"] = static_cast<int64_t>(kvbank::kInt4);
+  formats["int2"] = static_cast<int64_t>(kvbank::kInt2);
+  return formats;
 }
 
 // The registry's state: the CPU's level, the cap, the active level and each family's variant.
@@ -172,6 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("poison_stacks", &poison_stacks, py::arg("bytes") = 262144,
         "Fill stack below the call on every kernel thread with 0xFF bytes (NaN): a test calls it before a kernel to "
         "make reads of unwritten scratch show");
+  m.def("kv_formats", &kv_formats, "KV format ids by codec name (\"dense\": a cache in the model dtype): the format argument "
+        "of the attention, cache-write and key kernels");
   m.def("quant_decode_isas", &quant_decode_isas, "The versions of the quantized attention this CPU runs, best last");
   m.def("has_quant_decode", &has_quant_decode, "Whether the quantized attention runs natively here (any x86 CPU: its scalar variant at the least)");
 }

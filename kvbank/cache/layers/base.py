@@ -90,9 +90,10 @@ class PoolSpec:
     dtype: torch.dtype
     device: torch.device
     #: sequences the pool expects at once (KIVI reserves a residual block for each)
-    reserved_seqs: int = 0
+    reserved_seqs: int
     #: a token's attention may not depend on how its prompt was chunked or what else is batched
-    batch_invariant: bool = False
+    #: (EngineConfig.batch_invariant, which KVStorage passes on)
+    batch_invariant: bool
 
     @property
     def block_shape(self) -> tuple[int, int, int]:

@@ -23,13 +23,13 @@ from kvbank.attention.fast import (
     row_tables,
 )
 from kvbank.attention.metadata import AttentionMetadata, additive_mask, write_kv
+from kvbank.attention.quantized import native_formats
 from kvbank.attention.rope import apply_rope
 from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, score_jobs, zeroed
 from kvbank.cache.limits import EDITS
 from kvbank.cache.quant import CodecPair
 
-#: the native kernels' format id of a dense cache, and the model dtypes its key rotation takes
-NATIVE_DENSE = 0
+#: the model dtypes the native key rotation takes
 NATIVE_KEY_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -59,7 +59,7 @@ class DenseLayer:
 
     def stack_caches(self) -> StackCache:
         """The layer's caches as the fused model step takes them: bfloat16, no scales."""
-        return StackCache(0, self.k, self.v)
+        return StackCache(native_formats(kernels.native())["dense"], self.k, self.v)
 
     def attend_window(self, q: torch.Tensor, meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor | None:
         """Sliding-window attention of the step's new tokens (their K/V written) by the native kernel,
@@ -125,7 +125,7 @@ class DenseKind(KVKind):
             # eviction of a shifting policy in torch).
             native.rotate_key_blocks(
                 [layer.k for layer in self.layers],
-                NATIVE_DENSE,
+                native_formats(native)["dense"],
                 [],
                 [],
                 src_ids,

@@ -8,9 +8,10 @@ import torch
 from kvbank.attention.fast import accumulate_scores, row_starts, row_tables
 from kvbank.attention.metadata import AttentionMetadata, additive_mask
 from kvbank.attention.quantized import (
-    NATIVE_FORMATS,
+    NATIVE_CODECS,
     QuantizedView,
     attend_quantized,
+    native_formats,
     native_quant_kernel,
     pad_visibility,
 )
@@ -19,8 +20,8 @@ from kvbank.cache.layers.base import KVKind, PoolSpec, StackCache, StepSeq, scor
 from kvbank.cache.limits import TOKEN_EDITS
 from kvbank.cache.quant import CodecPair
 
-#: the formats whose writes are native too (per-token int8 and fp8)
-NATIVE_WRITES = (NATIVE_FORMATS["int8"], NATIVE_FORMATS["fp8_e4m3"], NATIVE_FORMATS["fp8_e5m2"])
+#: the codecs whose writes are native too (per-token int8 and fp8)
+NATIVE_WRITES = ("int8", "fp8_e4m3", "fp8_e5m2")
 
 
 class CodecLayer:
@@ -46,7 +47,7 @@ class CodecLayer:
         #: the native module when it attends this layer's codes in place, and the format's id in it
         self.native, self.native_format = None, None
         name = codecs[0].name
-        if name in NATIVE_FORMATS and codecs[1].name == name:
+        if name in NATIVE_CODECS and codecs[1].name == name:
             self.native = native_quant_kernel(
                 spec.device,
                 spec.dtype,
@@ -56,7 +57,13 @@ class CodecLayer:
                 spec.block_size,
                 getattr(codecs[1], "group_size", None),
             )
-            self.native_format = NATIVE_FORMATS[name] if self.native is not None else None
+            if self.native is not None:
+                self.native_format = native_formats(self.native)[name]
+
+    @property
+    def native_writes(self) -> bool:
+        """Whether the native module writes this layer's codes too."""
+        return self.native is not None and self.codecs[0].name in NATIVE_WRITES
 
     def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of whole blocks, [batch, blocks * block_size, heads, dim]."""
@@ -139,7 +146,7 @@ class TokenLayer(CodecLayer):
             flat[dst, heads] = flat[src, heads]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        if self.native_format in NATIVE_WRITES:
+        if self.native_writes:
             # One native pass per side, bit for bit the codec's quantize (tests/test_quant_attention.py).
             for side, x in zip(self.sides, (k, v)):
                 self.native.quant_write_tokens(x, self.native_format, side["codes"], side["scale"], meta.slot_mapping)
@@ -152,7 +159,7 @@ class TokenLayer(CodecLayer):
         """The step's arguments to the fused model step (block tables, context lengths and starts of every
         new token) when this step attends by rows in a format whose writes are native."""
         view = meta.kinds[self.kind]
-        if view.row_tables is None or self.native_format not in NATIVE_WRITES or self.dtype != torch.bfloat16:
+        if view.row_tables is None or not self.native_writes or self.dtype != torch.bfloat16:
             return None  # the fused step is bfloat16
         if view.score_jobs:
             return None  # scores are taken layer by layer
@@ -160,7 +167,7 @@ class TokenLayer(CodecLayer):
 
     def stack_caches(self) -> StackCache | None:
         """The layer's codes and scales as the fused model step takes them; None when it cannot."""
-        if self.native_format not in NATIVE_WRITES:
+        if not self.native_writes:
             return None
         (k, v) = self.sides
         return StackCache(self.native_format, k["codes"], v["codes"], k["scale"], v["scale"])
