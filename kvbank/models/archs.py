@@ -114,8 +114,6 @@ class Arch:
 
     name: str
     model: type[LlamaForCausalLM]
-    #: the layer form of the native decoder stack (`QuantStack(gemma=...)`)
-    stack_form: Literal["llama", "gemma"]
     #: the `model_type` of its Hugging Face config.json
     model_type: str
     #: GGUF layer tensor names -> Hugging Face ones
@@ -134,23 +132,26 @@ class Arch:
     #: a Hugging Face config's sliding window (when used) caps the context
     window_caps_context: bool = False
 
+    @property
+    def stack_form(self) -> Literal["llama", "gemma"]:
+        """The layer form of the native decoder stack, which the model class's layers fix."""
+        return self.model.stack_form
+
 
 ARCHS: dict[str, Arch] = {
-    "llama": Arch("llama", LlamaForCausalLM, stack_form="llama", model_type="llama", interleaved_qk=True),
+    "llama": Arch("llama", LlamaForCausalLM, model_type="llama", interleaved_qk=True),
     "mistral": Arch(
         "mistral",
         LlamaForCausalLM,
-        stack_form="llama",
         model_type="mistral",
         interleaved_qk=True,
         window_caps_context=True,
     ),
-    "qwen2": Arch("qwen2", LlamaForCausalLM, stack_form="llama", model_type="qwen2", attention_bias=True),
-    "qwen3": Arch("qwen3", LlamaForCausalLM, stack_form="llama", model_type="qwen3", qk_norm=True),
+    "qwen2": Arch("qwen2", LlamaForCausalLM, model_type="qwen2", attention_bias=True),
+    "qwen3": Arch("qwen3", LlamaForCausalLM, model_type="qwen3", qk_norm=True),
     "gemma3": Arch(
         "gemma3",
         Gemma3ForCausalLM,
-        stack_form="gemma",
         model_type="gemma3_text",
         layer_names=GEMMA3_LAYER_NAMES,
         norm_plus_one=True,

@@ -194,7 +194,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         step.partition = DECODE_PARTITION
         return step
 
-    stack_gemma = True
+    stack_form = "gemma"
 
     def _stack_norms(self, layer) -> list[torch.Tensor]:
         """Before and after attention, before and after the MLP, then q's and k's per head."""

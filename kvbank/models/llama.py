@@ -8,6 +8,7 @@ where each token's past lives.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -388,8 +389,8 @@ class LlamaForCausalLM(nn.Module):
         step.partition = DECODE_PARTITION
         return step
 
-    #: the native stack's layer form: Llama's (False) or Gemma's (True: six norms, GeGLU)
-    stack_gemma = False
+    #: the native stack's layer form: Llama's, or Gemma's (six norms, GeGLU)
+    stack_form: Literal["llama", "gemma"] = "llama"
 
     def _stack_norms(self, layer) -> list[torch.Tensor]:
         """A layer's norm weights in the order the native stack takes them."""
@@ -411,7 +412,14 @@ class LlamaForCausalLM(nn.Module):
                 norms += self._stack_norms(layer)
             c = self.config
             self._native_stack = kernels.native().QuantStack(
-                weights, kinds, norms, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, gemma=self.stack_gemma
+                weights,
+                kinds,
+                norms,
+                c.rms_norm_eps,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                gemma=self.stack_form == "gemma",
             )
         return self._native_stack
 
