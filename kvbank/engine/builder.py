@@ -16,7 +16,7 @@ from kvbank.cache.offload import KVOffload, chunk_blocks_for
 from kvbank.cache.policies import KVPolicy, parse_policy
 from kvbank.cache.storage import KVStorage, PoolPlan, plan_pool
 from kvbank.cache.swap import Swapper
-from kvbank.cache.tiers import build_tiers, entry_format_for
+from kvbank.cache.tiers import build_tiers, entry_format_for, requested_tiers, tier_options
 from kvbank.cache.tiers.entry import EntryFormat, dtype_name
 from kvbank.config import EngineConfig
 from kvbank.engine.admission import Admission
@@ -163,9 +163,9 @@ def batch_variance(model, storage: KVStorage) -> str | None:
 
 def _check_hybrid(config: EngineConfig, groups: KVGroups) -> None:
     """Refuse what the hybrid layout cannot do yet, naming the way out."""
-    if config.kv_host_gb or config.kv_disk_dir or config.kv_redis_url:
+    if requested_tiers(config):
         raise ValueError(
-            "KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url) are not supported with the hybrid sliding-window "
+            f"KV tiers ({tier_options()}) are not supported with the hybrid sliding-window "
             f"KV cache ({groups.window}-token windows): a tier entry holds a prefix's full-attention blocks, not "
             "its windows; use swa_full=True (--swa-full) to keep every token in every layer"
         )
@@ -199,7 +199,7 @@ def _build_offload(
     if not tiers:
         return None
     if not config.enable_prefix_caching:
-        raise ValueError("KV tiers (kv_host_gb, kv_disk_dir, kv_redis_url) need enable_prefix_caching=True")
+        raise ValueError(f"KV tiers ({tier_options()}) need enable_prefix_caching=True")
     return KVOffload(
         tiers,
         manager,

@@ -18,6 +18,7 @@ from kvbank.cache.editor import KVEditor
 from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.recall import splice_recalled
 from kvbank.cache.storage import KVStorage
+from kvbank.cache.tiers import tier_options
 from kvbank.engine.admission import Admission
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import PromptType
@@ -83,9 +84,7 @@ class StreamQuestions:
         if not isinstance(recall, int) or isinstance(recall, bool) or recall < 0:
             raise ValueError(f"recall={recall!r} must be an integer >= 0")
         if recall and stream.archive is None:
-            raise ValueError(
-                f"recall={recall} needs a KV tier for evicted frames (kv_host_gb, kv_disk_dir or kv_redis_url)"
-            )
+            raise ValueError(f"recall={recall} needs a KV tier for evicted frames (one of {tier_options()})")
         params = params or SamplingParams()
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be given for a stream question: its frames are cached")

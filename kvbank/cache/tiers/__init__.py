@@ -45,6 +45,11 @@ def requested_tiers(options: Any) -> list[str]:
     return [name for name, entry in TIERS.items() if getattr(options, entry.switch)]
 
 
+def tier_options() -> str:
+    """The options that ask for tiers, for messages: "kv_host_gb, kv_disk_dir, kv_redis_url"."""
+    return ", ".join(entry.switch for entry in TIERS.values())
+
+
 def build_tiers(options: Any, namespace: bytes) -> list[Tier]:
     """The tiers `options` (an EngineConfig) ask for, fastest first, for a pool whose cache namespace is
     `namespace`."""
@@ -79,4 +84,5 @@ __all__ = [
     "build_tiers",
     "entry_format_for",
     "requested_tiers",
+    "tier_options",
 ]
