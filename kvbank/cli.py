@@ -23,6 +23,7 @@ from kvbank import __version__, kernels, memory
 from kvbank.cache.hybrid import kv_groups
 from kvbank.cache.quant import KV_CACHE_DTYPES
 from kvbank.cache.storage import plan_pool
+from kvbank.cache.tiers.disk import DIR_MODE
 from kvbank.config import EngineConfig
 from kvbank.engine.llm import LLM
 from kvbank.engine.outputs import RequestOutput
@@ -153,7 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
         name = served_model_name(args.served_model_name, args.model, llm.engine.model_path)
         async_engine = AsyncEngine(llm.engine)
         if args.session_dir is not None:
-            Path(args.session_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # its files hold conversations
+            Path(args.session_dir).mkdir(mode=DIR_MODE, parents=True, exist_ok=True)  # its files hold conversations
         app = build_app(async_engine, name, limits, session_dir=args.session_dir, bind_host=args.host)
         _announce(_base_url(args.host, args.port), name, limits.api_keys())
         try:

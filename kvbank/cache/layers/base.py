@@ -103,7 +103,7 @@ class PoolSpec:
 class StackCache(NamedTuple):
     """One layer's caches as the fused model step (QuantStack.forward) takes them."""
 
-    #: 0 bfloat16; else the quantized format's id (attention.quantized.NATIVE_FORMATS)
+    #: the native kernels' format id (attention.quantized.native_formats)
     format: int
     k: torch.Tensor
     v: torch.Tensor
