@@ -75,6 +75,9 @@ def census(module: Path) -> dict[str, dict[str, int]]:
     for line in text.splitlines():
         header = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
         if header:
+            if header.group(1).endswith("@plt"):  # a jump stub the linker made, not the kernel
+                current = None
+                continue
             name = normalise(header.group(1))
             current = counts[name] if any(re.search(p, name) for _, p in FAMILIES) else None
             if current is not None:
