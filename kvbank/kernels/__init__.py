@@ -58,10 +58,8 @@ SOURCES = (
 )
 # parallel_for in the kernels is OpenMP: without -fopenmp it would run on one thread. Hidden
 # visibility: the units share helpers through headers, and exported from the library each call to
-# them would go through the PLT; only the module's entry point needs to be seen. No contraction: a
-# multiply and an add stay two roundings whatever a kernel's target allows, so every level gives
-# the scalar reference's bits.
-CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
+# them would go through the PLT; only the module's entry point needs to be seen.
+CFLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # after the one attempt: "module", or "failure" (why it failed)

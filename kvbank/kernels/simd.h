@@ -10,8 +10,9 @@
 #include <immintrin.h>
 
 // One target attribute per level of isa.h, each naming that level's features (every level holds the
-// ones below it), so a kernel says which level it is compiled for and nothing else. The build turns
-// off floating-point contraction, so a wider feature set never changes a kernel's bits.
+// ones below it), so a kernel says which level it is compiled for and nothing else. Every level
+// from avx2 up has FMA, and GCC contracts a multiply and an add into one FMA where the target has
+// it (-ffp-contract=fast): a kernel's bits are those of its level's features, fixed here.
 #define KVBANK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KVBANK_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
 #define KVBANK_INLINE512 KVBANK_AVX512 inline __attribute__((always_inline))
