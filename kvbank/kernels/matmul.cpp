@@ -57,7 +57,7 @@ namespace {
 
 // --- one group of 16 output rows for `tile` activation rows: out[i * 16 + lane] ------------------
 
-// A record's scale and minimum of `lane`: fp16 in Q4 records, float32 in Q4F records (F32).
+// A record's scale or minimum of `lane` at `offset`: float32 (F32) or fp16.
 template <bool F32>
 inline float record_value(const uint8_t* rec, int64_t offset, int64_t lane) {
   if (F32) {
@@ -70,78 +70,22 @@ inline float record_value(const uint8_t* rec, int64_t offset, int64_t lane) {
   return half_to_float(h);
 }
 
-template <bool F32>
-void q4_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
+// Q4, Q4F, Q5 and Q5F: per row and block the exact integer dot product of the nibbles (0..15, or with
+// their fifth bits 0..31) less the record's offset times the activations' sum, scaled once; the
+// minimum's term from the activation block sums.
+template <Rec K>
+void nibble_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  using T = Record<K>;
   for (int64_t i = 0; i < tile; ++i) {
     for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
       float acc = 0.0f;
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * record;
+        const uint8_t* rec = w + b * T::bytes;
         const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
         int32_t dot = 0;
         for (int64_t j = 0; j < 4; ++j) {
-          for (int64_t e = 0; e < 4; ++e) {
-            const uint8_t byte = rec[j * 64 + lane * 4 + e];
-            dot += static_cast<int32_t>(byte & 15) * qa[4 * j + e] + static_cast<int32_t>(byte >> 4) * qa[16 + 4 * j + e];
-          }
-        }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        acc = std::fma(static_cast<float>(dot), record_value<F32>(rec, 256, lane) * a.d[ab], acc);
-        acc = std::fma(record_value<F32>(rec, min_at, lane), a.s[ab], acc);
-      }
-      out[i * GROUP_ROWS + lane] = acc;
-    }
-  }
-}
-
-// Q8 (H false: one fp16 scale per block) and Q8H (H: float32 scales per 16 inputs): per row and
-// block the first and last 16 inputs' exact dot products; Q8H scales them apart, low half first.
-template <bool H>
-void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
-  for (int64_t i = 0; i < tile; ++i) {
-    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * record;
-        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
-        int32_t dot[2] = {0, 0};
-        for (int64_t c = 0; c < 8; ++c) {
-          for (int64_t e = 0; e < 4; ++e) dot[c / 4] += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
-        }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        dot[0] -= 128 * a.sum_lo[ab];
-        dot[1] -= 128 * (a.sum[ab] - a.sum_lo[ab]);
-        if (H) {
-          acc = std::fma(static_cast<float>(dot[0]), record_value<true>(rec, 512, lane) * a.d[ab], acc);
-          acc = std::fma(static_cast<float>(dot[1]), record_value<true>(rec, 576, lane) * a.d[ab], acc);
-        } else {
-          acc = std::fma(static_cast<float>(dot[0] + dot[1]), record_value<false>(rec, 512, lane) * a.d[ab], acc);
-        }
-      }
-      out[i * GROUP_ROWS + lane] = acc;
-    }
-  }
-}
-
-
-// Q5: the nibble pairs of a Q4 record with their fifth bits; the integer dot product of q (0..31)
-// less 16 x the activations' sum is exact, scaled once per block as Q8.
-// K (Q5F records): q in 0..31 with float32 scale and minimum, the minimum term from the
-// activation block sums as for Q4 records.
-template <bool K>
-void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
-  for (int64_t i = 0; i < tile; ++i) {
-    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * record;
-        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
-        int32_t dot = 0;
-        for (int64_t j = 0; j < 4; ++j) {
-          const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
+          const uint64_t low_bits = T::fifth ? load_u64(rec + 256 + 8 * j) : 0;
+          const uint64_t high_bits = T::fifth ? load_u64(rec + 288 + 8 * j) : 0;
           for (int64_t e = 0; e < 4; ++e) {
             const int64_t at = lane * 4 + e;
             const uint8_t byte = rec[j * 64 + at];
@@ -151,12 +95,39 @@ void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
           }
         }
         const int64_t ab = (r0 + i) * a.blocks + b;
-        if (K) {
-          acc = std::fma(static_cast<float>(dot), record_value<true>(rec, 320, lane) * a.d[ab], acc);
-          acc = std::fma(record_value<true>(rec, 384, lane), a.s[ab], acc);
+        dot -= T::offset * a.sum[ab];
+        acc = std::fma(static_cast<float>(dot), record_value<T::f32>(rec, T::scale_at, lane) * a.d[ab], acc);
+        if (T::minimum) acc = std::fma(record_value<T::f32>(rec, T::min_at, lane), a.s[ab], acc);
+      }
+      out[i * GROUP_ROWS + lane] = acc;
+    }
+  }
+}
+
+// Q8 and Q8H: per row and block the first and last 16 inputs' exact dot products; Q8H scales them
+// apart, low half first.
+template <Rec K>
+void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  using T = Record<K>;
+  for (int64_t i = 0; i < tile; ++i) {
+    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = w + b * T::bytes;
+        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
+        int32_t dot[2] = {0, 0};
+        for (int64_t c = 0; c < 8; ++c) {
+          for (int64_t e = 0; e < 4; ++e) dot[c / 4] += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
+        }
+        const int64_t ab = (r0 + i) * a.blocks + b;
+        dot[0] -= T::offset * a.sum_lo[ab];
+        dot[1] -= T::offset * (a.sum[ab] - a.sum_lo[ab]);
+        const float d_lo = record_value<T::f32>(rec, T::scale_at, lane) * a.d[ab];
+        if (T::halves) {
+          acc = std::fma(static_cast<float>(dot[0]), d_lo, acc);
+          acc = std::fma(static_cast<float>(dot[1]), record_value<true>(rec, T::scale_hi_at, lane) * a.d[ab], acc);
         } else {
-          dot -= 16 * a.sum[ab];
-          acc = std::fma(static_cast<float>(dot), record_value<false>(rec, 320, lane) * a.d[ab], acc);
+          acc = std::fma(static_cast<float>(dot[0] + dot[1]), d_lo, acc);
         }
       }
       out[i * GROUP_ROWS + lane] = acc;
@@ -164,29 +135,19 @@ void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
   }
 }
 
-template <int R>
-void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-#ifdef KVBANK_X86
-  if (vnni(isa)) return vnni_group(kind, R, w, a, r0, out);
-  if (isa == Isa::Avx2) return avx2_group(kind, R, w, a, r0, out);
-#endif
-  switch (kind) {
-    case Rec::Q4: return q4_group_scalar<false>(w, a, r0, R, out);
-    case Rec::Q4F: return q4_group_scalar<true>(w, a, r0, R, out);
-    case Rec::Q8: return q8_group_scalar<false>(w, a, r0, R, out);
-    case Rec::Q8H: return q8_group_scalar<true>(w, a, r0, R, out);
-    case Rec::Q5: return q5_group_scalar<false>(w, a, r0, R, out);
-    case Rec::Q5F: return q5_group_scalar<true>(w, a, r0, R, out);
-  }
-}
-
 void group_kernel(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  switch (tile) {
-    case 4: return group_tile<4>(kind, isa, w, a, r0, out);
-    case 3: return group_tile<3>(kind, isa, w, a, r0, out);
-    case 2: return group_tile<2>(kind, isa, w, a, r0, out);
-    default: return group_tile<1>(kind, isa, w, a, r0, out);
-  }
+#ifdef KVBANK_X86
+  if (vnni(isa)) return vnni_group(kind, tile, w, a, r0, out);
+  if (isa == Isa::Avx2) return avx2_group(kind, tile, w, a, r0, out);
+#endif
+  with_kind(kind, [&](auto k) {
+    constexpr Rec K = decltype(k)::value;
+    if constexpr (Record<K>::nibbles) {
+      nibble_group_scalar<K>(w, a, r0, tile, out);
+    } else {
+      q8_group_scalar<K>(w, a, r0, tile, out);
+    }
+  });
 }
 
 // Groups [begin, end) of out[r, n] (float32, row stride `out_stride`) = the quantized rows of `a`
@@ -205,7 +166,7 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
 #endif
 #ifdef KVBANK_X86
   if (vnni(isa) && (kind == Rec::Q4 || kind == Rec::Q4F || kind == Rec::Q8)) {
-    // on VNNI: groups two at a time (q4_pair_avx512, q8_pair_avx512), the odd one below
+    // on VNNI: groups two at a time (pair_avx512), the odd one below
     alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
     for (; begin + 1 < end; begin += 2) {
       const uint8_t* w = weights + begin * group_bytes;
@@ -238,10 +199,13 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
 // The matmul variant called `name` (auto: the active one); refused above the active level.
 Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
+  const std::vector<Isa>& variants = family_info(Family::Matmul).variants;
   Isa wanted = Isa::Scalar;
-  TORCH_CHECK(kvbank::isa_from_name(name, &wanted) &&
-                  (wanted == Isa::Scalar || wanted == Isa::Avx2 || wanted == Isa::Avx512Vnni || wanted == Isa::Amx),
-              "isa must be auto, amx, avx512_vnni, avx2 or scalar, not ", name);
+  if (!kvbank::isa_from_name(name, &wanted) || std::find(variants.begin(), variants.end(), wanted) == variants.end()) {
+    std::string names = "auto";
+    for (auto v = variants.rbegin(); v != variants.rend(); ++v) names += std::string(", ") + kvbank::isa_name(*v);
+    TORCH_CHECK(false, "isa must be one of ", names, "; not ", name);
+  }
   TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best_isa()), "this CPU (capped at ",
               kvbank::isa_name(kvbank::active_isa()), ") cannot run the ", name, " path");
   return wanted;

@@ -44,8 +44,15 @@ KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// A block's weights are decoded once and meet every row of the tile; per row and lane the
-// float sums run in block order as in the scalar version, so the bits do not depend on the tile.
+// 32 mask bits as 32 bytes: 16 where the bit is set, else 0.
+KVBANK_AVX2 inline __m256i fifth_bits(uint32_t mask) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(mask)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
 // 8 lanes' scales (or minimums) of half h at `offset`: fp16 or float32 (F32).
 template <bool F32>
 KVBANK_AVX2 inline __m256 record_values8(const uint8_t* rec, int64_t offset, int h) {
@@ -53,53 +60,65 @@ KVBANK_AVX2 inline __m256 record_values8(const uint8_t* rec, int64_t offset, int
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + offset + 16 * h)));
 }
 
-template <int R, bool F32>
-KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+// A block's weights are decoded once and meet every row of the tile; per row and lane the
+// float sums run in block order as in the scalar version, so the bits do not depend on the tile.
+// Q4, Q4F, Q5 and Q5F: the nibbles (with Q5's fifth bits) as maddubs' unsigned operand.
+template <int R, Rec K>
+KVBANK_AVX2 void nibble_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  using T = Record<K>;
+  // A maddubs pair sum is at most 2 x max_nibble x 127: with 4-bit weights all eight of a block add
+  // up in 16 bits (|sum| <= 30,480) and widen once, the same exact integer as widening each; 5-bit
+  // ones (2 x 31 x 127 each) widen the low and high halves' four apart (each at most 31,496).
+  constexpr bool widen_once = 8 * 2 * T::max_nibble * 127 <= INT16_MAX;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * record;
+      const uint8_t* rec = w + b * T::bytes;
       if (h == 0) {
-        prefetch_record(rec, record);
+        prefetch_record(rec, T::bytes);
       }
       __m256i lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
         lo[j] = _mm256_and_si256(v, low);
         hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (T::fifth) {
+          const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
+          lo[j] = _mm256_or_si256(lo[j], fifth_bits(static_cast<uint32_t>(low_bits >> (32 * h))));
+          hi[j] = _mm256_or_si256(hi[j], fifth_bits(static_cast<uint32_t>(high_bits >> (32 * h))));
+        }
       }
-      const __m256 dw = record_values8<F32>(rec, 256, h), mw = record_values8<F32>(rec, min_at, h);
+      const __m256 dw = record_values8<T::f32>(rec, T::scale_at, h);
+      const __m256 mw = T::minimum ? record_values8<T::f32>(rec, T::min_at, h) : _mm256_setzero_ps();
       for (int i = 0; i < R; ++i) {
         const int8_t* qa = rows[i] + b * QK;
-        // 4-bit weights (0..15) times activations (|q| <= 127): a maddubs pair sum is at most
-        // 2 * 15 * 127, so all eight of a block add up in 16 bits (|sum| <= 30,480) and widen
-        // once: the same exact integer as widening each.
         __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load_i32(qa)));
         __m256i p1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
         for (int j = 1; j < 4; ++j) {
           p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
           p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
         }
-        const __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
         const int64_t ab = (r0 + i) * a.blocks + b;
+        __m256i sum = widen_once ? _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones)
+                                 : _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+        if (T::offset) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(T::offset * a.sum[ab]));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[i]);
-        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
+        if (T::minimum) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
       }
     }
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
   }
 }
 
-// Q8 and Q8H (H) on AVX2: signed weights, |w| as the unsigned operand and the activation taking
-// w's sign; the low and high 16 inputs summed apart, as q8_group_scalar.
-template <int R, bool H>
+// Q8 and Q8H on AVX2: signed weights, |w| as the unsigned operand and the activation taking w's
+// sign (so no offset to take off); the low and high 16 inputs summed apart, as q8_group_scalar.
+template <int R, Rec K>
 KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
+  using T = Record<K>;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
@@ -107,16 +126,17 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * record;
+      const uint8_t* rec = w + b * T::bytes;
       if (h == 0) {
-        prefetch_record(rec, record);
+        prefetch_record(rec, T::bytes);
       }
       __m256i ws[8], mag[8];
       for (int c = 0; c < 8; ++c) {
         ws[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
         mag[c] = _mm256_abs_epi8(ws[c]);
       }
-      const __m256 d_lo = record_values8<H>(rec, 512, h), d_hi = H ? record_values8<true>(rec, 576, h) : d_lo;
+      const __m256 d_lo = record_values8<T::f32>(rec, T::scale_at, h);
+      const __m256 d_hi = T::halves ? record_values8<true>(rec, T::scale_hi_at, h) : d_lo;
       for (int i = 0; i < R; ++i) {
         const int8_t* qa = rows[i] + b * QK;
         __m256i lo = dot_u8s8(mag[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), ws[0]));
@@ -127,7 +147,7 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
               hi, dot_u8s8(mag[c + 4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16 + 4 * c)), ws[c + 4])));
         }
         const __m256 d = _mm256_set1_ps(a.d[(r0 + i) * a.blocks + b]);
-        if (H) {
+        if (T::halves) {
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d_lo, d), acc[i]);
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d_hi, d), acc[i]);
         } else {
@@ -138,81 +158,21 @@ KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0,
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
   }
 }
-// 32 mask bits as 32 bytes: 16 where the bit is set, else 0.
-KVBANK_AVX2 inline __m256i fifth_bits(uint32_t mask) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(mask)),
-      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-}
-
-// Q5 on AVX2: as q4_group_avx2 with the fifth bits added; weights up to 31 make a maddubs pair
-// sum up to 2 x 31 x 127, so the low and high halves widen apart (each of four at most 31,496).
-template <int R, bool K>
-KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const int8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * record;
-      if (h == 0) {
-        prefetch_record(rec, record);
-      }
-      __m256i lo[4], hi[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
-        const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
-        lo[j] = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits(static_cast<uint32_t>(low_bits >> (32 * h))));
-        hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                fifth_bits(static_cast<uint32_t>(high_bits >> (32 * h))));
-      }
-      const __m256 dw = record_values8<K>(rec, 320, h);
-      const __m256 mw = K ? record_values8<true>(rec, 384, h) : _mm256_setzero_ps();
-      for (int i = 0; i < R; ++i) {
-        const int8_t* qa = rows[i] + b * QK;
-        __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load_i32(qa)));
-        __m256i p1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
-        for (int j = 1; j < 4; ++j) {
-          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
-          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
-        }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-        const __m256i exact = K ? sum : _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * a.sum[ab]));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[i]);
-        if (K) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
-      }
-    }
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
-  }
-}
-
-template <int R>
-void avx2_tile(Rec kind, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  switch (kind) {
-    case Rec::Q4: return q4_group_avx2<R, false>(w, a, r0, out);
-    case Rec::Q4F: return q4_group_avx2<R, true>(w, a, r0, out);
-    case Rec::Q8: return q8_group_avx2<R, false>(w, a, r0, out);
-    case Rec::Q8H: return q8_group_avx2<R, true>(w, a, r0, out);
-    case Rec::Q5: return q5_group_avx2<R, false>(w, a, r0, out);
-    case Rec::Q5F: return q5_group_avx2<R, true>(w, a, r0, out);
-  }
-}
 
 }  // namespace
 
 void avx2_group(Rec kind, int64_t tile, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  switch (tile) {
-    case 4: return avx2_tile<4>(kind, w, a, r0, out);
-    case 3: return avx2_tile<3>(kind, w, a, r0, out);
-    case 2: return avx2_tile<2>(kind, w, a, r0, out);
-    default: return avx2_tile<1>(kind, w, a, r0, out);
-  }
+  with_tile(tile, [&](auto r) {
+    with_kind(kind, [&](auto k) {
+      constexpr int R = decltype(r)::value;
+      constexpr Rec K = decltype(k)::value;
+      if constexpr (Record<K>::nibbles) {
+        nibble_group_avx2<R, K>(w, a, r0, out);
+      } else {
+        q8_group_avx2<R, K>(w, a, r0, out);
+      }
+    });
+  });
 }
 
 }  // namespace kvbank
