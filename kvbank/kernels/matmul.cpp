@@ -70,44 +70,25 @@ inline float record_value(const uint8_t* rec, int64_t offset, int64_t lane) {
   return half_to_float(h);
 }
 
-// Q4, Q4F, Q5 and Q5F: per row and block the exact integer dot product of the nibbles (0..15, or with
-// their fifth bits 0..31) less the record's offset times the activations' sum, scaled once; the
-// minimum's term from the activation block sums.
+// The stored integer of `lane`'s input k (0..31) in a record: a nibble (k < 16 the low one of chunk
+// k / 4, else the high one of chunk (k - 16) / 4) with its fifth bit, or a byte of chunk k / 4.
 template <Rec K>
-void nibble_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+inline int32_t stored_weight(const uint8_t* rec, int64_t lane, int64_t k) {
   using T = Record<K>;
-  for (int64_t i = 0; i < tile; ++i) {
-    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * T::bytes;
-        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
-        int32_t dot = 0;
-        for (int64_t j = 0; j < 4; ++j) {
-          const uint64_t low_bits = T::fifth ? load_u64(rec + 256 + 8 * j) : 0;
-          const uint64_t high_bits = T::fifth ? load_u64(rec + 288 + 8 * j) : 0;
-          for (int64_t e = 0; e < 4; ++e) {
-            const int64_t at = lane * 4 + e;
-            const uint8_t byte = rec[j * 64 + at];
-            const int32_t lo = (byte & 15) | static_cast<int32_t>(((low_bits >> at) & 1) << 4);
-            const int32_t hi = (byte >> 4) | static_cast<int32_t>(((high_bits >> at) & 1) << 4);
-            dot += lo * qa[4 * j + e] + hi * qa[16 + 4 * j + e];
-          }
-        }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        dot -= T::offset * a.sum[ab];
-        acc = std::fma(static_cast<float>(dot), record_value<T::f32>(rec, T::scale_at, lane) * a.d[ab], acc);
-        if (T::minimum) acc = std::fma(record_value<T::f32>(rec, T::min_at, lane), a.s[ab], acc);
-      }
-      out[i * GROUP_ROWS + lane] = acc;
-    }
-  }
+  const int64_t at = lane * 4 + k % 4;
+  if (!T::nibbles) return rec[k / 4 * 64 + at];
+  const int64_t half = k / 16, chunk = k % 16 / 4;
+  const uint8_t byte = rec[chunk * 64 + at];
+  int32_t q = half ? byte >> 4 : byte & 15;
+  if (T::fifth) q |= static_cast<int32_t>((load_u64(rec + 256 + 32 * half + 8 * chunk) >> at) & 1) << 4;
+  return q;
 }
 
-// Q8 and Q8H: per row and block the first and last 16 inputs' exact dot products; Q8H scales them
-// apart, low half first.
+// Per row, lane and block the first and last 16 inputs' exact integer dot products, less the record's
+// offset times the activations' sums; scaled together (Q8H: apart, low half first), then the
+// minimum's term from the activation block sums.
 template <Rec K>
-void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+void group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
   using T = Record<K>;
   for (int64_t i = 0; i < tile; ++i) {
     for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
@@ -116,9 +97,7 @@ void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
         const uint8_t* rec = w + b * T::bytes;
         const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
         int32_t dot[2] = {0, 0};
-        for (int64_t c = 0; c < 8; ++c) {
-          for (int64_t e = 0; e < 4; ++e) dot[c / 4] += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
-        }
+        for (int64_t k = 0; k < QK; ++k) dot[k / 16] += stored_weight<K>(rec, lane, k) * qa[k];
         const int64_t ab = (r0 + i) * a.blocks + b;
         dot[0] -= T::offset * a.sum_lo[ab];
         dot[1] -= T::offset * (a.sum[ab] - a.sum_lo[ab]);
@@ -129,6 +108,7 @@ void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t t
         } else {
           acc = std::fma(static_cast<float>(dot[0] + dot[1]), d_lo, acc);
         }
+        if (T::minimum) acc = std::fma(record_value<T::f32>(rec, T::min_at, lane), a.s[ab], acc);
       }
       out[i * GROUP_ROWS + lane] = acc;
     }
@@ -140,14 +120,7 @@ void group_kernel(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64
   if (vnni(isa)) return vnni_group(kind, tile, w, a, r0, out);
   if (isa == Isa::Avx2) return avx2_group(kind, tile, w, a, r0, out);
 #endif
-  with_kind(kind, [&](auto k) {
-    constexpr Rec K = decltype(k)::value;
-    if constexpr (Record<K>::nibbles) {
-      nibble_group_scalar<K>(w, a, r0, tile, out);
-    } else {
-      q8_group_scalar<K>(w, a, r0, tile, out);
-    }
-  });
+  with_kind(kind, [&](auto k) { group_scalar<decltype(k)::value>(w, a, r0, tile, out); });
 }
 
 // Groups [begin, end) of out[r, n] (float32, row stride `out_stride`) = the quantized rows of `a`

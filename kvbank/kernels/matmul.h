@@ -110,6 +110,12 @@ void with_tile(int64_t tile, F&& f) {
     default: return f(std::integral_constant<int, 1>{});
   }
 }
+
+// f(R, K) as above for a tile and a record kind: a group kernel's instantiations.
+template <typename F>
+void with_tile_kind(int64_t tile, Rec kind, F&& f) {
+  with_tile(tile, [&](auto r) { with_kind(kind, [&](auto k) { f(r, k); }); });
+}
 // Above this many rows the decoder stack splits normalization and quantization among its threads.
 constexpr int64_t SPLIT_ROWS = 8;
 #ifndef KVBANK_PREFETCH

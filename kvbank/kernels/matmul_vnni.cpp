@@ -72,34 +72,46 @@ KVBANK_AVX512_VNNI inline void block_scales16(const uint8_t* rec, __m512& dw, __
   mw = T::minimum ? record_values16<T::f32>(rec, T::min_at) : _mm512_setzero_ps();
 }
 
-// Q4, Q4F, Q5 and Q5F.
+// A block's weights are decoded once and meet every row of the tile: w[c] for the inputs
+// 4c..4c+3 (nibble records: w[j] the low nibbles of chunk j, w[4 + j] its high ones). Per row the first
+// and last 16 inputs' exact products run in two chains, so a vpdpbusd's latency is hidden behind
+// the other chain and the other rows; they are scaled together (Q8H: apart, as group_scalar).
 template <int R, Rec K>
-KVBANK_AVX512_VNNI void nibble_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  constexpr int64_t record = Record<K>::bytes;
+KVBANK_AVX512_VNNI void group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  using T = Record<K>;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec = w + b * record;
-    prefetch_record(rec, record);
-    __m512i lo[4], hi[4];
-    for (int j = 0; j < 4; ++j) nibbles16<K>(rec, j, lo[j], hi[j]);
+    const uint8_t* rec = w + b * T::bytes;
+    prefetch_record(rec, T::bytes);
+    __m512i wv[8];
+    if constexpr (T::nibbles) {
+      for (int j = 0; j < 4; ++j) nibbles16<K>(rec, j, wv[j], wv[4 + j]);
+    } else {
+      for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(rec + 64 * c);
+    }
     __m512 dw, mw;
     block_scales16<K>(rec, dw, mw);
+    const __m512 d_hi = T::halves ? record_values16<true>(rec, T::scale_hi_at) : dw;
     for (int i = 0; i < R; ++i) {
       const int8_t* qa = rows[i] + b * QK;
-      // two chains of four: a vpdpbusd's latency is hidden behind the other chain and the other rows
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int j = 0; j < 4; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, lo[j], quad(qa + 4 * j));
-        s1 = _mm512_dpbusd_epi32(s1, lo[j + 1], quad(qa + 4 * j + 4));
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        lo = _mm512_dpbusd_epi32(lo, wv[c], quad(qa + 4 * c));
+        hi = _mm512_dpbusd_epi32(hi, wv[c + 4], quad(qa + 16 + 4 * c));
       }
-      for (int j = 0; j < 4; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, hi[j], quad(qa + 16 + 4 * j));
-        s1 = _mm512_dpbusd_epi32(s1, hi[j + 1], quad(qa + 16 + 4 * j + 4));
+      const int64_t ab = (r0 + i) * a.blocks + b;
+      if (T::halves) {
+        const __m512 d = _mm512_set1_ps(a.d[ab]);
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(T::offset * a.sum_lo[ab]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(T::offset * (a.sum[ab] - a.sum_lo[ab])));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(dw, d), acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d_hi, d), acc[i]);
+      } else {
+        acc[i] = add_block16<K>(acc[i], _mm512_add_epi32(lo, hi), dw, mw, a, ab);
       }
-      acc[i] = add_block16<K>(acc[i], _mm512_add_epi32(s0, s1), dw, mw, a, (r0 + i) * a.blocks + b);
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
@@ -160,57 +172,10 @@ KVBANK_AVX512_VNNI void pair_avx512(const uint8_t* w0, const uint8_t* w1, const 
   }
 }
 
-// Q8 and Q8H as q8_group_scalar: the low and high 16 inputs' products summed apart.
-template <int R, Rec K>
-KVBANK_AVX512_VNNI void q8_group_avx512(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  using T = Record<K>;
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  const int8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec = w + b * T::bytes;
-    prefetch_record(rec, T::bytes);
-    __m512i wv[8];
-    for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(rec + 64 * c);
-    const __m512 d_lo = record_values16<T::f32>(rec, T::scale_at);
-    const __m512 d_hi = T::halves ? record_values16<true>(rec, T::scale_hi_at) : d_lo;
-    for (int i = 0; i < R; ++i) {
-      const int8_t* qa = rows[i] + b * QK;
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        lo = _mm512_dpbusd_epi32(lo, wv[c], quad(qa + 4 * c));
-        hi = _mm512_dpbusd_epi32(hi, wv[c + 4], quad(qa + 16 + 4 * c));
-      }
-      const int64_t ab = (r0 + i) * a.blocks + b;
-      if (T::halves) {
-        const __m512 d = _mm512_set1_ps(a.d[ab]);
-        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(T::offset * a.sum_lo[ab]));
-        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(T::offset * (a.sum[ab] - a.sum_lo[ab])));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d_lo, d), acc[i]);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d_hi, d), acc[i]);
-      } else {
-        acc[i] = add_block16<K>(acc[i], _mm512_add_epi32(lo, hi), d_lo, _mm512_setzero_ps(), a, ab);
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * GROUP_ROWS, acc[i]);
-}
-
 }  // namespace
 
 void vnni_group(Rec kind, int64_t tile, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  with_tile(tile, [&](auto r) {
-    with_kind(kind, [&](auto k) {
-      constexpr int R = decltype(r)::value;
-      constexpr Rec K = decltype(k)::value;
-      if constexpr (Record<K>::nibbles) {
-        nibble_group_avx512<R, K>(w, a, r0, out);
-      } else {
-        q8_group_avx512<R, K>(w, a, r0, out);
-      }
-    });
-  });
+  with_tile_kind(tile, kind, [&](auto r, auto k) { group_avx512<decltype(r)::value, decltype(k)::value>(w, a, r0, out); });
 }
 
 // Two groups at once (Q5, Q5F and Q8H records have no pair kernel; they go one group at a time).
