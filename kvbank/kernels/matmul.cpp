@@ -125,8 +125,8 @@ void group_kernel(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64
 
 // Groups [begin, end) of out[r, n] (float32, row stride `out_stride`) = the quantized rows of `a`
 // times the packed weights.
-void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, float* out,
-                    int64_t out_stride) {
+void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a,
+                    float* out, int64_t out_stride) {
   const int64_t group_bytes = a.blocks * record_bytes(kind);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
   int64_t first = 0;  // the rows the kernels below start at
@@ -161,7 +161,8 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
       const int64_t tile = std::min(ROW_TILE, a.rows - r0);
       group_kernel(kind, isa, w, a, r0, tile, tile_out);
       for (int64_t i = 0; i < tile; ++i) {
-        std::memcpy(out + (r0 + i) * out_stride + g * GROUP_ROWS, tile_out + i * GROUP_ROWS, GROUP_ROWS * sizeof(float));
+        std::memcpy(out + (r0 + i) * out_stride + g * GROUP_ROWS, tile_out + i * GROUP_ROWS,
+                    GROUP_ROWS * sizeof(float));
       }
     }
   }
@@ -224,7 +225,8 @@ void qmatmul_span(const PackedWeight& w, Isa isa, int64_t g0, int64_t g1, const 
 }
 
 void qmatmul_rows(const PackedWeight& w, Isa isa, const QuantRows& a, float* out, int64_t out_stride) {
-  at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) { qmatmul_span(w, isa, begin, end, a, out, out_stride); });
+  at::parallel_for(0, w.groups, 1,
+                   [&](int64_t begin, int64_t end) { qmatmul_span(w, isa, begin, end, a, out, out_stride); });
 }
 
 }  // namespace kvbank

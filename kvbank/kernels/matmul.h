@@ -22,6 +22,7 @@
 // Q5_0 and Q4_0 weights fused with Q8_0 ones are Q8 records (their integers fit 8 bits exactly).
 // Per block, a row's integer dot product is exact; it is scaled and added to a float32 sum in block
 // order by the same fused multiply-adds on every path (AVX-512 VNNI, AVX2, scalar), so all paths
+// give the same bits.
 //
 // matmul.cpp holds the dispatch and the scalar reference, matmul_avx2.cpp and matmul_vnni.cpp
 // (avx512_vnni and amx) the vector kernels; each unit's kernels are reached through the entry
@@ -62,6 +63,7 @@ constexpr int64_t record_bytes(Rec kind) {
     default: return Q8H_RECORD;
   }
 }
+
 // A record kind's layout and arithmetic (the layouts above), one place every path's kernels read.
 template <Rec K>
 struct Record {
@@ -116,6 +118,7 @@ template <typename F>
 void with_tile_kind(int64_t tile, Rec kind, F&& f) {
   with_tile(tile, [&](auto r) { with_kind(kind, [&](auto k) { f(r, k); }); });
 }
+
 // Above this many rows the decoder stack splits normalization and quantization among its threads.
 constexpr int64_t SPLIT_ROWS = 8;
 #ifndef KVBANK_PREFETCH

@@ -110,9 +110,9 @@ KVBANK_AVX2 inline void q8_dots8(const __m256i* u, const __m256i* w8, const int8
   lo = dot_u8s8(u[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), w8[0]));
   hi = dot_u8s8(u[4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16)), w8[4]));
   for (int c = 1; c < 4; ++c) {
-    lo = _mm256_add_epi32(lo, dot_u8s8(u[c], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c)), w8[c])));
-    hi = _mm256_add_epi32(hi,
-                          dot_u8s8(u[c + 4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16 + 4 * c)), w8[c + 4])));
+    const __m256i x_lo = _mm256_set1_epi32(load_i32(qa + 4 * c)), x_hi = _mm256_set1_epi32(load_i32(qa + 16 + 4 * c));
+    lo = _mm256_add_epi32(lo, dot_u8s8(u[c], _mm256_sign_epi8(x_lo, w8[c])));
+    hi = _mm256_add_epi32(hi, dot_u8s8(u[c + 4], _mm256_sign_epi8(x_hi, w8[c + 4])));
   }
 }
 
@@ -167,7 +167,8 @@ KVBANK_AVX2 void group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, fl
 }  // namespace
 
 void avx2_group(Rec kind, int64_t tile, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  with_tile_kind(tile, kind, [&](auto r, auto k) { group_avx2<decltype(r)::value, decltype(k)::value>(w, a, r0, out); });
+  with_tile_kind(tile, kind,
+                 [&](auto r, auto k) { group_avx2<decltype(r)::value, decltype(k)::value>(w, a, r0, out); });
 }
 
 }  // namespace kvbank

@@ -175,7 +175,8 @@ KVBANK_AVX512_VNNI void pair_avx512(const uint8_t* w0, const uint8_t* w1, const 
 }  // namespace
 
 void vnni_group(Rec kind, int64_t tile, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  with_tile_kind(tile, kind, [&](auto r, auto k) { group_avx512<decltype(r)::value, decltype(k)::value>(w, a, r0, out); });
+  with_tile_kind(tile, kind,
+                 [&](auto r, auto k) { group_avx512<decltype(r)::value, decltype(k)::value>(w, a, r0, out); });
 }
 
 // Two groups at once (Q5, Q5F and Q8H records have no pair kernel; they go one group at a time).
@@ -205,7 +206,8 @@ void vnni_pair(Rec kind, int64_t tile, const uint8_t* w0, const uint8_t* w1, con
 constexpr int64_t AMX_CHUNK = 6;
 constexpr int64_t AMX_B_BYTES = 512;
 
-bool amx_kind(Rec kind) { return kind == Rec::Q4 || kind == Rec::Q4F || kind == Rec::Q5 || kind == Rec::Q5F || kind == Rec::Q8; }
+// Every kind but Q8H, whose half-block scales a tile's whole-block products cannot take.
+bool amx_kind(Rec kind) { return kind != Rec::Q8H; }
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -298,10 +300,12 @@ KVBANK_AMX void amx_group_rows(const uint8_t* rec0, const uint8_t* w, int64_t st
   amx_products(x, a.cols, w, step, 0, std::min(AMX_CHUNK, blocks), products[0]);
   for (int64_t b0 = 0, stage = 0; b0 < blocks; b0 += AMX_CHUNK, stage ^= 1) {
     if (b0 + AMX_CHUNK < blocks)
-      amx_products(x, a.cols, w, step, b0 + AMX_CHUNK, std::min(AMX_CHUNK, blocks - b0 - AMX_CHUNK), products[stage ^ 1]);
+      amx_products(x, a.cols, w, step, b0 + AMX_CHUNK, std::min(AMX_CHUNK, blocks - b0 - AMX_CHUNK),
+                   products[stage ^ 1]);
     const int64_t n = std::min(AMX_CHUNK, blocks - b0);
     const int64_t lo = ahead_bytes * b0 / blocks, hi = ahead_bytes * (b0 + n) / blocks;
-    for (int64_t line = lo & ~int64_t{63}; line < hi; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    for (int64_t line = lo & ~int64_t{63}; line < hi; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     for (int64_t k = 0; k < n; ++k) amx_scale<K>(products[stage][k], rec0 + (b0 + k) * record, a, r0, b0 + k, acc);
   }
   for (int64_t i = 0; i < AMX_ROWS; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
@@ -332,7 +336,8 @@ KVBANK_AMX void amx_groups(const uint8_t* weights, int64_t begin, int64_t end, c
     // spread over its blocks, while this group's are multiplied
     const int64_t tiles = rows / AMX_ROWS, share = (group_bytes + tiles - 1) / tiles;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t from = std::min(group_bytes, t * share), to = g + 1 < end ? std::min(group_bytes, from + share) : from;
+      const int64_t from = std::min(group_bytes, t * share);
+      const int64_t to = g + 1 < end ? std::min(group_bytes, from + share) : from;
       amx_group_rows<K>(w, b_data, step, a, t * AMX_ROWS, out + t * AMX_ROWS * out_stride + g * GROUP_ROWS, out_stride,
                         w + group_bytes + from, to - from);
     }
@@ -342,13 +347,10 @@ KVBANK_AMX void amx_groups(const uint8_t* weights, int64_t begin, int64_t end, c
 
 void amx_dispatch(Rec kind, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, int64_t rows,
                   float* out, int64_t out_stride) {
-  switch (kind) {
-    case Rec::Q4: return amx_groups<Rec::Q4>(weights, begin, end, a, rows, out, out_stride);
-    case Rec::Q4F: return amx_groups<Rec::Q4F>(weights, begin, end, a, rows, out, out_stride);
-    case Rec::Q5: return amx_groups<Rec::Q5>(weights, begin, end, a, rows, out, out_stride);
-    case Rec::Q5F: return amx_groups<Rec::Q5F>(weights, begin, end, a, rows, out, out_stride);
-    default: return amx_groups<Rec::Q8>(weights, begin, end, a, rows, out, out_stride);
-  }
+  with_kind(kind, [&](auto k) {
+    constexpr Rec K = decltype(k)::value;
+    if constexpr (!Record<K>::halves) amx_groups<K>(weights, begin, end, a, rows, out, out_stride);
+  });
 }
 #endif
 
