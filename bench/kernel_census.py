@@ -26,10 +26,10 @@ from pathlib import Path
 #: kernel family -> pattern on the normalised name; the first that matches names its family
 FAMILIES = (
     ("matmul amx", r"^amx_"),
-    ("matmul avx512_vnni", r"^(q[458]_(group|pair)_avx512|vnni_|quantize_row_avx512|QuantRows::quantize_row_avx512)"),
-    ("matmul avx2", r"^(q[458]_group_avx2|avx2_(group|tile)|QuantRows::quantize_row_avx2)"),
-    ("matmul scalar", r"^(q[458]_group_scalar|QuantRows::quantize_row_scalar)"),
-    ("matmul dispatch", r"^(qmatmul_groups|qmatmul_span|group_tile|group_kernel|pair_tile)"),
+    ("matmul avx512_vnni", r"^((group|pair)_avx512|vnni_|quantize_row_avx512|QuantRows::quantize_row_avx512)"),
+    ("matmul avx2", r"^(group_avx2|avx2_group|QuantRows::quantize_row_avx2)"),
+    ("matmul scalar", r"^(group_scalar|QuantRows::quantize_row_scalar)"),
+    ("matmul dispatch", r"^(qmatmul_groups|qmatmul_span|group_kernel)"),
     ("quant attention avx512_bf16", r"^(quant_range512_lut|kivi4_range512_bf16)"),
     ("quant attention avx512", r"^quant_range512_f\b|^quant_range512_f<"),
     ("quant attention avx2", r"^(quant_range<|quant_rows<)"),

@@ -57,7 +57,7 @@ namespace {
 
 // --- one group of 16 output rows for `tile` activation rows: out[i * 16 + lane] ------------------
 
-// A record's scale and minimum of `lane`: fp16 in Q4 records, float32 in Q4F records (F32).
+// A record's scale or minimum of `lane` at `offset`: float32 (F32) or fp16.
 template <bool F32>
 inline float record_value(const uint8_t* rec, int64_t offset, int64_t lane) {
   if (F32) {
@@ -70,129 +70,63 @@ inline float record_value(const uint8_t* rec, int64_t offset, int64_t lane) {
   return half_to_float(h);
 }
 
-template <bool F32>
-void q4_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
-  for (int64_t i = 0; i < tile; ++i) {
-    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * record;
-        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
-        int32_t dot = 0;
-        for (int64_t j = 0; j < 4; ++j) {
-          for (int64_t e = 0; e < 4; ++e) {
-            const uint8_t byte = rec[j * 64 + lane * 4 + e];
-            dot += static_cast<int32_t>(byte & 15) * qa[4 * j + e] + static_cast<int32_t>(byte >> 4) * qa[16 + 4 * j + e];
-          }
-        }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        acc = std::fma(static_cast<float>(dot), record_value<F32>(rec, 256, lane) * a.d[ab], acc);
-        acc = std::fma(record_value<F32>(rec, min_at, lane), a.s[ab], acc);
-      }
-      out[i * GROUP_ROWS + lane] = acc;
-    }
-  }
+// The stored integer of `lane`'s input k (0..31) in a record: a nibble (k < 16 the low one of chunk
+// k / 4, else the high one of chunk (k - 16) / 4) with its fifth bit, or a byte of chunk k / 4.
+template <Rec K>
+inline int32_t stored_weight(const uint8_t* rec, int64_t lane, int64_t k) {
+  using T = Record<K>;
+  const int64_t at = lane * 4 + k % 4;
+  if (!T::nibbles) return rec[k / 4 * 64 + at];
+  const int64_t half = k / 16, chunk = k % 16 / 4;
+  const uint8_t byte = rec[chunk * 64 + at];
+  int32_t q = half ? byte >> 4 : byte & 15;
+  if (T::fifth) q |= static_cast<int32_t>((load_u64(rec + 256 + 32 * half + 8 * chunk) >> at) & 1) << 4;
+  return q;
 }
 
-// Q8 (H false: one fp16 scale per block) and Q8H (H: float32 scales per 16 inputs): per row and
-// block the first and last 16 inputs' exact dot products; Q8H scales them apart, low half first.
-template <bool H>
-void q8_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
+// Per row, lane and block the first and last 16 inputs' exact integer dot products, less the record's
+// offset times the activations' sums; scaled together (Q8H: apart, low half first), then the
+// minimum's term from the activation block sums.
+template <Rec K>
+void group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
+  using T = Record<K>;
   for (int64_t i = 0; i < tile; ++i) {
     for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
       float acc = 0.0f;
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * record;
+        const uint8_t* rec = w + b * T::bytes;
         const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
         int32_t dot[2] = {0, 0};
-        for (int64_t c = 0; c < 8; ++c) {
-          for (int64_t e = 0; e < 4; ++e) dot[c / 4] += static_cast<int32_t>(rec[c * 64 + lane * 4 + e]) * qa[4 * c + e];
-        }
+        for (int64_t k = 0; k < QK; ++k) dot[k / 16] += stored_weight<K>(rec, lane, k) * qa[k];
         const int64_t ab = (r0 + i) * a.blocks + b;
-        dot[0] -= 128 * a.sum_lo[ab];
-        dot[1] -= 128 * (a.sum[ab] - a.sum_lo[ab]);
-        if (H) {
-          acc = std::fma(static_cast<float>(dot[0]), record_value<true>(rec, 512, lane) * a.d[ab], acc);
-          acc = std::fma(static_cast<float>(dot[1]), record_value<true>(rec, 576, lane) * a.d[ab], acc);
+        dot[0] -= T::offset * a.sum_lo[ab];
+        dot[1] -= T::offset * (a.sum[ab] - a.sum_lo[ab]);
+        const float d_lo = record_value<T::f32>(rec, T::scale_at, lane) * a.d[ab];
+        if (T::halves) {
+          acc = std::fma(static_cast<float>(dot[0]), d_lo, acc);
+          acc = std::fma(static_cast<float>(dot[1]), record_value<true>(rec, T::scale_hi_at, lane) * a.d[ab], acc);
         } else {
-          acc = std::fma(static_cast<float>(dot[0] + dot[1]), record_value<false>(rec, 512, lane) * a.d[ab], acc);
+          acc = std::fma(static_cast<float>(dot[0] + dot[1]), d_lo, acc);
         }
+        if (T::minimum) acc = std::fma(record_value<T::f32>(rec, T::min_at, lane), a.s[ab], acc);
       }
       out[i * GROUP_ROWS + lane] = acc;
     }
-  }
-}
-
-
-// Q5: the nibble pairs of a Q4 record with their fifth bits; the integer dot product of q (0..31)
-// less 16 x the activations' sum is exact, scaled once per block as Q8.
-// K (Q5F records): q in 0..31 with float32 scale and minimum, the minimum term from the
-// activation block sums as for Q4 records.
-template <bool K>
-void q5_group_scalar(const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
-  for (int64_t i = 0; i < tile; ++i) {
-    for (int64_t lane = 0; lane < GROUP_ROWS; ++lane) {
-      float acc = 0.0f;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = w + b * record;
-        const int8_t* qa = a.q.data() + (r0 + i) * a.cols + b * QK;
-        int32_t dot = 0;
-        for (int64_t j = 0; j < 4; ++j) {
-          const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
-          for (int64_t e = 0; e < 4; ++e) {
-            const int64_t at = lane * 4 + e;
-            const uint8_t byte = rec[j * 64 + at];
-            const int32_t lo = (byte & 15) | static_cast<int32_t>(((low_bits >> at) & 1) << 4);
-            const int32_t hi = (byte >> 4) | static_cast<int32_t>(((high_bits >> at) & 1) << 4);
-            dot += lo * qa[4 * j + e] + hi * qa[16 + 4 * j + e];
-          }
-        }
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        if (K) {
-          acc = std::fma(static_cast<float>(dot), record_value<true>(rec, 320, lane) * a.d[ab], acc);
-          acc = std::fma(record_value<true>(rec, 384, lane), a.s[ab], acc);
-        } else {
-          dot -= 16 * a.sum[ab];
-          acc = std::fma(static_cast<float>(dot), record_value<false>(rec, 320, lane) * a.d[ab], acc);
-        }
-      }
-      out[i * GROUP_ROWS + lane] = acc;
-    }
-  }
-}
-
-template <int R>
-void group_tile(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-#ifdef KVBANK_X86
-  if (vnni(isa)) return vnni_group(kind, R, w, a, r0, out);
-  if (isa == Isa::Avx2) return avx2_group(kind, R, w, a, r0, out);
-#endif
-  switch (kind) {
-    case Rec::Q4: return q4_group_scalar<false>(w, a, r0, R, out);
-    case Rec::Q4F: return q4_group_scalar<true>(w, a, r0, R, out);
-    case Rec::Q8: return q8_group_scalar<false>(w, a, r0, R, out);
-    case Rec::Q8H: return q8_group_scalar<true>(w, a, r0, R, out);
-    case Rec::Q5: return q5_group_scalar<false>(w, a, r0, R, out);
-    case Rec::Q5F: return q5_group_scalar<true>(w, a, r0, R, out);
   }
 }
 
 void group_kernel(Rec kind, Isa isa, const uint8_t* w, const QuantRows& a, int64_t r0, int64_t tile, float* out) {
-  switch (tile) {
-    case 4: return group_tile<4>(kind, isa, w, a, r0, out);
-    case 3: return group_tile<3>(kind, isa, w, a, r0, out);
-    case 2: return group_tile<2>(kind, isa, w, a, r0, out);
-    default: return group_tile<1>(kind, isa, w, a, r0, out);
-  }
+#ifdef KVBANK_X86
+  if (vnni(isa)) return vnni_group(kind, tile, w, a, r0, out);
+  if (isa == Isa::Avx2) return avx2_group(kind, tile, w, a, r0, out);
+#endif
+  with_kind(kind, [&](auto k) { group_scalar<decltype(k)::value>(w, a, r0, tile, out); });
 }
 
 // Groups [begin, end) of out[r, n] (float32, row stride `out_stride`) = the quantized rows of `a`
 // times the packed weights.
-void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a, float* out,
-                    int64_t out_stride) {
+void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, int64_t end, const QuantRows& a,
+                    float* out, int64_t out_stride) {
   const int64_t group_bytes = a.blocks * record_bytes(kind);
   alignas(64) float tile_out[ROW_TILE * GROUP_ROWS];
   int64_t first = 0;  // the rows the kernels below start at
@@ -205,7 +139,7 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
 #endif
 #ifdef KVBANK_X86
   if (vnni(isa) && (kind == Rec::Q4 || kind == Rec::Q4F || kind == Rec::Q8)) {
-    // on VNNI: groups two at a time (q4_pair_avx512, q8_pair_avx512), the odd one below
+    // on VNNI: groups two at a time (pair_avx512), the odd one below
     alignas(64) float pair_out[2][ROW_TILE * GROUP_ROWS];
     for (; begin + 1 < end; begin += 2) {
       const uint8_t* w = weights + begin * group_bytes;
@@ -227,7 +161,8 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
       const int64_t tile = std::min(ROW_TILE, a.rows - r0);
       group_kernel(kind, isa, w, a, r0, tile, tile_out);
       for (int64_t i = 0; i < tile; ++i) {
-        std::memcpy(out + (r0 + i) * out_stride + g * GROUP_ROWS, tile_out + i * GROUP_ROWS, GROUP_ROWS * sizeof(float));
+        std::memcpy(out + (r0 + i) * out_stride + g * GROUP_ROWS, tile_out + i * GROUP_ROWS,
+                    GROUP_ROWS * sizeof(float));
       }
     }
   }
@@ -238,10 +173,13 @@ void qmatmul_groups(Rec kind, Isa isa, const uint8_t* weights, int64_t begin, in
 // The matmul variant called `name` (auto: the active one); refused above the active level.
 Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
+  const std::vector<Isa>& variants = family_info(Family::Matmul).variants;
   Isa wanted = Isa::Scalar;
-  TORCH_CHECK(kvbank::isa_from_name(name, &wanted) &&
-                  (wanted == Isa::Scalar || wanted == Isa::Avx2 || wanted == Isa::Avx512Vnni || wanted == Isa::Amx),
-              "isa must be auto, amx, avx512_vnni, avx2 or scalar, not ", name);
+  if (!kvbank::isa_from_name(name, &wanted) || std::find(variants.begin(), variants.end(), wanted) == variants.end()) {
+    std::string names = "auto";
+    for (auto v = variants.rbegin(); v != variants.rend(); ++v) names += std::string(", ") + kvbank::isa_name(*v);
+    TORCH_CHECK(false, "isa must be one of ", names, "; not ", name);
+  }
   TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(best_isa()), "this CPU (capped at ",
               kvbank::isa_name(kvbank::active_isa()), ") cannot run the ", name, " path");
   return wanted;
@@ -287,7 +225,8 @@ void qmatmul_span(const PackedWeight& w, Isa isa, int64_t g0, int64_t g1, const 
 }
 
 void qmatmul_rows(const PackedWeight& w, Isa isa, const QuantRows& a, float* out, int64_t out_stride) {
-  at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) { qmatmul_span(w, isa, begin, end, a, out, out_stride); });
+  at::parallel_for(0, w.groups, 1,
+                   [&](int64_t begin, int64_t end) { qmatmul_span(w, isa, begin, end, a, out, out_stride); });
 }
 
 }  // namespace kvbank

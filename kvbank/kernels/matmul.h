@@ -22,6 +22,7 @@
 // Q5_0 and Q4_0 weights fused with Q8_0 ones are Q8 records (their integers fit 8 bits exactly).
 // Per block, a row's integer dot product is exact; it is scaled and added to a float32 sum in block
 // order by the same fused multiply-adds on every path (AVX-512 VNNI, AVX2, scalar), so all paths
+// give the same bits.
 //
 // matmul.cpp holds the dispatch and the scalar reference, matmul_avx2.cpp and matmul_vnni.cpp
 // (avx512_vnni and amx) the vector kernels; each unit's kernels are reached through the entry
@@ -35,6 +36,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kvbank {
@@ -61,7 +63,62 @@ constexpr int64_t record_bytes(Rec kind) {
     default: return Q8H_RECORD;
   }
 }
+
+// A record kind's layout and arithmetic (the layouts above), one place every path's kernels read.
+template <Rec K>
+struct Record {
+  static constexpr int64_t bytes = record_bytes(K);
+  // 4-bit nibble pairs in four 64-byte chunks (else 8-bit weights in eight), Q5 and Q5F with their
+  // fifth bits at 256 and 288
+  static constexpr bool nibbles = K != Rec::Q8 && K != Rec::Q8H;
+  static constexpr bool fifth = K == Rec::Q5 || K == Rec::Q5F;
+  static constexpr int max_nibble = fifth ? 31 : 15;  // the largest decoded 4- or 5-bit weight
+  // scales (and minimums) as float32, else fp16
+  static constexpr bool f32 = K == Rec::Q4F || K == Rec::Q5F || K == Rec::Q8H;
+  static constexpr int64_t scale_at = nibbles ? (fifth ? 320 : 256) : 512;
+  // Q8H: the first 16 inputs scaled at scale_at, the last 16 apart at scale_hi_at
+  static constexpr bool halves = K == Rec::Q8H;
+  static constexpr int64_t scale_hi_at = 576;
+  // w = d*q + m: the minimum's term comes from the activations' block sums
+  static constexpr bool minimum = K == Rec::Q4 || K == Rec::Q4F || K == Rec::Q5F;
+  static constexpr int64_t min_at = K == Rec::Q4 ? 288 : K == Rec::Q4F ? 320 : 384;
+  // the stored integers lie this far above the weights' own (Q5: q - 16; Q8: w + 128), taken off a
+  // block's dot product as this times the activations' sum
+  static constexpr int32_t offset = K == Rec::Q5 ? 16 : nibbles ? 0 : 128;
+};
+
+// f(std::integral_constant<Rec, K>{}) for `kind`: a kernel template instantiated once per record kind.
+template <typename F>
+void with_kind(Rec kind, F&& f) {
+  switch (kind) {
+    case Rec::Q4: return f(std::integral_constant<Rec, Rec::Q4>{});
+    case Rec::Q5: return f(std::integral_constant<Rec, Rec::Q5>{});
+    case Rec::Q8: return f(std::integral_constant<Rec, Rec::Q8>{});
+    case Rec::Q4F: return f(std::integral_constant<Rec, Rec::Q4F>{});
+    case Rec::Q5F: return f(std::integral_constant<Rec, Rec::Q5F>{});
+    case Rec::Q8H: return f(std::integral_constant<Rec, Rec::Q8H>{});
+  }
+}
+
 constexpr int64_t ROW_TILE = 4;
+
+// f(std::integral_constant<int, R>{}) for a tile of R = 1..ROW_TILE activation rows.
+template <typename F>
+void with_tile(int64_t tile, F&& f) {
+  switch (tile) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+
+// f(R, K) as above for a tile and a record kind: a group kernel's instantiations.
+template <typename F>
+void with_tile_kind(int64_t tile, Rec kind, F&& f) {
+  with_tile(tile, [&](auto r) { with_kind(kind, [&](auto k) { f(r, k); }); });
+}
+
 // Above this many rows the decoder stack splits normalization and quantization among its threads.
 constexpr int64_t SPLIT_ROWS = 8;
 #ifndef KVBANK_PREFETCH

@@ -44,100 +44,6 @@ KVBANK_AVX2 inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// A block's weights are decoded once and meet every row of the tile; per row and lane the
-// float sums run in block order as in the scalar version, so the bits do not depend on the tile.
-// 8 lanes' scales (or minimums) of half h at `offset`: fp16 or float32 (F32).
-template <bool F32>
-KVBANK_AVX2 inline __m256 record_values8(const uint8_t* rec, int64_t offset, int h) {
-  if (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + offset + 32 * h));
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + offset + 16 * h)));
-}
-
-template <int R, bool F32>
-KVBANK_AVX2 void q4_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  constexpr int64_t record = F32 ? Q4F_RECORD : Q4_RECORD, min_at = F32 ? 320 : 288;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const int8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * record;
-      if (h == 0) {
-        prefetch_record(rec, record);
-      }
-      __m256i lo[4], hi[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
-        lo[j] = _mm256_and_si256(v, low);
-        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      }
-      const __m256 dw = record_values8<F32>(rec, 256, h), mw = record_values8<F32>(rec, min_at, h);
-      for (int i = 0; i < R; ++i) {
-        const int8_t* qa = rows[i] + b * QK;
-        // 4-bit weights (0..15) times activations (|q| <= 127): a maddubs pair sum is at most
-        // 2 * 15 * 127, so all eight of a block add up in 16 bits (|sum| <= 30,480) and widen
-        // once: the same exact integer as widening each.
-        __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load_i32(qa)));
-        __m256i p1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
-        for (int j = 1; j < 4; ++j) {
-          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
-          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
-        }
-        const __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
-        const int64_t ab = (r0 + i) * a.blocks + b;
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[i]);
-        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
-      }
-    }
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
-  }
-}
-
-// Q8 and Q8H (H) on AVX2: signed weights, |w| as the unsigned operand and the activation taking
-// w's sign; the low and high 16 inputs summed apart, as q8_group_scalar.
-template <int R, bool H>
-KVBANK_AVX2 void q8_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  constexpr int64_t record = H ? Q8H_RECORD : Q8_RECORD;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const int8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * record;
-      if (h == 0) {
-        prefetch_record(rec, record);
-      }
-      __m256i ws[8], mag[8];
-      for (int c = 0; c < 8; ++c) {
-        ws[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
-        mag[c] = _mm256_abs_epi8(ws[c]);
-      }
-      const __m256 d_lo = record_values8<H>(rec, 512, h), d_hi = H ? record_values8<true>(rec, 576, h) : d_lo;
-      for (int i = 0; i < R; ++i) {
-        const int8_t* qa = rows[i] + b * QK;
-        __m256i lo = dot_u8s8(mag[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), ws[0]));
-        __m256i hi = dot_u8s8(mag[4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16)), ws[4]));
-        for (int c = 1; c < 4; ++c) {
-          lo = _mm256_add_epi32(lo, dot_u8s8(mag[c], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 4 * c)), ws[c])));
-          hi = _mm256_add_epi32(
-              hi, dot_u8s8(mag[c + 4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16 + 4 * c)), ws[c + 4])));
-        }
-        const __m256 d = _mm256_set1_ps(a.d[(r0 + i) * a.blocks + b]);
-        if (H) {
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d_lo, d), acc[i]);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d_hi, d), acc[i]);
-        } else {
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(d_lo, d), acc[i]);
-        }
-      }
-    }
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
-  }
-}
 // 32 mask bits as 32 bytes: 16 where the bit is set, else 0.
 KVBANK_AVX2 inline __m256i fifth_bits(uint32_t mask) {
   const __m256i spread = _mm256_shuffle_epi8(
@@ -147,72 +53,122 @@ KVBANK_AVX2 inline __m256i fifth_bits(uint32_t mask) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-// Q5 on AVX2: as q4_group_avx2 with the fifth bits added; weights up to 31 make a maddubs pair
-// sum up to 2 x 31 x 127, so the low and high halves widen apart (each of four at most 31,496).
-template <int R, bool K>
-KVBANK_AVX2 void q5_group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  constexpr int64_t record = K ? Q5F_RECORD : Q5_RECORD;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+// 8 lanes' scales (or minimums) of half h at `offset`: fp16 or float32 (F32).
+template <bool F32>
+KVBANK_AVX2 inline __m256 record_values8(const uint8_t* rec, int64_t offset, int h) {
+  if (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + offset + 32 * h));
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + offset + 16 * h)));
+}
+
+// Half h of a block's weights as maddubs' unsigned operands, u[c] for the inputs 4c..4c+3: the
+// nibbles with Q5's fifth bits (u[j] the low ones of chunk j, u[4 + j] its high ones), or the 8-bit
+// weights' magnitudes with the weights themselves in w8[c] (w + 128 flipped back to signed: no offset
+// is left to take off).
+template <Rec K>
+KVBANK_AVX2 inline void decode8(const uint8_t* rec, int h, __m256i* u, __m256i* w8) {
+  if constexpr (Record<K>::nibbles) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+      u[j] = _mm256_and_si256(v, low);
+      u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if (Record<K>::fifth) {
+        const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
+        u[j] = _mm256_or_si256(u[j], fifth_bits(static_cast<uint32_t>(low_bits >> (32 * h))));
+        u[4 + j] = _mm256_or_si256(u[4 + j], fifth_bits(static_cast<uint32_t>(high_bits >> (32 * h))));
+      }
+    }
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < 8; ++c) {
+      w8[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h)), flip);
+      u[c] = _mm256_abs_epi8(w8[c]);
+    }
+  }
+}
+
+// A row's exact dot product with a block's nibbles. A maddubs pair sum is at most 2 x max_nibble x
+// 127: with 4-bit weights all eight of a block add up in 16 bits (|sum| <= 30,480) and widen once,
+// the same exact integer as widening each; 5-bit ones (2 x 31 x 127 each) widen the low and high
+// halves' four apart (each at most 31,496).
+template <Rec K>
+KVBANK_AVX2 inline __m256i nibble_dot8(const __m256i* u, const int8_t* qa) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p0 = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(load_i32(qa)));
+  __m256i p1 = _mm256_maddubs_epi16(u[4], _mm256_set1_epi32(load_i32(qa + 16)));
+  for (int j = 1; j < 4; ++j) {
+    p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
+    p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(u[4 + j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
+  }
+  if (8 * 2 * Record<K>::max_nibble * 127 <= INT16_MAX) return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+  return _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+}
+
+// A row's exact dot products with a block's 8-bit weights, the first and last 16 inputs apart: the
+// magnitudes as the unsigned operand, the activations taking the weights' signs.
+KVBANK_AVX2 inline void q8_dots8(const __m256i* u, const __m256i* w8, const int8_t* qa, __m256i& lo, __m256i& hi) {
+  lo = dot_u8s8(u[0], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa)), w8[0]));
+  hi = dot_u8s8(u[4], _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qa + 16)), w8[4]));
+  for (int c = 1; c < 4; ++c) {
+    const __m256i x_lo = _mm256_set1_epi32(load_i32(qa + 4 * c)), x_hi = _mm256_set1_epi32(load_i32(qa + 16 + 4 * c));
+    lo = _mm256_add_epi32(lo, dot_u8s8(u[c], _mm256_sign_epi8(x_lo, w8[c])));
+    hi = _mm256_add_epi32(hi, dot_u8s8(u[c + 4], _mm256_sign_epi8(x_hi, w8[c + 4])));
+  }
+}
+
+// A block's weights are decoded once and meet every row of the tile; per row and lane the
+// float sums run in block order as in the scalar version, so the bits do not depend on the tile.
+template <int R, Rec K>
+KVBANK_AVX2 void group_avx2(const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
+  using T = Record<K>;
   const int8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = a.q.data() + (r0 + i) * a.cols;
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
-      const uint8_t* rec = w + b * record;
+      const uint8_t* rec = w + b * T::bytes;
       if (h == 0) {
-        prefetch_record(rec, record);
+        prefetch_record(rec, T::bytes);
       }
-      __m256i lo[4], hi[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
-        const uint64_t low_bits = load_u64(rec + 256 + 8 * j), high_bits = load_u64(rec + 288 + 8 * j);
-        lo[j] = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits(static_cast<uint32_t>(low_bits >> (32 * h))));
-        hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                fifth_bits(static_cast<uint32_t>(high_bits >> (32 * h))));
-      }
-      const __m256 dw = record_values8<K>(rec, 320, h);
-      const __m256 mw = K ? record_values8<true>(rec, 384, h) : _mm256_setzero_ps();
+      __m256i u[8], w8[8];
+      decode8<K>(rec, h, u, w8);
+      const __m256 dw = record_values8<T::f32>(rec, T::scale_at, h);
+      const __m256 d_hi = T::halves ? record_values8<true>(rec, T::scale_hi_at, h) : dw;
+      const __m256 mw = T::minimum ? record_values8<T::f32>(rec, T::min_at, h) : _mm256_setzero_ps();
       for (int i = 0; i < R; ++i) {
         const int8_t* qa = rows[i] + b * QK;
-        __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load_i32(qa)));
-        __m256i p1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load_i32(qa + 16)));
-        for (int j = 1; j < 4; ++j) {
-          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(load_i32(qa + 4 * j))));
-          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(load_i32(qa + 16 + 4 * j))));
-        }
         const int64_t ab = (r0 + i) * a.blocks + b;
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-        const __m256i exact = K ? sum : _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * a.sum[ab]));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[i]);
-        if (K) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
+        const __m256 d = _mm256_set1_ps(a.d[ab]);
+        if constexpr (T::halves) {
+          __m256i lo, hi;
+          q8_dots8(u, w8, qa, lo, hi);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(dw, d), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d_hi, d), acc[i]);
+        } else {
+          __m256i dot;
+          if constexpr (T::nibbles) {
+            dot = nibble_dot8<K>(u, qa);
+            if (T::offset) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(T::offset * a.sum[ab]));
+          } else {
+            __m256i lo, hi;
+            q8_dots8(u, w8, qa, lo, hi);
+            dot = _mm256_add_epi32(lo, hi);
+          }
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, d), acc[i]);
+          if (T::minimum) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[i]);
+        }
       }
     }
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * GROUP_ROWS + 8 * h, acc[i]);
   }
 }
 
-template <int R>
-void avx2_tile(Rec kind, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  switch (kind) {
-    case Rec::Q4: return q4_group_avx2<R, false>(w, a, r0, out);
-    case Rec::Q4F: return q4_group_avx2<R, true>(w, a, r0, out);
-    case Rec::Q8: return q8_group_avx2<R, false>(w, a, r0, out);
-    case Rec::Q8H: return q8_group_avx2<R, true>(w, a, r0, out);
-    case Rec::Q5: return q5_group_avx2<R, false>(w, a, r0, out);
-    case Rec::Q5F: return q5_group_avx2<R, true>(w, a, r0, out);
-  }
-}
-
 }  // namespace
 
 void avx2_group(Rec kind, int64_t tile, const uint8_t* w, const QuantRows& a, int64_t r0, float* out) {
-  switch (tile) {
-    case 4: return avx2_tile<4>(kind, w, a, r0, out);
-    case 3: return avx2_tile<3>(kind, w, a, r0, out);
-    case 2: return avx2_tile<2>(kind, w, a, r0, out);
-    default: return avx2_tile<1>(kind, w, a, r0, out);
-  }
+  with_tile_kind(tile, kind,
+                 [&](auto r, auto k) { group_avx2<decltype(r)::value, decltype(k)::value>(w, a, r0, out); });
 }
 
 }  // namespace kvbank
