@@ -183,7 +183,7 @@ KVBANK_AVX2 void quantize_head8(int64_t format, const T* x, int64_t dim, uint8_t
   const float top = format == kInt8 ? 127.0f : format == kFp8E4M3 ? 448.0f : 57344.0f;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 peak = _mm256_setzero_ps();
-  for (int64_t c = 0; c < dim; c += 8) peak = _mm256_max_ps(peak, _mm256_and_ps(load8(x + c), magnitude));
+  for (int64_t c = 0; c < dim; c += 8) peak = _mm256_max_ps(peak, _mm256_and_ps(w8::load_f32(x + c), magnitude));
   float wanted = w8::hmax(peak) / top;
   if (wanted < 0x1p-24f) wanted = 0x1p-24f;
   uint16_t h = _cvtss_sh(wanted, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -192,7 +192,7 @@ KVBANK_AVX2 void quantize_head8(int64_t format, const T* x, int64_t dim, uint8_t
   const __m256 exact = _mm256_set1_ps(_cvtsh_ss(h));
   const __m256 hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
   for (int64_t c = 0; c < dim; c += 8) {
-    const __m256 y = _mm256_div_ps(load8(x + c), exact);
+    const __m256 y = _mm256_div_ps(w8::load_f32(x + c), exact);
     if (format == kInt8) {
       const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       store_bytes8<true>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)), codes + c);
@@ -256,7 +256,7 @@ KVBANK_AVX2 void kivi_keys8(int bits, const T* x, int64_t tokens, int64_t stride
   for (int64_t c = 0; c < dim; c += 8) {
     __m256 l = _mm256_set1_ps(std::numeric_limits<float>::infinity()), h = _mm256_sub_ps(_mm256_setzero_ps(), l);
     for (int64_t t = 0; t < tokens; ++t) {
-      const __m256 v = load8(x + t * stride + c);
+      const __m256 v = w8::load_f32(x + t * stride + c);
       l = _mm256_min_ps(l, v);
       h = _mm256_max_ps(h, v);
     }
@@ -267,7 +267,7 @@ KVBANK_AVX2 void kivi_keys8(int bits, const T* x, int64_t tokens, int64_t stride
   const __m256 top = _mm256_set1_ps(top_code);
   for (int64_t c = 0; c < dim; c += 8)
     for (int64_t t = 0; t < tokens; ++t)
-      kivi_codes8(load8(x + t * stride + c), _mm256_load_ps(low + c), _mm256_load_ps(scale + c), top, q[t] + c);
+      kivi_codes8(w8::load_f32(x + t * stride + c), _mm256_load_ps(low + c), _mm256_load_ps(scale + c), top, q[t] + c);
   for (int64_t t = 0; t < tokens; ++t) pack_planar(bits, q[t], dim, codes + t * code_stride);
 }
 
@@ -281,9 +281,9 @@ KVBANK_AVX2 void kivi_values8(int bits, const T* x, int64_t dim, int64_t group, 
   const float top = static_cast<float>((1 << bits) - 1);
   for (int64_t g = 0; g * group < dim; ++g) {
     const T* xg = x + g * group;
-    __m256 lo = load8(xg), hi = lo;
+    __m256 lo = w8::load_f32(xg), hi = lo;
     for (int64_t c = 8; c < group; c += 8) {
-      const __m256 v = load8(xg + c);
+      const __m256 v = w8::load_f32(xg + c);
       lo = _mm256_min_ps(lo, v);
       hi = _mm256_max_ps(hi, v);
     }
@@ -296,7 +296,7 @@ KVBANK_AVX2 void kivi_values8(int bits, const T* x, int64_t dim, int64_t group, 
     zero[g] = static_cast<int8_t>(z);
     const __m256 sv = _mm256_set1_ps(sf), zv = _mm256_set1_ps(z), topv = _mm256_set1_ps(top);
     for (int64_t c = 0; c < group; c += 8) {
-      const __m256 y = _mm256_round_ps(_mm256_sub_ps(_mm256_div_ps(load8(xg + c), sv), zv),
+      const __m256 y = _mm256_round_ps(_mm256_sub_ps(_mm256_div_ps(w8::load_f32(xg + c), sv), zv),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       store_bytes8<false>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_setzero_ps()), topv)),
                           q + g * group + c);

@@ -17,19 +17,8 @@ void store_rows(const float* src, T* dst, int64_t count) {
 
 // silu(g) * u rounds to T after each op, as the unfused layer's ops do, and takes e^-g from the
 // attention kernels' polynomial (exp_neg, clamped to [-87, 89]: beyond 88.7 it is inf and silu -0)
-// with fused multiply-adds, so the scalar, 8-lane and 16-lane variants give the same bits.
-inline float silu_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 89.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t);
-  const float f = (t - n) * 0.69314718055994531f;
-  float p = 1.0f / 5040;
-  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = std::fma(p, f, c);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+// with fused multiply-adds (w1_fused), so the scalar, 8-lane and 16-lane variants give the same bits.
+inline float silu_exp(float x) { return w1_fused::exp_neg(std::min(x, 89.0f)); }
 
 template <typename T>
 inline float silu_mul_one(float gate, float up) {
@@ -98,8 +87,7 @@ KVBANK_AVX512 int64_t add_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* res
 KVBANK_AVX512 int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
-    const __m512 v = add ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                               _mm512_cvtepu16_epi32(narrow16(_mm512_add_ps(w16::load_bf16(x + k), w16::load_bf16(add + k)))), 16))
+    const __m512 v = add ? w16::from_bf16(narrow16(_mm512_add_ps(w16::load_bf16(x + k), w16::load_bf16(add + k))))
                          : w16::load_bf16(x + k);
     _mm512_storeu_ps(out + k, v);
   }
@@ -214,26 +202,13 @@ bool elementwise16() {
   return variant == Isa::Avx512;
 }
 
-template <typename T>
-void store_values(const float* src, T* dst, int64_t n, bool wide) {
-  int64_t k = 0;
-#ifdef KVBANK_X86
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (wide) k = store_bf16_avx512(src, dst, n);
-  }
-#endif
-  for (; k < n; ++k) dst[k] = narrow_to(src[k], static_cast<T*>(nullptr));
+void store_values(const float* src, c10::BFloat16* dst, int64_t n, bool wide) {
+  for (int64_t k = KVBANK_WIDE16(wide, store_bf16_avx512(src, dst, n)); k < n; ++k) dst[k] = narrow_to(src[k], dst);
 }
 
-template <typename T>
-void add_values(const T* x, T* residual, int64_t n, bool wide) {
-  int64_t k = 0;
-#ifdef KVBANK_X86
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (wide) k = add_bf16_avx512(x, residual, n);
-  }
-#endif
-  for (; k < n; ++k) residual[k] = narrow_to(widen(x[k]) + widen(residual[k]), static_cast<T*>(nullptr));
+void add_values(const c10::BFloat16* x, c10::BFloat16* residual, int64_t n, bool wide) {
+  for (int64_t k = KVBANK_WIDE16(wide, add_bf16_avx512(x, residual, n)); k < n; ++k)
+    residual[k] = narrow_to(widen(x[k]) + widen(residual[k]), residual);
 }
 
 // residual (+)= x, rounded to T as an add of two T tensors is; returns the rows RMS-normed in float32.
@@ -310,8 +285,6 @@ void check_rows(const torch::Tensor& x, int64_t cols, const char* what) {
 
 template void silu_mul_row<float>(const float*, const float*, float*, int64_t);
 template void silu_mul_row<c10::BFloat16>(const float*, const float*, float*, int64_t);
-template void store_values<c10::BFloat16>(const float*, c10::BFloat16*, int64_t, bool);
-template void add_values<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, int64_t, bool);
 
 }  // namespace kvbank
 

@@ -145,7 +145,8 @@ inline std::string family_isa_choices(Family family, bool highest_first) {
   std::vector<Isa> levels = family_info(family).variants;
   if (highest_first) std::reverse(levels.begin(), levels.end());
   std::string text = "auto";
-  for (size_t i = 0; i < levels.size(); ++i) text += std::string(i + 1 < levels.size() ? ", " : " or ") + isa_name(levels[i]);
+  for (size_t i = 0; i < levels.size(); ++i)
+    text += std::string(i + 1 < levels.size() ? ", " : " or ") + isa_name(levels[i]);
   return text;
 }
 

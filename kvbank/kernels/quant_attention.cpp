@@ -106,7 +106,7 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
     end = std::max(end, ends[r]);
     for (int g = 0; g < G; ++g) {
       for (int v = 0; v < V; ++v) {
-        _mm256_store_ps(qs[r][g] + v * 8, _mm256_mul_ps(load8(q[r] + g * D + v * 8), _mm256_set1_ps(scale)));
+        _mm256_store_ps(qs[r][g] + v * 8, _mm256_mul_ps(w8::load_f32(q[r] + g * D + v * 8), _mm256_set1_ps(scale)));
         _mm256_store_ps(acc[r][g] + v * 8, _mm256_setzero_ps());
       }
       m[r][g] = -std::numeric_limits<float>::infinity();
@@ -133,7 +133,7 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
     for (int t = 0; t < count; ++t) {
       __m256 x[V];
       if (own) {
-        for (int v = 0; v < V; ++v) x[v] = load8(sk + t * L.heads * D + v * 8);
+        for (int v = 0; v < V; ++v) x[v] = w8::load_f32(sk + t * L.heads * D + v * 8);
       } else {
         decode_codes<V>(L.format, kc + t * token_codes, x);
       }
@@ -195,7 +195,7 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
     for (int t = 0; t < count; ++t) {
       __m256 x[V];
       if (own) {
-        for (int v = 0; v < V; ++v) x[v] = load8(sv + t * L.heads * D + v * 8);
+        for (int v = 0; v < V; ++v) x[v] = w8::load_f32(sv + t * L.heads * D + v * 8);
       } else {
         decode_codes<V>(L.format, vc + t * token_codes, x);
         if (scaled) {

@@ -16,22 +16,13 @@ namespace {
 // value scale folded into its softmax weight. One instantiation per format, so no format test
 // runs per token.
 
-template <typename T>
-KVBANK_AVX512 inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    return w16::load_bf16(p);
-  }
-}
-
 // One head of one token as D / 16 float32 vectors of codes, channels in order.
 template <int F, int D>
 KVBANK_AVX512 inline void decode16(const uint8_t* p, __m512* out) {
   constexpr int V = D / 16;
   auto bytes16 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offset)); };
   if constexpr (F == kBf16) {
-    for (int v = 0; v < V; ++v) out[v] = load16(reinterpret_cast<const c10::BFloat16*>(p) + v * 16);
+    for (int v = 0; v < V; ++v) out[v] = w16::load_f32(reinterpret_cast<const c10::BFloat16*>(p) + v * 16);
   } else if constexpr (F == kInt8) {
     for (int v = 0; v < V; ++v) out[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(v * 16)));
   } else if constexpr (F == kFp8E4M3) {
@@ -131,7 +122,7 @@ KVBANK_INLINE512 void values_block(Heads512<G, D>& H, const QuantLayer& L, const
   for (int t = 0; t < count; ++t) {
     __m512 x[V];
     if (sv != nullptr) {
-      for (int v = 0; v < V; ++v) x[v] = load16(sv + t * L.heads * D + v * 16);
+      for (int v = 0; v < V; ++v) x[v] = w16::load_f32(sv + t * L.heads * D + v * 16);
     } else {
       decode16<F, D>(vc + t * token_codes, x);
       if constexpr (kivi) {
@@ -191,7 +182,7 @@ KVBANK_AVX512 void quant_range512_f(const QuantLayer& L, const T* q, const int64
   alignas(64) float k_scales[kMaxQuantBlock], v_scales[kMaxQuantBlock];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v)
-      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
+      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(w16::load_f32(q + g * D + v * 16), _mm512_set1_ps(scale)));
   const int64_t token_codes = L.heads * L.code_bytes;
   for (int64_t start = begin; start < end; start += bs - start % bs) {
     const BlockSpan<T> b(L, table, start, end, head, own_block, own_row);
@@ -206,7 +197,7 @@ KVBANK_AVX512 void quant_range512_f(const QuantLayer& L, const T* q, const int64
     for (int t = 0; t < count; ++t) {
       __m512 x[V];
       if (own) {
-        for (int v = 0; v < V; ++v) x[v] = load16(sk + t * L.heads * D + v * 16);
+        for (int v = 0; v < V; ++v) x[v] = w16::load_f32(sk + t * L.heads * D + v * 16);
       } else {
         decode16<F, D>(kc + t * token_codes, x);
       }
@@ -438,7 +429,7 @@ KVBANK_AVX512_BF16 inline __attribute__((always_inline)) void nibbles_to_bf16(__
 
 // 16 floats rounded to bfloat16 (to nearest even) and back.
 KVBANK_AVX512_BF16 inline __m512 bf16_round(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+  return w16::from_bf16((__m256i)_mm512_cvtneps_pbh(x));
 }
 
 template <int G, int D>
@@ -457,7 +448,7 @@ KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFlo
   alignas(64) float qs[G][D];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v)
-      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
+      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(w16::load_f32(q + g * D + v * 16), _mm512_set1_ps(scale)));
   Heads512<G, D> H;
   start_heads(H);
   __m512 zero_share[G][C];  // per head and value group: weights times zero points, by lane
@@ -542,7 +533,8 @@ KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFlo
       }
       __m512 total = _mm512_setzero_ps();
       for (int t = 0; t < n; t += 16) {
-        const __m512 p = _mm512_maskz_mov_ps(first16(n - t), w16::exp_neg(_mm512_sub_ps(_mm512_load_ps(scores[g] + t), _mm512_set1_ps(best))));
+        const __m512 p = _mm512_maskz_mov_ps(
+            first16(n - t), w16::exp_neg(_mm512_sub_ps(_mm512_load_ps(scores[g] + t), _mm512_set1_ps(best))));
         total = _mm512_add_ps(total, p);
         _mm512_store_ps(scores[g] + t, p);
       }

@@ -171,21 +171,12 @@ KVBANK_AVX2 inline __m256 row_sums(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-template <typename T>
-KVBANK_AVX2 inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    return w8::load_bf16(p);
-  }
-}
-
 // One head of token t as V float32 vectors of codes (scales applied by the caller).
 template <int V>
 KVBANK_AVX2 inline void decode_codes(int64_t format, const uint8_t* p, __m256* out) {
   switch (format) {
     case kBf16:
-      for (int v = 0; v < V; ++v) out[v] = load8(reinterpret_cast<const c10::BFloat16*>(p) + v * 8);
+      for (int v = 0; v < V; ++v) out[v] = w8::load_f32(reinterpret_cast<const c10::BFloat16*>(p) + v * 8);
       break;
     case kInt8:
       for (int v = 0; v < V; ++v)

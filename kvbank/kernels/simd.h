@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "isa.h"
 
@@ -52,7 +53,6 @@ namespace kvbank {
 namespace w1 {
 using vf = float;
 inline vf set1(float x) { return x; }
-inline vf add(vf a, vf b) { return a + b; }
 inline vf sub(vf a, vf b) { return a - b; }
 inline vf mul(vf a, vf b) { return a * b; }
 inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
@@ -68,18 +68,43 @@ inline vf scale_pow2(vf p, vf n) {
 #include "simd_ops.inc"
 }  // namespace w1
 
+// w1 with a fused multiply-add that rounds once, as the vector widths' does, for a scalar path
+// that must give their bits (std::fma: a library call where the build targets no FMA).
+namespace w1_fused {
+using w1::floor, w1::max, w1::mul, w1::scale_pow2, w1::set1, w1::sub, w1::vf;
+inline vf fmadd(vf a, vf b, vf c) { return std::fma(a, b, c); }
+#include "simd_ops.inc"
+}  // namespace w1_fused
+
 #ifdef KVBANK_X86
+// The helpers every vector width spells alike but for its intrinsics' prefix (_mm256, _mm512);
+// after the width's load_bf16.
+#define KVBANK_SIMD_COMMON(P)                                         \
+  inline vf set1(float x) { return P##_set1_ps(x); }                  \
+  inline vi set1_i(int32_t x) { return P##_set1_epi32(x); }           \
+  inline vf load(const float* p) { return P##_loadu_ps(p); }          \
+  inline vi add(vi a, vi b) { return P##_add_epi32(a, b); }           \
+  inline vf sub(vf a, vf b) { return P##_sub_ps(a, b); }              \
+  inline vf mul(vf a, vf b) { return P##_mul_ps(a, b); }              \
+  inline vf fmadd(vf a, vf b, vf c) { return P##_fmadd_ps(a, b, c); } \
+  inline vf max(vf a, vf b) { return P##_max_ps(a, b); }               \
+  /* float32 or bfloat16 values to float32 */                         \
+  template <typename T>                                               \
+  inline vf load_f32(const T* p) {                                    \
+    if constexpr (std::is_same_v<T, float>) {                         \
+      return load(p);                                                 \
+    } else {                                                          \
+      return load_bf16(p);                                            \
+    }                                                                 \
+  }
+
 KVBANK_BEGIN_TARGET(KVBANK_FEATURES_AVX2)
 namespace w8 {
 constexpr int kLanes = 8;
 using vf = __m256;
 using vi = __m256i;
 using vm = __m256;  // all-ones lanes
-inline vf set1(float x) { return _mm256_set1_ps(x); }
-inline vi set1_i(int32_t x) { return _mm256_set1_epi32(x); }
 inline vi iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
-inline vf load(const float* p) { return _mm256_loadu_ps(p); }
-inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 // 8 bfloat16 values (any 16-bit type holding their bits) to float32, exactly.
 template <typename T>
 inline vf load_bf16(const T* p) {
@@ -87,32 +112,23 @@ inline vf load_bf16(const T* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vi add(vi a, vi b) { return _mm256_add_epi32(a, b); }
-inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+KVBANK_SIMD_COMMON(_mm256)
 inline vf floor(vf x) { return _mm256_floor_ps(x); }
 inline vf scale_pow2(vf p, vf n) {
   const vi bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
-inline float hsum(vf v) {
-  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
-}
-inline float hmax(vf v) {
-  const __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
-}
-inline float hmin(vf v) {
-  const __m128 x = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 y = _mm_min_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_min_ss(y, _mm_movehdup_ps(y)));
-}
+// v's lanes folded by op (add, max, min): the halves, then pairs, then the last two.
+#define KVBANK_FOLD8(name, op)                                                          \
+  inline float name(vf v) {                                                             \
+    const __m128 x = _mm_##op##_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); \
+    const __m128 y = _mm_##op##_ps(x, _mm_movehl_ps(x, x));                             \
+    return _mm_cvtss_f32(_mm_##op##_ss(y, _mm_movehdup_ps(y)));                          \
+  }
+KVBANK_FOLD8(hsum, add)
+KVBANK_FOLD8(hmax, max)
+KVBANK_FOLD8(hmin, min)
+#undef KVBANK_FOLD8
 inline vm is_nan(vf v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
 inline vm greater(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
 inline vm equal(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
@@ -137,24 +153,15 @@ constexpr int kLanes = 16;
 using vf = __m512;
 using vi = __m512i;
 using vm = __mmask16;
-inline vf set1(float x) { return _mm512_set1_ps(x); }
-inline vi set1_i(int32_t x) { return _mm512_set1_epi32(x); }
 inline vi iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-inline vf load(const float* p) { return _mm512_loadu_ps(p); }
-inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
-// 16 bfloat16 values (any 16-bit type holding their bits) to float32, exactly.
+// 16 bfloat16 values (their bits, or any 16-bit type holding them) to float32, exactly.
+inline vf from_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 template <typename T>
 inline vf load_bf16(const T* p) {
   static_assert(sizeof(T) == 2);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vi add(vi a, vi b) { return _mm512_add_epi32(a, b); }
-inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+KVBANK_SIMD_COMMON(_mm512)
 inline vf floor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 // scalef saturates to inf past the top of the range
 inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
