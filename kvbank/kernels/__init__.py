@@ -46,6 +46,8 @@ SOURCES = (
     "native.h",
     "isa.h",
     "simd.h",
+    "simd_ops.inc",
+    "argmax.inc",
     "layers.h",
     "matmul.h",
     "fused.h",

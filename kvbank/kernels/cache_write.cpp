@@ -34,10 +34,44 @@ void quantize_head_scalar(int64_t format, const T* x, int64_t dim, uint8_t* code
   }
 }
 
+// The KIVI key grid of a block's head from each channel's smallest (lo) and largest (hi) key: the
+// grid (top scale, first minimum, minimum step), and per channel its range byte, grid minimum (low)
+// and grid scale, the largest grid minimum at or below its smallest key and the smallest grid scale
+// that spans its keys from there. hi is left holding each channel's width from its minimum.
+inline void kivi_key_grid(float top_code, const float* lo, float* hi, int64_t dim, float* low, float* scale,
+                          uint8_t* ranges, uint16_t* grid) {
+  const float lo_min = *std::min_element(lo, lo + dim), lo_max = *std::max_element(lo, lo + dim);
+  const uint16_t start16 = half_toward(lo_min, false);
+  const float start = half_value(start16);
+  const uint16_t step16 = half_toward((lo_max - start) / 15.0f, true);
+  float scales[16], mins[16];
+  kivi_key_grids(0.0f, start, half_value(step16), scales, mins);
+  uint8_t min_index[128];
+  float widest = 0.0f;
+  for (int64_t c = 0; c < dim; ++c) {
+    int i = 0;
+    for (int j = 1; j < 16; ++j) i += mins[j] <= lo[c];  // the grid ascends
+    min_index[c] = static_cast<uint8_t>(i);
+    low[c] = mins[i];
+    hi[c] -= low[c];  // the channel's width from its minimum
+    widest = std::max(widest, hi[c]);
+  }
+  const uint16_t top16 = half_toward(std::max(widest / top_code, kTinyScale), true);
+  kivi_key_grids(half_value(top16), start, half_value(step16), scales, mins);
+  for (int64_t c = 0; c < dim; ++c) {
+    int i = 0;
+    for (int j = 1; j < 16; ++j) i += scales[j] * top_code >= hi[c];  // the grid descends
+    scale[c] = scales[i];
+    ranges[c] = static_cast<uint8_t>(i | (min_index[c] << 4));
+  }
+  grid[0] = top16;
+  grid[1] = start16;
+  grid[2] = step16;
+}
+
 // A KIVI block's keys of one head (KiviKeys.quantize): x is token 0's row, `stride` apart per
-// token. The grid (top scale, first minimum, minimum step) and each channel's range byte: the
-// largest grid minimum at or below the channel's smallest key, the smallest grid scale that spans
-// its keys from there; codes (x - minimum) / scale rounded to nearest even and clamped.
+// token. The grid from each channel's smallest and largest key (kivi_key_grid); codes
+// (x - minimum) / scale rounded to nearest even and clamped.
 template <typename T>
 void kivi_keys_scalar(int bits, const T* x, int64_t tokens, int64_t stride, int64_t dim, uint8_t* codes,
                       int64_t code_stride, uint8_t* ranges, uint16_t* grid) {
@@ -52,33 +86,7 @@ void kivi_keys_scalar(int bits, const T* x, int64_t tokens, int64_t stride, int6
       hi[c] = std::max(hi[c], load(x, t * stride + c));
     }
   }
-  const float lo_min = *std::min_element(lo, lo + dim), lo_max = *std::max_element(lo, lo + dim);
-  const uint16_t start16 = half_toward(lo_min, false);
-  const float start = half_value(start16);
-  const uint16_t step16 = half_toward((lo_max - start) / 15.0f, true);
-  float scales[16], mins[16];
-  kivi_key_grids(0.0f, start, half_value(step16), scales, mins);
-  uint8_t min_index[128];
-  float widest = 0.0f;
-  for (int64_t c = 0; c < dim; ++c) {
-    int i = 0;
-    for (int j = 1; j < 16; ++j) i += mins[j] <= lo[c];  // the grid ascends
-    min_index[c] = static_cast<uint8_t>(i);
-    low[c] = mins[i];
-    hi[c] -= low[c];
-    widest = std::max(widest, hi[c]);
-  }
-  const uint16_t top16 = half_toward(std::max(widest / top_code, kTinyScale), true);
-  kivi_key_grids(half_value(top16), start, half_value(step16), scales, mins);
-  for (int64_t c = 0; c < dim; ++c) {
-    int i = 0;
-    for (int j = 1; j < 16; ++j) i += scales[j] * top_code >= hi[c];  // the grid descends
-    scale[c] = scales[i];
-    ranges[c] = static_cast<uint8_t>(i | (min_index[c] << 4));
-  }
-  grid[0] = top16;
-  grid[1] = start16;
-  grid[2] = step16;
+  kivi_key_grid(top_code, lo, hi, dim, low, scale, ranges, grid);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t c = 0; c < dim; ++c) {
       const float y = std::nearbyint((load(x, t * stride + c) - low[c]) / scale[c]);
@@ -175,8 +183,8 @@ KVBANK_AVX2 void quantize_head8(int64_t format, const T* x, int64_t dim, uint8_t
   const float top = format == kInt8 ? 127.0f : format == kFp8E4M3 ? 448.0f : 57344.0f;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 peak = _mm256_setzero_ps();
-  for (int64_t c = 0; c < dim; c += 8) peak = _mm256_max_ps(peak, _mm256_and_ps(load8(x + c), magnitude));
-  float wanted = hmax8(peak) / top;
+  for (int64_t c = 0; c < dim; c += 8) peak = _mm256_max_ps(peak, _mm256_and_ps(w8::load_f32(x + c), magnitude));
+  float wanted = w8::hmax(peak) / top;
   if (wanted < 0x1p-24f) wanted = 0x1p-24f;
   uint16_t h = _cvtss_sh(wanted, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   if (_cvtsh_ss(h) < wanted) ++h;  // the next float16 up (wanted is positive)
@@ -184,7 +192,7 @@ KVBANK_AVX2 void quantize_head8(int64_t format, const T* x, int64_t dim, uint8_t
   const __m256 exact = _mm256_set1_ps(_cvtsh_ss(h));
   const __m256 hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
   for (int64_t c = 0; c < dim; c += 8) {
-    const __m256 y = _mm256_div_ps(load8(x + c), exact);
+    const __m256 y = _mm256_div_ps(w8::load_f32(x + c), exact);
     if (format == kInt8) {
       const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       store_bytes8<true>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)), codes + c);
@@ -230,11 +238,6 @@ void quant_write(int64_t format, const torch::Tensor& x, torch::Tensor& codes, t
 // from the pool (kPlanEarly). Quantization is bit for bit KiviKeys / KiviValues.quantize (kvbank/cache/quant.py):
 // the same float32 operations in the same order, float16 roundings toward the side that keeps
 // every value inside its range, codes rounded to nearest even and clamped, packed planar.
-KVBANK_AVX2 inline float hmin8(__m256 v) {
-  const __m128 x = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 y = _mm_min_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_min_ss(y, _mm_movehdup_ps(y)));
-}
 
 // 8 codes (x - low) / scale, rounded and clamped to [0, top], as bytes.
 KVBANK_AVX2 inline void kivi_codes8(__m256 x, __m256 low, __m256 scale, __m256 top, uint8_t* out) {
@@ -242,10 +245,8 @@ KVBANK_AVX2 inline void kivi_codes8(__m256 x, __m256 low, __m256 scale, __m256 t
   store_bytes8<false>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_setzero_ps()), top)), out);
 }
 
-// Keys of one head of a block: x is token 0's row of the head, `stride` apart per token. The
-// block's grid (top scale, first minimum, minimum step) and each channel's range byte: the
-// largest grid minimum at or below the channel's smallest key, the smallest grid scale that
-// spans its keys from there (KiviKeys.quantize).
+// Keys of one head of a block, as kivi_keys_scalar: x is token 0's row of the head, `stride` apart
+// per token (KiviKeys.quantize).
 template <typename T>
 KVBANK_AVX2 void kivi_keys8(int bits, const T* x, int64_t tokens, int64_t stride, int64_t dim, uint8_t* codes,
                                 int64_t code_stride, uint8_t* ranges, uint16_t* grid) {
@@ -255,44 +256,18 @@ KVBANK_AVX2 void kivi_keys8(int bits, const T* x, int64_t tokens, int64_t stride
   for (int64_t c = 0; c < dim; c += 8) {
     __m256 l = _mm256_set1_ps(std::numeric_limits<float>::infinity()), h = _mm256_sub_ps(_mm256_setzero_ps(), l);
     for (int64_t t = 0; t < tokens; ++t) {
-      const __m256 v = load8(x + t * stride + c);
+      const __m256 v = w8::load_f32(x + t * stride + c);
       l = _mm256_min_ps(l, v);
       h = _mm256_max_ps(h, v);
     }
     _mm256_store_ps(lo + c, l);
     _mm256_store_ps(hi + c, h);
   }
-  const float lo_min = *std::min_element(lo, lo + dim), lo_max = *std::max_element(lo, lo + dim);
-  const uint16_t start16 = half_toward(lo_min, false);
-  const float start = half_value(start16);
-  const uint16_t step16 = half_toward((lo_max - start) / 15.0f, true);
-  float scales[16], mins[16];
-  kivi_key_grids(0.0f, start, half_value(step16), scales, mins);
-  uint8_t min_index[128];
-  float widest = 0.0f;
-  for (int64_t c = 0; c < dim; ++c) {
-    int i = 0;
-    for (int j = 1; j < 16; ++j) i += mins[j] <= lo[c];  // the grid ascends
-    min_index[c] = static_cast<uint8_t>(i);
-    low[c] = mins[i];
-    hi[c] -= low[c];  // the channel's width from its minimum
-    widest = std::max(widest, hi[c]);
-  }
-  const uint16_t top16 = half_toward(std::max(widest / top_code, kTinyScale), true);
-  kivi_key_grids(half_value(top16), start, half_value(step16), scales, mins);
-  for (int64_t c = 0; c < dim; ++c) {
-    int i = 0;
-    for (int j = 1; j < 16; ++j) i += scales[j] * top_code >= hi[c];  // the grid descends
-    scale[c] = scales[i];
-    ranges[c] = static_cast<uint8_t>(i | (min_index[c] << 4));
-  }
-  grid[0] = top16;
-  grid[1] = start16;
-  grid[2] = step16;
+  kivi_key_grid(top_code, lo, hi, dim, low, scale, ranges, grid);
   const __m256 top = _mm256_set1_ps(top_code);
   for (int64_t c = 0; c < dim; c += 8)
     for (int64_t t = 0; t < tokens; ++t)
-      kivi_codes8(load8(x + t * stride + c), _mm256_load_ps(low + c), _mm256_load_ps(scale + c), top, q[t] + c);
+      kivi_codes8(w8::load_f32(x + t * stride + c), _mm256_load_ps(low + c), _mm256_load_ps(scale + c), top, q[t] + c);
   for (int64_t t = 0; t < tokens; ++t) pack_planar(bits, q[t], dim, codes + t * code_stride);
 }
 
@@ -306,14 +281,14 @@ KVBANK_AVX2 void kivi_values8(int bits, const T* x, int64_t dim, int64_t group, 
   const float top = static_cast<float>((1 << bits) - 1);
   for (int64_t g = 0; g * group < dim; ++g) {
     const T* xg = x + g * group;
-    __m256 lo = load8(xg), hi = lo;
+    __m256 lo = w8::load_f32(xg), hi = lo;
     for (int64_t c = 8; c < group; c += 8) {
-      const __m256 v = load8(xg + c);
+      const __m256 v = w8::load_f32(xg + c);
       lo = _mm256_min_ps(lo, v);
       hi = _mm256_max_ps(hi, v);
     }
-    const float lof = hmin8(lo);
-    const float want = std::max(std::max((hmax8(hi) - lof) / top, std::fabs(lof) / 127.0f), kTinyScale);
+    const float lof = w8::hmin(lo);
+    const float want = std::max(std::max((w8::hmax(hi) - lof) / top, std::fabs(lof) / 127.0f), kTinyScale);
     const uint16_t s16 = half_toward(want, true);
     const float sf = half_value(s16);
     const float z = std::min(std::max(std::nearbyint(lof / sf), -128.0f), 127.0f);
@@ -321,7 +296,7 @@ KVBANK_AVX2 void kivi_values8(int bits, const T* x, int64_t dim, int64_t group, 
     zero[g] = static_cast<int8_t>(z);
     const __m256 sv = _mm256_set1_ps(sf), zv = _mm256_set1_ps(z), topv = _mm256_set1_ps(top);
     for (int64_t c = 0; c < group; c += 8) {
-      const __m256 y = _mm256_round_ps(_mm256_sub_ps(_mm256_div_ps(load8(xg + c), sv), zv),
+      const __m256 y = _mm256_round_ps(_mm256_sub_ps(_mm256_div_ps(w8::load_f32(xg + c), sv), zv),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       store_bytes8<false>(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_setzero_ps()), topv)),
                           q + g * group + c);

@@ -9,6 +9,16 @@
 
 namespace kvbank {
 
+// One step of a range's walk over its blocks (start += block_size - start % block_size): where
+// its first token's row of the head lies in the cache (rows `token_stride` apart, the head at
+// `offset` in each) and how many of the block's tokens it covers.
+inline std::pair<int64_t, int64_t> block_step(const int64_t* table, int64_t start, int64_t end, int64_t block_size,
+                                              int64_t token_stride, int64_t offset) {
+  const int64_t first = start % block_size;
+  return {(table[start / block_size] * block_size + first) * token_stride + offset,
+          std::min(end - start, block_size - first)};
+}
+
 #ifdef KVBANK_X86
 // bfloat16 q and cache, G query heads per KV head, head dim D (a multiple of 32): q.k by
 // bfloat16 pair dot products into float32, 16 tokens' sums by one transpose tree, softmax and the
@@ -32,10 +42,7 @@ KVBANK_AVX512_BF16 void attend_range_bf16(const uint16_t* q, const uint16_t* k_c
   }
   const int64_t token_stride = heads * D;
   for (int64_t start = begin; start < end; start += block_size - start % block_size) {
-    const int64_t block = table[start / block_size];
-    const int64_t first = start % block_size;
-    const int count = static_cast<int>(std::min(end - start, block_size - first));
-    const int64_t base = (block * block_size + first) * token_stride + head * D;
+    const auto [base, count] = block_step(table, start, end, block_size, token_stride, head * D);
     prefetch_ahead(k_cache, v_cache, table, block_size, begin, start, end, token_stride * 2, head * D * 2, D * 2);
     // Each head's scores 16 tokens at a time: 16 vectors of pair dot products, summed across lanes
     // together by one transpose tree (a token's sum never meets another token's lanes).
@@ -60,7 +67,7 @@ KVBANK_AVX512_BF16 void attend_range_bf16(const uint16_t* q, const uint16_t* k_c
         best = std::max(best, _mm512_mask_reduce_max_ps(lanes, _mm512_maskz_loadu_ps(lanes, scores[g] + j)));
       }
       if (best > m[g]) {
-        const __m512 correction = exp_neg_v(_mm512_set1_ps(m[g] - best));
+        const __m512 correction = w16::exp_neg(_mm512_set1_ps(m[g] - best));
         for (int v = 0; v < V; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], correction);
         l[g] *= _mm512_cvtss_f32(correction);
         m[g] = best;
@@ -69,16 +76,16 @@ KVBANK_AVX512_BF16 void attend_range_bf16(const uint16_t* q, const uint16_t* k_c
       __m512 total = _mm512_setzero_ps();
       for (int j = 0; j < count; j += 16) {
         const __mmask16 lanes = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(lanes, exp_neg_v(_mm512_sub_ps(_mm512_loadu_ps(scores[g] + j), top)));
+        const __m512 p = _mm512_maskz_mov_ps(lanes, w16::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(scores[g] + j), top)));
         _mm512_storeu_ps(scores[g] + j, p);
         total = _mm512_add_ps(total, p);
       }
-      l[g] += _mm512_reduce_add_ps(total);
+      l[g] += w16::hsum(total);
     }
     for (int t = 0; t < count; ++t) {
       const uint16_t* vp = v_cache + base + t * token_stride;
       __m512 vv[V];
-      for (int v = 0; v < V; ++v) vv[v] = bf16_to_f32(vp + v * 16);
+      for (int v = 0; v < V; ++v) vv[v] = w16::load_bf16(vp + v * 16);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g][t]);
         for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
@@ -110,10 +117,7 @@ void attend_range(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   }
   const int64_t token_stride = heads * dim;
   for (int64_t start = begin; start < end; start += block_size - start % block_size) {
-    const int64_t block = table[start / block_size];
-    const int64_t first = start % block_size;
-    const int64_t count = std::min(end - start, block_size - first);
-    const int64_t base = (block * block_size + first) * token_stride + head * dim;
+    const auto [base, count] = block_step(table, start, end, block_size, token_stride, head * dim);
     for (int64_t t = 0; t < count; ++t) {
       const T* kp = k_cache + base + t * token_stride;
 #pragma omp simd
@@ -129,7 +133,7 @@ void attend_range(const T* q, const T* k_cache, const T* v_cache, const int64_t*
       float best = m[g];
       for (int64_t t = 0; t < count; ++t) best = std::max(best, scores[g][t]);
       if (best > m[g]) {
-        const float correction = exp_neg(m[g] - best);
+        const float correction = w1::exp_neg(m[g] - best);
         l[g] *= correction;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= correction;
@@ -138,7 +142,7 @@ void attend_range(const T* q, const T* k_cache, const T* v_cache, const int64_t*
       float total = 0.0f;
 #pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < count; ++t) {
-        const float p = exp_neg(scores[g][t] - best);
+        const float p = w1::exp_neg(scores[g][t] - best);
         scores[g][t] = p;
         total += p;
       }
@@ -271,9 +275,8 @@ DenseJob::DenseJob(const Bf16* q, const Bf16* k, const Bf16* v, const int64_t* t
   kvbank::family_variant(kvbank::Family::DenseAttention, &variant);
   const bool lanes = variant == kvbank::Isa::Avx2 || variant == kvbank::Isa::Avx512;
   if (lanes && (dim == 64 || dim == 128 || dim == 256) && group <= 8) {
-    const int isa = variant == kvbank::Isa::Avx512 ? kQuantAvx512 : kQuantAvx2;
     quant_.reset(new QuantJob<Bf16>(q, tables, lens, out, n, heads, group, dim, block_size, width, scale, partition,
-                                    isa));
+                                    variant));
   } else if (dim == 64) {
     d64_.reset(new DecodeJob<Bf16, 64>(q, k, v, tables, lens, out, n, heads, group, dim, block_size, width, scale,
                                        partition));

@@ -17,19 +17,8 @@ void store_rows(const float* src, T* dst, int64_t count) {
 
 // silu(g) * u rounds to T after each op, as the unfused layer's ops do, and takes e^-g from the
 // attention kernels' polynomial (exp_neg, clamped to [-87, 89]: beyond 88.7 it is inf and silu -0)
-// with fused multiply-adds, so the scalar, 8-lane and 16-lane variants give the same bits.
-inline float silu_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 89.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t);
-  const float f = (t - n) * 0.69314718055994531f;
-  float p = 1.0f / 5040;
-  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = std::fma(p, f, c);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+// with fused multiply-adds (w1_fused), so the scalar, 8-lane and 16-lane variants give the same bits.
+inline float silu_exp(float x) { return w1_fused::exp_neg(std::min(x, 89.0f)); }
 
 template <typename T>
 inline float silu_mul_one(float gate, float up) {
@@ -52,7 +41,7 @@ KVBANK_AVX512 int64_t silu_mul_bf16_avx512(const float* gate, const float* up, f
   for (; k + 16 <= n; k += 16) {
     const __m512 g = round_bf16_v(_mm512_loadu_ps(gate + k)), u = round_bf16_v(_mm512_loadu_ps(up + k));
     // scalef saturates to inf past the top of the range, as silu_exp's clamp to 89 does
-    const __m512 e = exp_neg_v(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 e = w16::exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 silu = round_bf16_v(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
     _mm512_storeu_ps(out + k, round_bf16_v(_mm512_mul_ps(silu, u)));
   }
@@ -75,11 +64,6 @@ KVBANK_AVX512 inline __m256i narrow16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-KVBANK_AVX512 inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // The whole 16s of the stack's elementwise loops for bfloat16 (the scalar loops do the rest, the
 // same operations one value at a time); each returns how many it did.
 // dst[i] = src[i] rounded to bfloat16
@@ -95,7 +79,7 @@ KVBANK_AVX512 int64_t add_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* res
   int64_t k = 0;
   for (; k + 16 <= n; k += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual + k),
-                        narrow16(_mm512_add_ps(widen16(x + k), widen16(residual + k))));
+                        narrow16(_mm512_add_ps(w16::load_bf16(x + k), w16::load_bf16(residual + k))));
   return k;
 }
 
@@ -103,9 +87,8 @@ KVBANK_AVX512 int64_t add_bf16_avx512(const c10::BFloat16* x, c10::BFloat16* res
 KVBANK_AVX512 int64_t sum_bf16_avx512(const c10::BFloat16* x, const c10::BFloat16* add, float* out, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
-    const __m512 v = add ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                               _mm512_cvtepu16_epi32(narrow16(_mm512_add_ps(widen16(x + k), widen16(add + k)))), 16))
-                         : widen16(x + k);
+    const __m512 v = add ? w16::from_bf16(narrow16(_mm512_add_ps(w16::load_bf16(x + k), w16::load_bf16(add + k))))
+                         : w16::load_bf16(x + k);
     _mm512_storeu_ps(out + k, v);
   }
   return k;
@@ -116,7 +99,7 @@ KVBANK_AVX512 int64_t scale_bf16_avx512(float* values, float inv, const c10::BFl
   int64_t k = 0;
   for (; k + 16 <= n; k += 16)
     _mm512_storeu_ps(values + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(values + k), _mm512_set1_ps(inv)),
-                                               widen16(weight + k)));
+                                               w16::load_bf16(weight + k)));
   return k;
 }
 
@@ -125,7 +108,7 @@ KVBANK_AVX2 int64_t silu_mul_bf16_avx2(const float* gate, const float* up, float
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) {
     const __m256 g = round_bf16_8(_mm256_loadu_ps(gate + k)), u = round_bf16_8(_mm256_loadu_ps(up + k));
-    const __m256 e = exp_neg8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(89.0f)));
+    const __m256 e = w8::exp_neg(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(89.0f)));
     const __m256 silu = round_bf16_8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
     _mm256_storeu_ps(out + k, round_bf16_8(_mm256_mul_ps(silu, u)));
   }
@@ -168,21 +151,16 @@ KVBANK_AVX512 int64_t geglu_bf16_avx512(const c10::BFloat16* gate, const c10::BF
   int64_t k = 0;
   const __m512 one = _mm512_set1_ps(1.0f);
   for (; k + 16 <= n; k += 16) {
-    const __m512 g = widen16(gate + k);
+    const __m512 g = w16::load_bf16(gate + k);
     const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
     const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
                                    _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
     // scalef saturates to inf past the top of the range, as silu_exp's clamp to 89 does
-    const __m512 e = exp_neg_v(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y));
+    const __m512 e = w16::exp_neg(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y));
     const __m512 gelu = round_bf16_v(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), narrow16(_mm512_mul_ps(gelu, widen16(up + k))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), narrow16(_mm512_mul_ps(gelu, w16::load_bf16(up + k))));
   }
   return k;
-}
-
-KVBANK_AVX2 inline __m256 widen8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
 KVBANK_AVX2 int64_t geglu_bf16_avx2(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out,
@@ -191,13 +169,13 @@ KVBANK_AVX2 int64_t geglu_bf16_avx2(const c10::BFloat16* gate, const c10::BFloat
   const __m256 one = _mm256_set1_ps(1.0f);
   alignas(32) float product[8];
   for (; k + 8 <= n; k += 8) {
-    const __m256 g = widen8(gate + k);
+    const __m256 g = w8::load_bf16(gate + k);
     const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
     const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                    _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
-    const __m256 e = exp_neg8(_mm256_min_ps(_mm256_mul_ps(_mm256_set1_ps(-2.0f), y), _mm256_set1_ps(89.0f)));
+    const __m256 e = w8::exp_neg(_mm256_min_ps(_mm256_mul_ps(_mm256_set1_ps(-2.0f), y), _mm256_set1_ps(89.0f)));
     const __m256 gelu = round_bf16_8(_mm256_div_ps(g, _mm256_add_ps(one, e)));
-    _mm256_store_ps(product, _mm256_mul_ps(gelu, widen8(up + k)));
+    _mm256_store_ps(product, _mm256_mul_ps(gelu, w8::load_bf16(up + k)));
     for (int i = 0; i < 8; ++i) out[k + i] = c10::BFloat16(product[i]);
   }
   return k;
@@ -224,26 +202,13 @@ bool elementwise16() {
   return variant == Isa::Avx512;
 }
 
-template <typename T>
-void store_values(const float* src, T* dst, int64_t n, bool wide) {
-  int64_t k = 0;
-#ifdef KVBANK_X86
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (wide) k = store_bf16_avx512(src, dst, n);
-  }
-#endif
-  for (; k < n; ++k) dst[k] = narrow_to(src[k], static_cast<T*>(nullptr));
+void store_values(const float* src, c10::BFloat16* dst, int64_t n, bool wide) {
+  for (int64_t k = KVBANK_WIDE16(wide, store_bf16_avx512(src, dst, n)); k < n; ++k) dst[k] = narrow_to(src[k], dst);
 }
 
-template <typename T>
-void add_values(const T* x, T* residual, int64_t n, bool wide) {
-  int64_t k = 0;
-#ifdef KVBANK_X86
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (wide) k = add_bf16_avx512(x, residual, n);
-  }
-#endif
-  for (; k < n; ++k) residual[k] = narrow_to(widen(x[k]) + widen(residual[k]), static_cast<T*>(nullptr));
+void add_values(const c10::BFloat16* x, c10::BFloat16* residual, int64_t n, bool wide) {
+  for (int64_t k = KVBANK_WIDE16(wide, add_bf16_avx512(x, residual, n)); k < n; ++k)
+    residual[k] = narrow_to(widen(x[k]) + widen(residual[k]), residual);
 }
 
 // residual (+)= x, rounded to T as an add of two T tensors is; returns the rows RMS-normed in float32.
@@ -320,8 +285,6 @@ void check_rows(const torch::Tensor& x, int64_t cols, const char* what) {
 
 template void silu_mul_row<float>(const float*, const float*, float*, int64_t);
 template void silu_mul_row<c10::BFloat16>(const float*, const float*, float*, int64_t);
-template void store_values<c10::BFloat16>(const float*, c10::BFloat16*, int64_t, bool);
-template void add_values<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, int64_t, bool);
 
 }  // namespace kvbank
 

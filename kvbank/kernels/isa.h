@@ -133,6 +133,23 @@ inline const FamilyInfo& family_info(Family family) {
   return families[static_cast<int>(family)];
 }
 
+// Whether `family` has a variant for exactly `level`.
+inline bool family_has_variant(Family family, Isa level) {
+  const std::vector<Isa>& variants = family_info(family).variants;
+  return std::find(variants.begin(), variants.end(), level) != variants.end();
+}
+
+// The names a kernel's isa argument takes for `family`, as its error messages list them: "auto, "
+// then the family's levels, lowest first or highest first, the last after "or".
+inline std::string family_isa_choices(Family family, bool highest_first) {
+  std::vector<Isa> levels = family_info(family).variants;
+  if (highest_first) std::reverse(levels.begin(), levels.end());
+  std::string text = "auto";
+  for (size_t i = 0; i < levels.size(); ++i)
+    text += std::string(i + 1 < levels.size() ? ", " : " or ") + isa_name(levels[i]);
+  return text;
+}
+
 // The variant `family` runs at `level`: its best one at or below it; false when it has none.
 inline bool family_variant_at(Family family, Isa level, Isa* out) {
   bool found = false;

@@ -1,6 +1,6 @@
 // What every decode attention kernel shares: work items (row, KV head, partition of the context)
-// over a paged KV cache and their log-sum-exp merge (Partials), the queues that hand the items out,
-// the scalar e^x, and the prefetches that stream a sequence's blocks into L2.
+// over a paged KV cache and their log-sum-exp merge (Partials), the queues that hand the items out
+// and the prefetches that stream a sequence's blocks into L2.
 #pragma once
 
 #include "native.h"
@@ -30,26 +30,6 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   return f;
 }
 inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-
-// e^x for x <= 0 (e^-inf = 0) in plain arithmetic, so loops over it vectorize.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;  // x / ln 2
-  const float n = std::floor(t);
-  const float f = (t - n) * 0.69314718055994531f;  // in [0, ln 2)
-  float p = 1.0f / 5040;
-  p = p * f + 1.0f / 720;
-  p = p * f + 1.0f / 120;
-  p = p * f + 1.0f / 24;
-  p = p * f + 1.0f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 #ifdef KVBANK_X86
 
@@ -168,7 +148,7 @@ struct Partials {
       for (int64_t part = 0; part < parts; ++part) {
         const int64_t row = (pair * parts + part) * group + g;
         if (sums[row] == 0.0f) continue;
-        const float w = exp_neg(maxes[row] - best);
+        const float w = w1::exp_neg(maxes[row] - best);
         total += w * sums[row];
         const float* a = acc.get() + row * dim;
         for (int64_t d = 0; d < dim; ++d) merged[d] += w * a[d];

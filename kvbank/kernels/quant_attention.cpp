@@ -64,12 +64,12 @@ void quant_range_scalar(const QuantLayer& L, const T* q, const int64_t* table, i
         for (int d = 0; d < D; ++d) s += qs[g][d] * key[d];
         float* acc = acc_out + g * D;
         if (s > max_out[g]) {
-          const float c = exp_neg(max_out[g] - s);
+          const float c = w1::exp_neg(max_out[g] - s);
           for (int d = 0; d < D; ++d) acc[d] *= c;
           sum_out[g] *= c;
           max_out[g] = s;
         }
-        const float p = exp_neg(s - max_out[g]);
+        const float p = w1::exp_neg(s - max_out[g]);
         sum_out[g] += p;
         for (int d = 0; d < D; ++d) acc[d] += p * value[d];
       }
@@ -106,7 +106,7 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
     end = std::max(end, ends[r]);
     for (int g = 0; g < G; ++g) {
       for (int v = 0; v < V; ++v) {
-        _mm256_store_ps(qs[r][g] + v * 8, _mm256_mul_ps(load8(q[r] + g * D + v * 8), _mm256_set1_ps(scale)));
+        _mm256_store_ps(qs[r][g] + v * 8, _mm256_mul_ps(w8::load_f32(q[r] + g * D + v * 8), _mm256_set1_ps(scale)));
         _mm256_store_ps(acc[r][g] + v * 8, _mm256_setzero_ps());
       }
       m[r][g] = -std::numeric_limits<float>::infinity();
@@ -133,7 +133,7 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
     for (int t = 0; t < count; ++t) {
       __m256 x[V];
       if (own) {
-        for (int v = 0; v < V; ++v) x[v] = load8(sk + t * L.heads * D + v * 8);
+        for (int v = 0; v < V; ++v) x[v] = w8::load_f32(sk + t * L.heads * D + v * 8);
       } else {
         decode_codes<V>(L.format, kc + t * token_codes, x);
       }
@@ -162,7 +162,7 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
             qv[v] = _mm256_mul_ps(x, _mm256_load_ps(ks + v * 8));
             b = _mm256_fmadd_ps(x, _mm256_load_ps(km + v * 8), b);
           }
-          bias = hsum8(b);
+          bias = w8::hsum(b);
         } else {
           for (int v = 0; v < V; ++v) qv[v] = _mm256_load_ps(qs[r][g] + v * 8);
         }
@@ -195,7 +195,7 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
     for (int t = 0; t < count; ++t) {
       __m256 x[V];
       if (own) {
-        for (int v = 0; v < V; ++v) x[v] = load8(sv + t * L.heads * D + v * 8);
+        for (int v = 0; v < V; ++v) x[v] = w8::load_f32(sv + t * L.heads * D + v * 8);
       } else {
         decode_codes<V>(L.format, vc + t * token_codes, x);
         if (scaled) {
@@ -227,11 +227,11 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
           const __m256 live = first_lanes(n_r - t);
           top8 = _mm256_max_ps(top8, _mm256_blendv_ps(top8, _mm256_load_ps(scores[r][g] + t), live));
         }
-        const float best = std::max(m[r][g], hmax8(top8));
+        const float best = std::max(m[r][g], w8::hmax(top8));
         __m256 a[V];
         for (int v = 0; v < V; ++v) a[v] = _mm256_load_ps(acc[r][g] + v * 8);
         if (best > m[r][g]) {
-          const float c = exp_neg(m[r][g] - best);
+          const float c = w1::exp_neg(m[r][g] - best);
           const __m256 correction = _mm256_set1_ps(c);
           for (int v = 0; v < V; ++v) a[v] = _mm256_mul_ps(a[v], correction);
           l[r][g] *= c;
@@ -241,11 +241,11 @@ KVBANK_AVX2 void quant_rows(const QuantLayer& L, const T* const* q, const int64_
         __m256 total = _mm256_setzero_ps();
         for (int t = 0; t < n_r; t += 8) {
           const __m256 p =
-              _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_load_ps(scores[r][g] + t), top)), first_lanes(n_r - t));
+              _mm256_and_ps(w8::exp_neg(_mm256_sub_ps(_mm256_load_ps(scores[r][g] + t), top)), first_lanes(n_r - t));
           _mm256_store_ps(scores[r][g] + t, p);
           total = _mm256_add_ps(total, p);
         }
-        l[r][g] += hsum8(total);
+        l[r][g] += w8::hsum(total);
         for (int t = 0; t < n_r; ++t) {
           const __m256 p = _mm256_set1_ps(scores[r][g][t]);
           const float* row = rows[t];
@@ -276,10 +276,10 @@ KVBANK_AVX2 void quant_range(const QuantLayer& L, const T* q, const int64_t* tab
 namespace {
 
 template <typename T, int D, int G>
-QuantRange<T, D> quant_range_of(int isa) {
+QuantRange<T, D> quant_range_of(Isa isa) {
 #ifdef KVBANK_X86
-  if (isa == kQuantTables || isa == kQuantAvx512) return quant_range512_for<T, D>(G, isa == kQuantTables);
-  if (isa == kQuantAvx2) return quant_range<T, G, D>;
+  if (isa == Isa::Avx512Bf16 || isa == Isa::Avx512) return quant_range512_for<T, D>(G, isa == Isa::Avx512Bf16);
+  if (isa == Isa::Avx2) return quant_range<T, G, D>;
 #endif
   return quant_range_scalar<T, G, D>;
 }
@@ -287,8 +287,8 @@ QuantRange<T, D> quant_range_of(int isa) {
 }  // namespace
 
 template <typename T, int D>
-QuantTile<T, D> quant_tile_for(int64_t group, int isa) {
-  if (isa != kQuantAvx2 || quant_tile_rows(static_cast<int>(group), D) < 2) return nullptr;
+QuantTile<T, D> quant_tile_for(int64_t group, Isa isa) {
+  if (isa != Isa::Avx2 || quant_tile_rows(static_cast<int>(group), D) < 2) return nullptr;
   switch (group) {
     case 1: return quant_rows<T, 1, D>;
     case 2: return quant_rows<T, 2, D>;
@@ -304,7 +304,7 @@ QuantTile<T, D> quant_tile_for(int64_t group, int isa) {
 
 // The attention of `group` query heads per KV head, in the given version.
 template <typename T, int D>
-QuantRange<T, D> quant_range_for(int64_t group, int isa) {
+QuantRange<T, D> quant_range_for(int64_t group, Isa isa) {
   switch (group) {
     case 1: return quant_range_of<T, D, 1>(isa);
     case 2: return quant_range_of<T, D, 2>(isa);
@@ -387,18 +387,11 @@ int QuantJob<T>::tile_at(const int64_t* items, int limit, const QuantLayer& L) {
   return tile;
 }
 
-template QuantRange<float, 64> quant_range_for<float, 64>(int64_t, int);
-template QuantTile<float, 64> quant_tile_for<float, 64>(int64_t, int);
-template QuantRange<float, 128> quant_range_for<float, 128>(int64_t, int);
-template QuantTile<float, 128> quant_tile_for<float, 128>(int64_t, int);
-template QuantRange<float, 256> quant_range_for<float, 256>(int64_t, int);
-template QuantTile<float, 256> quant_tile_for<float, 256>(int64_t, int);
-template QuantRange<c10::BFloat16, 64> quant_range_for<c10::BFloat16, 64>(int64_t, int);
-template QuantTile<c10::BFloat16, 64> quant_tile_for<c10::BFloat16, 64>(int64_t, int);
-template QuantRange<c10::BFloat16, 128> quant_range_for<c10::BFloat16, 128>(int64_t, int);
-template QuantTile<c10::BFloat16, 128> quant_tile_for<c10::BFloat16, 128>(int64_t, int);
-template QuantRange<c10::BFloat16, 256> quant_range_for<c10::BFloat16, 256>(int64_t, int);
-template QuantTile<c10::BFloat16, 256> quant_tile_for<c10::BFloat16, 256>(int64_t, int);
+#define KVBANK_QUANT_DISPATCH(T, D)                                    \
+  template QuantRange<T, D> quant_range_for<T, D>(int64_t, Isa); \
+  template QuantTile<T, D> quant_tile_for<T, D>(int64_t, Isa);
+KVBANK_QUANT_SHAPES(KVBANK_QUANT_DISPATCH)
+#undef KVBANK_QUANT_DISPATCH
 template struct QuantJob<float>;
 template struct QuantJob<c10::BFloat16>;
 
@@ -406,7 +399,7 @@ namespace {
 
 template <typename T>
 void quant_decode(const QuantLayer& L, const torch::Tensor& q, const torch::Tensor& tables, const torch::Tensor& lens,
-                  double scale, int64_t partition, torch::Tensor& out, int isa, const int64_t* starts = nullptr) {
+                  double scale, int64_t partition, torch::Tensor& out, Isa isa, const int64_t* starts = nullptr) {
   QuantJob<T> job(q.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0),
                   q.size(1), q.size(2), q.size(3), L.block_size, tables.size(1), scale, partition, isa);
   job.partials.starts = starts;  // rows read from starts[i] on (Partials::starts), or from 0
@@ -449,14 +442,14 @@ torch::Tensor quant_decode_attention(torch::Tensor q, int64_t format, torch::Ten
                                      std::optional<torch::Tensor> own_rows, std::string isa,
                                      std::optional<torch::Tensor> starts) {
   TORCH_CHECK(has_quant_decode(), "quantized decode attention needs an x86 CPU");
-  int level = 0;
+  Isa level = Isa::Scalar;
 #ifdef KVBANK_X86
-  kvbank::Isa wanted = kvbank::active_isa();
+  Isa wanted = kvbank::active_isa();
   TORCH_CHECK(isa == "auto" || kvbank::isa_from_name(isa, &wanted),
-              "isa must be auto, scalar, avx2, avx512 or avx512_bf16, got ", isa);
+              "isa must be ", kvbank::family_isa_choices(kvbank::Family::QuantAttention, false), ", got ", isa);
   TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(kvbank::active_isa()), "this CPU (capped at ",
               kvbank::isa_name(kvbank::active_isa()), ") does not run the ", isa, " version of the quantized kernel");
-  level = quant_isa_at(wanted);
+  level = quant_variant_at(wanted);
 #endif
   TORCH_CHECK(format >= kBf16 && format <= kInt2, "unknown quantized KV format ", format);
   TORCH_CHECK(q.dim() == 4, "q must be [batch, kv_heads, group, dim], got ", q.sizes());

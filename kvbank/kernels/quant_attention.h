@@ -59,28 +59,24 @@ struct QuantLayer {
   const int64_t* own_rows;  // per batch row: its scratch row, or -1
 };
 
+// The (query type, head dim) pairs the quantized kernels are built for: X(T, D) for each.
+#define KVBANK_QUANT_SHAPES(X) \
+  X(float, 64) X(float, 128) X(float, 256) X(c10::BFloat16, 64) X(c10::BFloat16, 128) X(c10::BFloat16, 256)
+
 template <typename T, int D>
 using QuantRange = void (*)(const QuantLayer&, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                             float, float*, float*, float*);
 
-// The kernel versions, each run where the CPU has what it needs: 8 lanes (AVX2, FMA, F16C), 16
-// lanes (AVX-512 F/BW/DQ/VL), and 16 lanes with int8/fp8/int4 codes as bfloat16 words (+ VBMI, BF16).
-enum QuantIsa : int { kQuantAvx2 = 0, kQuantAvx512 = 1, kQuantTables = 2, kQuantScalar = 3 };
-
-// The version for a registry level (isa.h): the quant_attention family's variant at that level.
-inline int quant_isa_at(kvbank::Isa level) {
+// The kernel versions (the quant_attention family's variants in isa.h), each run where the CPU has
+// what it needs: scalar, 8 lanes (avx2), 16 lanes (avx512), and 16 lanes with int8/fp8/int4 codes as
+// bfloat16 words (avx512_bf16). The version for a level: the family's best at or below it.
+inline kvbank::Isa quant_variant_at(kvbank::Isa level) {
   kvbank::Isa variant = kvbank::Isa::Scalar;
   kvbank::family_variant_at(kvbank::Family::QuantAttention, level, &variant);
-  switch (variant) {
-    case kvbank::Isa::Avx512Bf16: return kQuantTables;
-    case kvbank::Isa::Avx512:
-    case kvbank::Isa::Avx512Vnni: return kQuantAvx512;
-    case kvbank::Isa::Avx2: return kQuantAvx2;
-    default: return kQuantScalar;
-  }
+  return variant;
 }
 
-inline int best_quant_isa() { return quant_isa_at(kvbank::active_isa()); }
+inline kvbank::Isa best_quant_variant() { return quant_variant_at(kvbank::active_isa()); }
 
 // Query rows of one sequence attended together (quant_rows): as many as keep their queries,
 // accumulators and scores (2 x G x D + G x 64 floats each) within about 20 KB of stack.
@@ -94,9 +90,9 @@ using QuantTile = void (*)(const QuantLayer&, const T* const*, const int64_t*, i
 
 // The attention of `group` query heads per KV head, in the given version; null for no kernel.
 template <typename T, int D>
-QuantRange<T, D> quant_range_for(int64_t group, int isa);
+QuantRange<T, D> quant_range_for(int64_t group, kvbank::Isa isa);
 template <typename T, int D>
-QuantTile<T, D> quant_tile_for(int64_t group, int isa);
+QuantTile<T, D> quant_tile_for(int64_t group, kvbank::Isa isa);
 #ifdef KVBANK_X86
 // The 16-lane versions (quant_attention_avx512.cpp); `tables`: int8/fp8/int4 codes as bfloat16 words.
 template <typename T, int D>
@@ -124,7 +120,7 @@ struct QuantJob {
 
   QuantJob(const T* q, const int64_t* tables, const int64_t* lens, T* out, int64_t n, int64_t heads_, int64_t group_,
            int64_t dim_, int64_t block_size_, int64_t width_, double scale, int64_t partition,
-           int isa = best_quant_isa())
+           kvbank::Isa isa = best_quant_variant())
       : q_p(q), t_p(tables), lens_p(lens), o_p(out), heads(heads_), group(group_), dim(dim_), block_size(block_size_),
         width(width_), s(static_cast<float>(scale)), partials(n, heads_, group_, dim_, lens, partition) {
     if (dim == 64) range64 = quant_range_for<T, 64>(group, isa);

@@ -16,23 +16,13 @@ namespace {
 // value scale folded into its softmax weight. One instantiation per format, so no format test
 // runs per token.
 
-template <typename T>
-KVBANK_AVX512 inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-}
-
 // One head of one token as D / 16 float32 vectors of codes, channels in order.
 template <int F, int D>
 KVBANK_AVX512 inline void decode16(const uint8_t* p, __m512* out) {
   constexpr int V = D / 16;
   auto bytes16 = [&](int offset) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offset)); };
   if constexpr (F == kBf16) {
-    for (int v = 0; v < V; ++v) out[v] = load16(reinterpret_cast<const c10::BFloat16*>(p) + v * 16);
+    for (int v = 0; v < V; ++v) out[v] = w16::load_f32(reinterpret_cast<const c10::BFloat16*>(p) + v * 16);
   } else if constexpr (F == kInt8) {
     for (int v = 0; v < V; ++v) out[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(v * 16)));
   } else if constexpr (F == kFp8E4M3) {
@@ -99,9 +89,9 @@ KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int
   __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int t = 0; t < count; t += 16)
     top16 = _mm512_mask_max_ps(top16, first16(count - t), top16, _mm512_load_ps(scores + t));
-  const float best = std::max(H.m[g], _mm512_reduce_max_ps(top16));
+  const float best = std::max(H.m[g], w16::hmax(top16));
   if (best > H.m[g]) {
-    const float c = exp_neg(H.m[g] - best);
+    const float c = w1::exp_neg(H.m[g] - best);
     for (int v = 0; v < D / 16; ++v) H.acc[g][v] = _mm512_mul_ps(H.acc[g][v], _mm512_set1_ps(c));
     H.l[g] *= c;
     H.m[g] = best;
@@ -109,13 +99,13 @@ KVBANK_INLINE512 void softmax_block(Heads512<G, D>& H, int g, float* scores, int
   __m512 total = _mm512_setzero_ps();
   for (int t = 0; t < count; t += 16) {
     const __mmask16 live = first16(count - t);
-    __m512 p = _mm512_maskz_mov_ps(live, exp_neg_v(_mm512_sub_ps(_mm512_load_ps(scores + t), _mm512_set1_ps(best))));
+    __m512 p = _mm512_maskz_mov_ps(live, w16::exp_neg(_mm512_sub_ps(_mm512_load_ps(scores + t), _mm512_set1_ps(best))));
     total = _mm512_add_ps(total, p);
     // lanes past `count` stay exactly zero: their value scales were never written (0 * NaN)
     if (v_scales != nullptr) p = _mm512_maskz_mul_ps(live, p, _mm512_load_ps(v_scales + t));
     _mm512_store_ps(scores + t, p);
   }
-  H.l[g] += _mm512_reduce_add_ps(total);
+  H.l[g] += w16::hsum(total);
 }
 
 // Values of a block's `count` tokens, decoded in registers and summed with each head's weights
@@ -132,7 +122,7 @@ KVBANK_INLINE512 void values_block(Heads512<G, D>& H, const QuantLayer& L, const
   for (int t = 0; t < count; ++t) {
     __m512 x[V];
     if (sv != nullptr) {
-      for (int v = 0; v < V; ++v) x[v] = load16(sv + t * L.heads * D + v * 16);
+      for (int v = 0; v < V; ++v) x[v] = w16::load_f32(sv + t * L.heads * D + v * 16);
     } else {
       decode16<F, D>(vc + t * token_codes, x);
       if constexpr (kivi) {
@@ -192,7 +182,7 @@ KVBANK_AVX512 void quant_range512_f(const QuantLayer& L, const T* q, const int64
   alignas(64) float k_scales[kMaxQuantBlock], v_scales[kMaxQuantBlock];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v)
-      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
+      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(w16::load_f32(q + g * D + v * 16), _mm512_set1_ps(scale)));
   const int64_t token_codes = L.heads * L.code_bytes;
   for (int64_t start = begin; start < end; start += bs - start % bs) {
     const BlockSpan<T> b(L, table, start, end, head, own_block, own_row);
@@ -207,7 +197,7 @@ KVBANK_AVX512 void quant_range512_f(const QuantLayer& L, const T* q, const int64
     for (int t = 0; t < count; ++t) {
       __m512 x[V];
       if (own) {
-        for (int v = 0; v < V; ++v) x[v] = load16(sk + t * L.heads * D + v * 16);
+        for (int v = 0; v < V; ++v) x[v] = w16::load_f32(sk + t * L.heads * D + v * 16);
       } else {
         decode16<F, D>(kc + t * token_codes, x);
       }
@@ -234,7 +224,7 @@ KVBANK_AVX512 void quant_range512_f(const QuantLayer& L, const T* q, const int64
           qv[v] = _mm512_mul_ps(x, _mm512_load_ps(ks + v * 16));
           b = _mm512_fmadd_ps(x, _mm512_load_ps(km + v * 16), b);
         }
-        bias = _mm512_reduce_add_ps(b);
+        bias = w16::hsum(b);
       } else {
         for (int v = 0; v < V; ++v) qv[v] = _mm512_load_ps(qs[g] + v * 16);
       }
@@ -439,7 +429,7 @@ KVBANK_AVX512_BF16 inline __attribute__((always_inline)) void nibbles_to_bf16(__
 
 // 16 floats rounded to bfloat16 (to nearest even) and back.
 KVBANK_AVX512_BF16 inline __m512 bf16_round(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+  return w16::from_bf16((__m256i)_mm512_cvtneps_pbh(x));
 }
 
 template <int G, int D>
@@ -458,7 +448,7 @@ KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFlo
   alignas(64) float qs[G][D];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v)
-      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale)));
+      _mm512_store_ps(qs[g] + v * 16, _mm512_mul_ps(w16::load_f32(q + g * D + v * 16), _mm512_set1_ps(scale)));
   Heads512<G, D> H;
   start_heads(H);
   __m512 zero_share[G][C];  // per head and value group: weights times zero points, by lane
@@ -511,7 +501,7 @@ KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFlo
             }
             qv[c] = _mm512_cvtne2ps_pbh(x[1], x[0]);
           }
-          bias = _mm512_reduce_add_ps(sum);
+          bias = w16::hsum(sum);
           after = 1.0f;
         }
         for (int t0 = 0; t0 < count; t0 += 16) {
@@ -532,9 +522,9 @@ KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFlo
     for (int g = 0; g < G; ++g) {
       __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int t = 0; t < n; t += 16) top = _mm512_mask_max_ps(top, first16(n - t), top, _mm512_load_ps(scores[g] + t));
-      const float best = std::max(H.m[g], _mm512_reduce_max_ps(top));
+      const float best = std::max(H.m[g], w16::hmax(top));
       if (best > H.m[g]) {
-        const float shrink = exp_neg(H.m[g] - best);
+        const float shrink = w1::exp_neg(H.m[g] - best);
         const __m512 c = _mm512_set1_ps(shrink);
         for (int v = 0; v < V; ++v) H.acc[g][v] = _mm512_mul_ps(H.acc[g][v], c);
         for (int v = 0; v < C; ++v) zero_share[g][v] = _mm512_mul_ps(zero_share[g][v], c);
@@ -543,11 +533,12 @@ KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFlo
       }
       __m512 total = _mm512_setzero_ps();
       for (int t = 0; t < n; t += 16) {
-        const __m512 p = _mm512_maskz_mov_ps(first16(n - t), exp_neg_v(_mm512_sub_ps(_mm512_load_ps(scores[g] + t), _mm512_set1_ps(best))));
+        const __m512 p = _mm512_maskz_mov_ps(
+            first16(n - t), w16::exp_neg(_mm512_sub_ps(_mm512_load_ps(scores[g] + t), _mm512_set1_ps(best))));
         total = _mm512_add_ps(total, p);
         _mm512_store_ps(scores[g] + t, p);
       }
-      H.l[g] += _mm512_reduce_add_ps(total);
+      H.l[g] += w16::hsum(total);
     }
     // Pass 2: the values, block by block.
     for (int64_t start = from; start < to; start += bs - start % bs) {
@@ -615,7 +606,7 @@ KVBANK_AVX512_BF16 void kivi4_range512_bf16(const QuantLayer& L, const c10::BFlo
   for (int g = 0; g < G; ++g) {
     alignas(64) float lanes[D];
     for (int v = 0; v < V; ++v) {
-      const float share = _mm512_reduce_add_ps(zero_share[g][v / 2 / group_vectors]);
+      const float share = w16::hsum(zero_share[g][v / 2 / group_vectors]);
       _mm512_store_ps(lanes + v * 16, _mm512_add_ps(H.acc[g][v], _mm512_set1_ps(share)));
     }
     for (int v = 0; v < V; ++v)
@@ -677,12 +668,9 @@ QuantRange<T, D> quant_range512_for(int64_t group, bool tables) {
   }
 }
 
-template QuantRange<float, 64> quant_range512_for<float, 64>(int64_t, bool);
-template QuantRange<float, 128> quant_range512_for<float, 128>(int64_t, bool);
-template QuantRange<float, 256> quant_range512_for<float, 256>(int64_t, bool);
-template QuantRange<c10::BFloat16, 64> quant_range512_for<c10::BFloat16, 64>(int64_t, bool);
-template QuantRange<c10::BFloat16, 128> quant_range512_for<c10::BFloat16, 128>(int64_t, bool);
-template QuantRange<c10::BFloat16, 256> quant_range512_for<c10::BFloat16, 256>(int64_t, bool);
+#define KVBANK_QUANT_RANGE512(T, D) template QuantRange<T, D> quant_range512_for<T, D>(int64_t, bool);
+KVBANK_QUANT_SHAPES(KVBANK_QUANT_RANGE512)
+#undef KVBANK_QUANT_RANGE512
 
 }  // namespace kvbank
 #endif

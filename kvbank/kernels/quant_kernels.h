@@ -139,18 +139,6 @@ KVBANK_AVX2 inline __m256 first_lanes(int n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-KVBANK_AVX2 inline float hsum8(__m256 v) {
-  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
-}
-
-KVBANK_AVX2 inline float hmax8(__m256 v) {
-  const __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
-}
-
 // 8 float16 values to float32.
 KVBANK_AVX2 inline __m256 halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -183,22 +171,12 @@ KVBANK_AVX2 inline __m256 row_sums(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-template <typename T>
-KVBANK_AVX2 inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-  }
-}
-
 // One head of token t as V float32 vectors of codes (scales applied by the caller).
 template <int V>
 KVBANK_AVX2 inline void decode_codes(int64_t format, const uint8_t* p, __m256* out) {
   switch (format) {
     case kBf16:
-      for (int v = 0; v < V; ++v) out[v] = load8(reinterpret_cast<const c10::BFloat16*>(p) + v * 8);
+      for (int v = 0; v < V; ++v) out[v] = w8::load_f32(reinterpret_cast<const c10::BFloat16*>(p) + v * 8);
       break;
     case kInt8:
       for (int v = 0; v < V; ++v)

@@ -387,25 +387,16 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     };
     // RMSNorm of h (+ residual, rounded as an add of two bfloat16 tensors) of row r.
     auto norm_row = [&](int64_t r, const T* add, const T* weight) {
-      int64_t d = 0;
-#ifdef KVBANK_X86
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (wide) d = sum_bf16_avx512(h.data() + r * hidden, add ? add + r * hidden : nullptr, values.data(), hidden);
-      }
-#endif
+      int64_t d = KVBANK_WIDE16(
+          wide, sum_bf16_avx512(h.data() + r * hidden, add ? add + r * hidden : nullptr, values.data(), hidden));
       for (; d < hidden; ++d) {
         values[d] = add ? round_as<T>(widen(h[r * hidden + d]) + widen(add[r * hidden + d])) : widen(h[r * hidden + d]);
       }
       float squares = 0.0f;
       for (d = 0; d < hidden; ++d) squares += values[d] * values[d];  // in order: one chain, as every path sums
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps_));
-      d = 0;
-#ifdef KVBANK_X86
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (wide) d = scale_bf16_avx512(values.data(), inv, weight, hidden);
-      }
-#endif
-      for (; d < hidden; ++d) values[d] = values[d] * inv * widen(weight[d]);
+      for (d = KVBANK_WIDE16(wide, scale_bf16_avx512(values.data(), inv, weight, hidden)); d < hidden; ++d)
+        values[d] = values[d] * inv * widen(weight[d]);
     };
     // Gemma's norms leave T rows, as its unfused layer's do: the normed values rounded to T (before
     // they are quantized, or in place in h).
@@ -415,6 +406,19 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     auto norm_in_place = [&](int64_t r, const T* weight) {
       norm_row(r, nullptr, weight);
       store_values(values.data(), h.data() + r * hidden, hidden, wide);
+    };
+    // The output and down projections: hidden values into h, then (Gemma) its norm after them.
+    auto project_to_hidden = [&](GroupChunks& chunks, const PackedWeight& weight, const QuantRows& a,
+                                 const T* norm) {
+      chunks.drain(weight.groups, nt, [&](int64_t g0, int64_t g1) {
+        qmatmul_span(weight, isa, g0, g1, a, acc.data(), hidden);
+      });
+      barrier();
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
+        if (gemma_) norm_in_place(r, norm);
+      }
+      barrier();
     };
     // RMSNorm of one head's `head_dim_` values in place (Gemma's q and k norms), as add_rms_norm_rows.
     auto norm_head = [&](T* head, const T* weight) {
@@ -553,15 +557,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       const QuantRows& a2 = quantize(shared_attn, local_attn, [&](int64_t r) {
         for (int64_t d = 0; d < q_size; ++d) values[d] = widen(attn[r * q_size + d]);
       });
-      matmuls[4 * l + 1].drain(wo.groups, nt, [&](int64_t g0, int64_t g1) {
-        qmatmul_span(wo, isa, g0, g1, a2, acc.data(), hidden);
-      });
-      barrier();
-      for (int64_t r = row_begin; r < row_end; ++r) {
-        store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
-        if (gemma_) norm_in_place(r, norm_after_attn);
-      }
-      barrier();
+      project_to_hidden(matmuls[4 * l + 1], wo, a2, norm_after_attn);
       const QuantRows& a3 = quantize(shared_hidden, local_hidden, [&](int64_t r) {
         norm_row(r, residual.data(), norm2);
         if (gemma_) round_values(hidden);
@@ -582,15 +578,7 @@ torch::Tensor QuantStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
       if (!split_rows) {
         barrier();
       }
-      matmuls[4 * l + 3].drain(wdown.groups, nt, [&](int64_t g0, int64_t g1) {
-        qmatmul_span(wdown, isa, g0, g1, a4, acc.data(), hidden);
-      });
-      barrier();
-      for (int64_t r = row_begin; r < row_end; ++r) {
-        store_values(acc.data() + r * hidden, h.data() + r * hidden, hidden, wide);
-        if (gemma_) norm_in_place(r, norm_after_mlp);
-      }
-      barrier();
+      project_to_hidden(matmuls[4 * l + 3], wdown, a4, norm_after_mlp);
     }
   }
   // The stack's output: the last layer's output added to the residual stream.
