@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -201,6 +202,39 @@ def fleet_kill() -> str:
     return markdown(header, rows)
 
 
+def kernel_layer() -> str:
+    """bench/throughput.py at the commit before the kernels were split and written once per width, and
+    after, alternating (medians over the rounds)."""
+    run = load("throughput_kernel_layer")["runs"]
+    rows = []
+    for level in ("native", "avx2"):
+        old, new = run[level]["old"], run[level]["new"]
+        for metric in ("decode_b1", "decode_b8", "decode_b32", "prefill_512"):
+            before = statistics.median(r[metric] for r in old)
+            after = statistics.median(r[metric] for r in new)
+            low, high = min(r[metric] for r in new), max(r[metric] for r in new)
+            rows.append(
+                [level, metric, f"{before:,.1f}", f"{after:,.1f}", f"{after / before:.2f}", f"{low:,.0f}-{high:,.0f}"]
+            )
+    return markdown(["level", "metric", "before, tok/s", "after, tok/s", "after / before", "after's range"], rows)
+
+
+def isa_parity() -> str:
+    """Greedy tokens and logprob bits at every level against the commit before (isa_parity.py)."""
+    rows = []
+    for level, row in load("isa_parity")["levels"].items():
+        against = row["against"]
+        rows.append(
+            [
+                f"`{level}`",
+                str(row["tokens"]),
+                "same" if against["same_tokens"] else "differ",
+                "same" if against["same_logprob_bits"] else f"differ (up to {against['max_logprob_gap']:.3g})",
+            ]
+        )
+    return markdown(["level", "tokens generated", "tokens", "logprob bits"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "batch-32": batch_32,
     "soak": soak,
@@ -209,6 +243,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "step-target-minute": step_target_minute,
     "step-target-burst": step_target_burst,
     "fleet-kill": fleet_kill,
+    "kernel-layer": kernel_layer,
+    "isa-parity": isa_parity,
 }
 
 
