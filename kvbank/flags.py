@@ -45,33 +45,28 @@ def engine_flags() -> argparse.ArgumentParser:
 
 
 def add_config_flag(group, config_field: dataclasses.Field, aliases: Sequence[str] = ()) -> None:
-    meta = config_field.metadata
-    help_text = meta.get("help", config_field.name.replace("_", " "))
+    _add_field_flag(group, config_field, _ENGINE_TYPES, aliases)
+
+
+def add_limit_flag(group, limit_field: dataclasses.Field) -> None:
+    _add_field_flag(group, limit_field, _LIMIT_TYPES)
+
+
+def _add_field_flag(group, field: dataclasses.Field, types: dict, aliases: Sequence[str] = ()) -> None:
+    """The flag of one option field: its help, choices, metavar and flag name from its metadata, its
+    default from its environment variable where it names one."""
+    meta = field.metadata
     env = meta.get("env")
     _add_flag(
         group,
-        config_field.name,
-        _ENGINE_TYPES[config_field.name],
-        os.environ.get(env, config_field.default) if env else config_field.default,
-        help_text,
+        field.name,
+        types[field.name],
+        os.environ.get(env, field.default) if env else field.default,
+        meta.get("help", field.name.replace("_", " ")),
         choices=meta.get("choices"),
         metavar=meta.get("metavar"),
         default_text=meta.get("default_text"),
         aliases=aliases,
-    )
-
-
-def add_limit_flag(group, limit_field: dataclasses.Field) -> None:
-    meta = limit_field.metadata
-    env = meta.get("env")
-    _add_flag(
-        group,
-        limit_field.name,
-        _LIMIT_TYPES[limit_field.name],
-        os.environ.get(env, limit_field.default) if env else limit_field.default,
-        meta["help"],
-        metavar=meta.get("metavar"),
-        default_text=meta.get("default_text"),
         flag=meta.get("flag"),
     )
 
