@@ -1,5 +1,5 @@
 """`python -m kvbank` runs the `kvbank` command line."""
 
-from kvbank.cli import main
+from kvbank.cli import run
 
-raise SystemExit(main())
+run()

@@ -75,6 +75,12 @@ def llm_full(path):
     return LLM(path, num_gpu_blocks=256, max_num_batched_tokens=512, swa_full=True)
 
 
+@pytest.fixture(scope="module")
+def llm32_greedy(llm32):
+    """llm32's greedy answers to PROMPTS (24 tokens, 5 logprobs): float32 Gemma takes seconds a run."""
+    return llm32.generate(_encode(llm32, PROMPTS), SamplingParams(temperature=0, max_tokens=24, logprobs=5))
+
+
 def _encode(llm, prompts):
     return [llm.get_tokenizer().encode(p) for p in prompts]
 
@@ -94,11 +100,11 @@ def test_metadata_gives_gemmas_shape(path):
 
 
 @pytest.mark.slow
-def test_greedy_tokens_match_transformers_in_float32_and_need_the_window(llm32, reference, monkeypatch):
+def test_greedy_tokens_match_transformers_in_float32_and_need_the_window(llm32, llm32_greedy, reference, monkeypatch):
     model, _ = reference
     prompts = _encode(llm32, PROMPTS)
     assert len(prompts[2]) > 520
-    outputs = llm32.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=5))
+    outputs = llm32_greedy
     for prompt, output in zip(prompts, outputs):
         with torch.inference_mode():
             expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
@@ -479,7 +485,7 @@ def test_kvbank_plan_counts_bytes_per_token_per_group(path):
 # --- Hugging Face gemma3_text folders -----------------------------------------------------------------
 
 
-def test_a_hugging_face_gemma3_text_folder_gives_the_gguf_files_tokens(path, llm32, reference):
+def test_a_hugging_face_gemma3_text_folder_gives_the_gguf_files_tokens(path, llm32, llm32_greedy):
     """transformers' own conversion of the file, saved as a folder (config.json in transformers 5.x's
     spelling, float32 safetensors, tokenizer.json): the same tokens and greedy answers as the GGUF."""
     folder = transformers_folder(path)
@@ -487,7 +493,7 @@ def test_a_hugging_face_gemma3_text_folder_gives_the_gguf_files_tokens(path, llm
     prompts = _encode(llm32, PROMPTS)
     assert _encode(from_folder, PROMPTS) == prompts
     params = SamplingParams(temperature=0, max_tokens=24)
-    expected = [o.outputs[0].token_ids for o in llm32.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in llm32_greedy]
     assert [o.outputs[0].token_ids for o in from_folder.generate(prompts, params)] == expected
     assert from_folder.engine.manager.groups.window == 512  # the hybrid cache, from layer_types
 

@@ -296,10 +296,11 @@ def test_decoding_sees_what_a_prefill_of_the_same_tokens_sees(ids, kv):
 def test_int4_with_prefix_caching_forks_and_preemption_gives_the_same_tokens(ids):
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [ids[:40], ids[:40] + ids[100:110], ids[:75]]
-    roomy = LLM(dtype="float32", num_gpu_blocks=128, kv_cache_dtype="int4", enable_prefix_caching=False)
+    # the default configuration (bfloat16, packed weights) is batch-invariant: every path gives the same bits
+    roomy = LLM(num_gpu_blocks=128, kv_cache_dtype="int4", enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy)]
 
-    cached = LLM(dtype="float32", num_gpu_blocks=128, kv_cache_dtype="int4")
+    cached = LLM(num_gpu_blocks=128, kv_cache_dtype="int4")
     cached.generate([ids[:40]], greedy)
     again = cached.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in again] == expected
@@ -310,7 +311,7 @@ def test_int4_with_prefix_caching_forks_and_preemption_gives_the_same_tokens(ids
 
     # 12 blocks hold the three at once once the later two share the first's two cached blocks
     # (they wait for them: Scheduler); 10 do not
-    tight = LLM(dtype="float32", num_gpu_blocks=10, kv_cache_dtype="int4", max_num_seqs=3)
+    tight = LLM(num_gpu_blocks=10, kv_cache_dtype="int4", max_num_seqs=3)
     outs = tight.generate(prompts, greedy)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -323,12 +324,12 @@ def test_int4_with_prefix_caching_forks_and_preemption_gives_the_same_tokens(ids
 def test_sampled_forks_copy_the_residual_block_on_write(ids):
     """n > 1 with sampling: each fork writes its own tokens into a copy of the shared partial block."""
     params = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
-    quant = LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype="int4")
+    quant = LLM(num_gpu_blocks=64, kv_cache_dtype="int4")
     out = quant.generate([ids[:37]], params)[0]
     texts = [c.token_ids for c in out.outputs]
     assert len(set(map(tuple, texts))) > 1
     # Every fork's tokens, replayed as one prompt, get the logprob the fork saw when sampling.
-    replay = LLM(dtype="float32", num_gpu_blocks=64, kv_cache_dtype="int4", enable_prefix_caching=False)
+    replay = LLM(num_gpu_blocks=64, kv_cache_dtype="int4", enable_prefix_caching=False)
     scored = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=7, ignore_eos=True, logprobs=0)
     for child in quant.generate([ids[:37]], scored)[0].outputs:
         sampled = torch.tensor([lp[t].logprob for lp, t in zip(child.logprobs, child.token_ids)])

@@ -108,6 +108,25 @@ class GGUFFile:
         self._offset += length
         return bytes(self._buffer[start : self._offset]).decode("utf-8", errors="replace")
 
+    def _strings(self, count: int, key: str) -> list[str]:
+        """`count` strings in a row (a tokenizer's vocabulary: ~50k-260k), read as `_string` reads
+        one, without its per-string bookkeeping."""
+        buffer, size, offset, strings = self._buffer, len(self._data), self._offset, []
+        unpack_length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if offset + 8 > size:
+                self._offset = offset
+                raise self._fail(f"{key} length", 8)
+            (length,) = unpack_length(buffer, offset)
+            offset += 8
+            if offset + length > size:
+                self._offset = offset
+                raise self._fail(key, length)
+            strings.append(str(buffer[offset : offset + length], "utf-8", "replace"))
+            offset += length
+        self._offset = offset
+        return strings
+
     def _value(self, kind: int, key: str, depth: int) -> Any:
         if kind == _STRING:
             return self._string(key)
@@ -117,7 +136,7 @@ class GGUFFile:
             item, count = self._unpack("<IQ", f"{key} array header")
             if item == _STRING:
                 self._check_count(count, 8, f"{key} length")
-                return [self._string(key) for _ in range(count)]
+                return self._strings(count, key)
             if item == _ARRAY:
                 self._check_count(count, 12, f"{key} length")
                 return [self._value(_ARRAY, key, depth + 1) for _ in range(count)]
