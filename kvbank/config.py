@@ -50,6 +50,13 @@ COMMAND_LINE_SECRET = "a value given on the command line is visible to other loc
 log = logging.getLogger("kvbank")
 
 
+def check_ratio(ratio: Any, name: str = "blend_recompute_ratio") -> float:
+    """`ratio` as a float in [0, 1]; ValueError naming it otherwise."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ValueError(f"{name}={ratio!r} must be a number between 0 and 1")
+    return float(ratio)
+
+
 def option(default: Any, help_text: str, **metadata: Any) -> Any:
     """A config field with its command-line help; see the module docstring for the metadata keys."""
     # a secret stays out of the dataclass repr, so that no log line or traceback shows it
@@ -128,6 +135,19 @@ class EngineConfig:
         plan=False,
     )
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prefixes", plan=False)
+    blend_separator: str | None = option(
+        None,
+        "text that marks documents in a text prompt (after the chat template): the pieces between two "
+        "separators are documents, computed once and reused at any position (CacheBlend); off by default",
+        plan=False,
+        metavar="TEXT",
+    )
+    blend_recompute_ratio: float = option(
+        0.15,
+        "share of each reused document's tokens recomputed in the prompt it is placed in, those whose KV "
+        "deviates most at the check layer (0: pure reuse, 1: the full prefill); a prompt may give its own",
+        plan=False,
+    )
     swa_full: bool = option(
         False,
         "keep every token in sliding-window layers too (as llama.cpp's --swa-full); by default a model "
@@ -290,6 +310,9 @@ class EngineConfig:
             raise ValueError(f"weight_format={self.weight_format!r} is not one of {', '.join(_WEIGHT_FORMATS)}")
         self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
         KVFormat(self.kv_cache_dtype, self.kv_cache_dtype_skip_layers, self.kv_quant_group_size)  # raises if bad
+        if self.blend_separator is not None and not (isinstance(self.blend_separator, str) and self.blend_separator):
+            raise ValueError(f"blend_separator={self.blend_separator!r} must be a non-empty string")
+        check_ratio(self.blend_recompute_ratio)
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction={self.max_pinned_fraction} must be in [0, 1]")
         if not 0.0 < self.max_stream_pool_fraction <= 1.0:

@@ -246,7 +246,7 @@ def test_paged_writes_and_attention_match_the_definition(kv, steps):
     schedule = [[(0, n)] + ([(1, steps[i - 1])] if i else []) for i, n in enumerate(steps)] + [[(1, steps[-1])]]
     for step in schedule:
         batch = sorted((ScheduledSeq(seqs[i], n) for i, n in step), key=lambda s: s.num_tokens > 1)
-        _, _, meta = runner._prepare(batch)
+        _, _, meta = runner.prepare(batch)
         q, k, v = (
             torch.cat([data[seqs.index(b.seq)][j][b.seq.num_computed_tokens :][: b.num_tokens] for b in batch])
             for j in range(3)

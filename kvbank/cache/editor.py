@@ -119,14 +119,14 @@ class KVEditor:
         indices = range(keep, len(seq.block_table))
         self._make_private(seq, indices)
         blocks = [seq.block_table[i] for i in indices]
-        self.storage.rotate_keys(blocks, blocks, self._rotation(-seq.rope_offset))
+        self.storage.rotate_keys(blocks, blocks, self.rotation(-seq.rope_offset))
         seq.rope_offset = 0
         if keep:
             self._rotate_leading(seq, keep)
 
     def _rotate_leading(self, seq: PolicySeq, keep: int) -> None:
         self._pristine_leading(seq, keep)
-        self.storage.rotate_keys(seq.pristine_blocks, seq.block_table[:keep], self._rotation(seq.rope_offset))
+        self.storage.rotate_keys(seq.pristine_blocks, seq.block_table[:keep], self.rotation(seq.rope_offset))
 
     def _pristine_leading(self, seq: PolicySeq, count: int) -> None:
         """Make the first `count` blocks private, keeping unrotated copies of them aside once."""
@@ -143,7 +143,8 @@ class KVEditor:
             seq.block_table[i] = fresh.block_id
         self.storage.copy_blocks(copies)
 
-    def _rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) that rotate keys by `delta` positions."""
         cos, sin = rotation_tables(torch.tensor([delta]), self.inv_freq)
         return cos[0], sin[0]
 
@@ -196,7 +197,7 @@ class KVEditor:
         indices = range((seq.lead + keep) // self.limits.block_size, len(seq.block_table))
         self._make_private(seq, indices)
         blocks = [seq.block_table[i] for i in indices]
-        self.storage.rotate_keys(blocks, blocks, self._rotation(-seq.rope_offset))
+        self.storage.rotate_keys(blocks, blocks, self.rotation(-seq.rope_offset))
         seq.rope_offset = 0
         self._write_kept(seq, keep)
 
@@ -213,7 +214,7 @@ class KVEditor:
         src = token_slots(seq.pristine_blocks, 0, keep, bs)
         src = torch.cat((src[:1].expand(lead), src))
         dst = token_slots(seq.block_table, 0, lead + keep, bs)
-        self.storage.move_tokens(src, dst, self._rotation(lead + seq.rope_offset))
+        self.storage.move_tokens(src, dst, self.rotation(lead + seq.rope_offset))
 
     # --- compacting ---------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvbank.cache.blocks import Block, BlockPool, blocks_for
 from kvbank.cache.events import CacheEvents
@@ -55,6 +55,9 @@ class Sequence(Protocol):
 
     @property
     def num_cacheable_tokens(self) -> int: ...
+
+    @property
+    def blend(self) -> Any: ...
 
     @property
     def max_slots(self) -> int | None: ...
@@ -262,6 +265,12 @@ class KVCacheManager:
         self._hash_blocks(seq, num_blocks)
         return self._walk(seq.token_ids[: num_blocks * self.block_size], seq.root_hash, seq.block_hashes)
 
+    def cached_blocks(self, token_ids: Tokens[int], root_hash: bytes) -> list[Block]:
+        """The cached blocks holding the longest whole-block prefix of `token_ids` under `root_hash`
+        (a document's blocks: engine/blend.py); they stay the pool's, so read them before anything
+        else takes blocks."""
+        return self._walk(token_ids, root_hash) if self.enable_prefix_caching else []
+
     def computing(self, seq: Sequence) -> list[bytes]:
         """Hashes of the whole prompt blocks `seq` has yet to compute and will index once it has
         (none when it indexes nothing: no prefix caching, prompt logprobs, evictions, a stream)."""
@@ -269,6 +278,8 @@ class KVCacheManager:
             return []
         bs = self.block_size
         done, full = seq.num_computed_tokens // bs, seq.num_prompt_tokens // bs
+        if seq.blend is not None:  # blended blocks are never indexed (engine/blend.py)
+            full = min(full, seq.blend.documents[0].start // bs)
         if full <= done:
             return []
         self._hash_blocks(seq, full)

@@ -21,6 +21,7 @@ from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.policies import Full, KVPolicy
 from kvbank.cache.prefix import root_hash
 from kvbank.config import EngineConfig
+from kvbank.engine.blend_plan import BlendPlan, document_root, separator_segments
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import ParsedPrompt, PromptType, parse_prompt
 from kvbank.engine.scheduler import Scheduler
@@ -46,6 +47,7 @@ class Admission:
         namespace: bytes,
         device: torch.device,
         in_use: Callable[[str], bool],
+        blend_refusal: str | None = None,
     ) -> None:
         self.config = config
         self.limits = limits
@@ -60,6 +62,8 @@ class Admission:
         self.max_model_len = model_config.max_position_embeddings
         self.block_size = config.block_size
         self._in_use = in_use
+        #: why this engine cannot blend documents (None: it can)
+        self.blend_refusal = blend_refusal
         self._ids = itertools.count()
 
     # --- ids and prompts ----------------------------------------------------------------------
@@ -117,6 +121,9 @@ class Admission:
         """A checked request with its first sequence (`seqs[0]`), ready to queue."""
         request_id = self.request_id(request_id)
         parsed = self.parse(prompt, embeds=True, tenant=True)
+        segments = self._separated(prompt, parsed)
+        if segments is not None:
+            parsed = self.parse({**_salt_and_tenant(prompt), "segments": segments}, tenant=True)
         namespace = self.namespace
         if parsed.embeds is not None:
             if params.prompt_logprobs is not None:
@@ -136,6 +143,7 @@ class Admission:
         arrival = arrival_time or time.time()
         request = Request(request_id, parsed.text, parsed.token_ids, params, root, arrival, policy, peak)
         request.prefix_limit = policy.prefix_limit(prompt_len, self.limits)
+        request.blend = self.blend_plan(parsed, params, policy)
         request.tenant = parsed.tenant
         request.prompt_embeds = parsed.embeds
         request.embedded_spans = [(0, prompt_len)] if parsed.embeds is not None else []
@@ -143,6 +151,31 @@ class Admission:
         first.kv_state = self.score_state(policy, prompt_len + params.max_tokens)
         request.seqs.append(first)
         return request
+
+    # --- blending (engine/blend.py) -------------------------------------------------------------
+
+    def _separated(self, prompt: PromptType, parsed: ParsedPrompt) -> list | None:
+        """A text prompt cut into segments at the engine's `blend_separator`, if it holds it."""
+        separator = self.config.blend_separator
+        given_as_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+        if separator is None or parsed.text is None or not given_as_text:
+            return None
+        return separator_segments(parsed.text, separator)
+
+    def blend_plan(self, parsed: ParsedPrompt, params: SamplingParams, policy: KVPolicy) -> BlendPlan | None:
+        """How the request blends its documents; None when it marks none or recomputes every token.
+        ValueError for what blending cannot run with."""
+        if not parsed.documents:
+            return None
+        ratio = self.config.blend_recompute_ratio if parsed.blend_ratio is None else parsed.blend_ratio
+        if ratio >= 1.0:
+            return None  # the full prefill, exactly
+        if self.blend_refusal is not None:
+            raise ValueError(f"documents cannot be blended here: {self.blend_refusal}")
+        if not isinstance(policy, Full):
+            raise ValueError(f"kv_policy={policy} cannot run with documents: blending needs every token at its slot")
+        root = document_root(self.namespace, parsed.salt)
+        return BlendPlan(parsed.documents, ratio, root, self.model_config.num_layers)
 
     # --- checks -------------------------------------------------------------------------------
 
@@ -251,3 +284,8 @@ class Admission:
             return None
         c = self.model_config
         return ScoreState.empty(c.num_layers, c.num_kv_heads, capacity, self.device)
+
+
+def _salt_and_tenant(prompt: PromptType) -> dict:
+    """What a prompt dict says besides its tokens (cache_salt, tenant)."""
+    return {k: v for k, v in prompt.items() if k in ("cache_salt", "tenant")} if isinstance(prompt, dict) else {}

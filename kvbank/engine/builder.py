@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,10 +21,13 @@ from kvbank.cache.tiers import build_tiers, entry_format_for, requested_tiers, t
 from kvbank.cache.tiers.entry import EntryFormat, dtype_name
 from kvbank.config import EngineConfig
 from kvbank.engine.admission import Admission
+from kvbank.engine.blend import Blender
 from kvbank.engine.decoding import Decoder
+from kvbank.engine.params import SamplingParams
 from kvbank.engine.runner import ModelRunner
 from kvbank.engine.sampler import Sampler
-from kvbank.engine.scheduler import Scheduler
+from kvbank.engine.scheduler import ScheduledSeq, Scheduler
+from kvbank.engine.sequence import Request, Sequence
 from kvbank.engine.sessions import SessionFiles
 from kvbank.engine.stream_host import StreamHost
 from kvbank.engine.stream_questions import RequestHooks
@@ -129,11 +133,22 @@ def build_services(
     requests in flight and `in_use` says whether a request id is taken."""
     scheduler = Scheduler(cache.manager, config.max_num_seqs, cache.limits.chunk_tokens, cache.swapper)
     runner = ModelRunner(built.model, cache.storage, device)
+    refusal = blend_refusal(built, cache.storage)
+    if refusal is None:
+        runner.blender = Blender(
+            built.model,
+            cache.storage,
+            cache.manager,
+            _document_sequence,
+            lambda seq, n: runner.prepare([ScheduledSeq(seq, n)]),
+            cache.editor.rotation,
+            cache.limits.chunk_tokens,
+        )
     tokenizer, namespace = built.tokenizer, cache.namespace
     # fmt: off
     admission = Admission(
         config, built.config, tokenizer, cache.manager, scheduler, cache.limits, cache.kv_policy, namespace, device,
-        in_use,
+        in_use, refusal,
     )
     streams_host = StreamHost(
         admission, scheduler, cache.manager, cache.storage, cache.editor, cache.offload, runner, hooks, namespace
@@ -147,6 +162,30 @@ def build_services(
     sampler = Sampler(eos_token_ids, tokenizer.token_text if tokenizer else str, generator)
     decoder = Decoder(sampler, admission, cache.manager, scheduler, eos_token_ids)
     return Services(scheduler, runner, admission, streams_host, sessions, decoder)
+
+
+def _document_sequence(tokens: list[int], root: bytes) -> Sequence:
+    """A document's tokens as a prompt of its own under `root` (engine/blend.py computes it alone)."""
+    request = Request("document", None, tokens, SamplingParams(max_tokens=1), root, time.time())
+    return Sequence(request, 0, tokens, None)
+
+
+def blend_refusal(built: BuiltModel, storage: KVStorage) -> str | None:
+    """Why this engine cannot blend documents (engine/blend.py), or None when it can."""
+    config = built.config
+    if any(config.layer_windows) or storage.groups is not None:
+        return f"{config.arch} has sliding-window layers, which the blend does not place documents in yet"
+    if not hasattr(built.model.layers[0], "attn_in"):
+        return f"the {config.arch} layers have no split at attention"
+    if storage.kind("kivi") is not None:
+        return (
+            f"the {storage.kind('kivi').name} KV layout (kv_cache_dtype int4/int2) quantizes each block's keys "
+            "as it fills, and the blend writes a prompt's tokens out of order; use auto, bfloat16, int8 or fp8"
+        )
+    missing = {"tokens", "rotate", "gather"} - storage.edits
+    if missing:
+        return f"the KV layout ({', '.join(k.name for k in storage.kinds)}) cannot move and rotate single tokens"
+    return None
 
 
 def batch_variance(model, storage: KVStorage) -> str | None:

@@ -472,6 +472,20 @@ class LLMEngine:
         """One byte per KV block: 0 free (empty), 1 in use, 2 cached and evictable, 3 pinned."""
         return self.manager.block_states()
 
+    def _blend_stats(self) -> dict[str, float]:
+        """Documents blended into prompts (engine/blend.py): reused from the cache or computed alone,
+        their tokens placed, tokens recomputed, and the seconds the blends took."""
+        blender = self.runner.blender
+        totals = (
+            blender.totals
+            if blender is not None
+            else dict.fromkeys(("documents_reused", "documents_computed", "tokens_reused", "tokens_recomputed"), 0)
+        )
+        return {
+            **{f"blend_{key}": value for key, value in totals.items()},
+            "blend_seconds": blender.seconds if blender is not None else 0.0,
+        }
+
     def stats(self) -> dict[str, float | dict]:
         """Counters and gauges: prefix-cache hit rate, pool usage, queue depths, preemptions; and
         `kernel_isa`, the instruction-set level of the native kernels and each family's variant."""
@@ -480,6 +494,7 @@ class LLMEngine:
             **self.manager.gauges(),
             **self.scheduler.gauges(),
             **self.swapper.gauges(),
+            **self._blend_stats(),
             "num_paced_steps": self.pacer.num_paced_steps if self.pacer is not None else 0,
             "num_steps_over_target": self.pacer.num_steps_over_target if self.pacer is not None else 0,
             "kernel_isa": isa.report(kernels.native()),

@@ -7,11 +7,15 @@ from typing import Any
 
 import torch
 
+from kvbank.config import check_ratio
+from kvbank.engine.blend_plan import Document, segment_prompt
 from kvbank.tokenizer import Tokenizer, check_unicode
 
 PromptType = str | list[int] | dict[str, Any]
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "tenant"}
+_PROMPT_KEYS = {
+    "prompt", "prompt_token_ids", "prompt_embeds", "segments", "blend_recompute_ratio", "cache_salt", "tenant",
+}  # fmt: skip
 #: longest tenant a prompt may name (the scheduler keeps one entry per waiting tenant)
 MAX_TENANT_CHARS = 256
 #: dtypes accepted for embeddings, by the names the HTTP API takes; they are computed in the model's dtype
@@ -31,6 +35,10 @@ class ParsedPrompt:
     embeds: torch.Tensor | None = None
     #: whom the scheduler shares prefill among: the prompt's "tenant", else its cache salt
     tenant: str | None = None
+    #: documents marked in the prompt (engine/blend.py): their spans, and the share recomputed (None:
+    #: the engine's); None when it marks none
+    documents: list[Document] | None = None
+    blend_ratio: float | None = None
 
 
 def check_embeds(embeds: Any, hidden_size: int, name: str = "prompt_embeds") -> torch.Tensor:
@@ -58,10 +66,11 @@ def parse_prompt(
 ) -> ParsedPrompt:
     """Token ids of `prompt`, checked against the vocabulary; raises ValueError naming what is wrong.
 
-    A dict takes "prompt" (text), "prompt_token_ids" or "prompt_embeds" (a [tokens, hidden_size]
-    float tensor, when `hidden_size` is given), and optionally "cache_salt" and, where `tenant`
-    allows it (what is scheduled as a request of its own), "tenant"; when it has text and ids, the
-    ids are what runs and the text is kept for display.
+    A dict takes "prompt" (text), "prompt_token_ids", "prompt_embeds" (a [tokens, hidden_size]
+    float tensor, when `hidden_size` is given) or "segments" (texts, token id lists and
+    {"document": ...} parts, with "blend_recompute_ratio" optionally: engine/blend.py), and
+    optionally "cache_salt" and, where `tenant` allows it (what is scheduled as a request of its
+    own), "tenant"; when it has text and ids, the ids are what runs and the text is kept for display.
     """
     salt = owner = None
     text = None
@@ -82,6 +91,8 @@ def parse_prompt(
         owner = check_tenant(prompt.get("tenant"))
         if owner is None:
             owner = salt
+        if "segments" in prompt or "blend_recompute_ratio" in prompt:
+            return _segmented(prompt, tokenizer, vocab_size, salt, owner)
         if "prompt_embeds" in prompt:
             if "prompt_token_ids" in prompt or prompt.get("prompt") is not None:
                 raise ValueError("give prompt_embeds alone, not with prompt or prompt_token_ids")
@@ -100,13 +111,39 @@ def parse_prompt(
         token_ids = list(prompt)
     else:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+    _check_ids(token_ids, vocab_size)
+    return ParsedPrompt(text, token_ids, salt, tenant=owner)
+
+
+def _check_ids(token_ids: list[int], vocab_size: int) -> None:
     if not token_ids:
         raise ValueError("prompt is empty: it must have at least one token")
     # min and max run in C, and a server parses every prompt on its engine thread.
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
-    return ParsedPrompt(text, token_ids, salt, tenant=owner)
+
+
+def _segmented(
+    prompt: dict, tokenizer: Tokenizer | None, vocab_size: int, salt: str | None, owner: str | None
+) -> ParsedPrompt:
+    """A prompt given as segments (documents marked among them)."""
+    if "segments" not in prompt:
+        raise ValueError("blend_recompute_ratio is given with segments, which this prompt has none of")
+    others = sorted({"prompt", "prompt_token_ids", "prompt_embeds"} & set(prompt))
+    if others:
+        raise ValueError(f"give segments alone, not with {', '.join(others)}")
+    ratio = prompt.get("blend_recompute_ratio")
+    ratio = None if ratio is None else check_ratio(ratio)
+
+    def encode(text: str, special: bool) -> list[int]:
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: give segments as token ids instead of text")
+        return tokenizer.encode(check_unicode(text, "segments"), add_special_tokens=special)
+
+    token_ids, documents = segment_prompt(prompt["segments"], encode)
+    _check_ids(token_ids, vocab_size)
+    return ParsedPrompt(None, token_ids, salt, tenant=owner, documents=documents, blend_ratio=ratio)
 
 
 def check_tenant(tenant: Any) -> str | None:

@@ -10,6 +10,7 @@ from kvbank.attention import AttentionMetadata, PrefillChunk
 from kvbank.attention.metadata import index_tensor, table_tensor
 from kvbank.cache.layers import StepSeq
 from kvbank.cache.storage import KVStorage
+from kvbank.engine.blend import Blender
 from kvbank.engine.scheduler import ScheduledSeq
 from kvbank.models.llama import LlamaForCausalLM
 
@@ -37,6 +38,8 @@ class ModelRunner:
         self.device = device
         self.block_size = storage.block_size
         self.dtype = storage.dtype
+        #: runs blended prompts' documents (engine/blend.py); None where the engine cannot blend
+        self.blender: Blender | None = None
 
     def check(self, item: ScheduledSeq) -> None:
         """RuntimeError naming what is wrong if scheduled sequence `item` would read or write outside
@@ -66,13 +69,24 @@ class ModelRunner:
         copies = [copy for item in batch for copy in item.copies]
         if copies:
             self.storage.copy_blocks(copies)
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.storage.layers, meta, self._embeds(batch))
-        rows, sample_rows, prompt_rows = self._logit_rows(batch)
+        blended = [item.seq.blending for item in batch]
+        for item, blending in zip(batch, blended):
+            if blending:  # its own forward passes; it samples nothing and scores no prompt token
+                self.blender.run(item)
+        rest = [item for item, blending in zip(batch, blended) if not blending]
+        if not rest:
+            return StepLogits(None, [-1] * len(batch), [None] * len(batch))
+        input_ids, positions, meta = self.prepare(rest)
+        hidden = self.model(input_ids, positions, self.storage.layers, meta, self._embeds(rest))
+        rows, sample_rows, prompt_rows = self._logit_rows(rest)
         logits = self.model.compute_logits(self._rows(hidden, rows)) if rows else None
+        if len(rest) < len(batch):
+            ran = iter(zip(sample_rows, prompt_rows))
+            sample_rows, prompt_rows = map(list, zip(*((-1, None) if blending else next(ran) for blending in blended)))
         return StepLogits(logits, sample_rows, prompt_rows)
 
-    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's input ids, positions and attention metadata for `batch`."""
         input_ids: list[int] = []
         positions: list[int] = []
         for item in batch:

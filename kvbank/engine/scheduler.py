@@ -90,11 +90,10 @@ class Scheduler:
         preempted = False
         self._preempt_for_priority(min(budget, prefill))
         i = 0
+        fresh = prefill
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_schedulable, budget)
-            if num_new > 1:
-                num_new = min(num_new, prefill)
+            num_new, cost = _portion(seq, budget, prefill, prefill == fresh)
             if num_new == 0:  # a stream whose next frame waits for room (StreamHost.fit), or no prefill left
                 i += 1
                 continue
@@ -102,8 +101,8 @@ class Scheduler:
             preempted = preempted or preempted_some
             if room:
                 scheduled.append(ScheduledSeq(seq, num_new, self.manager.append_slots(seq, num_new)))
-                budget -= num_new
-                prefill -= num_new if num_new > 1 else 0
+                budget -= cost
+                prefill -= cost if num_new > 1 else 0
                 i += 1
             elif seq.status is SequenceStatus.RUNNING:
                 i += 1  # nothing it may preempt: it waits until blocks are freed
@@ -125,6 +124,8 @@ class Scheduler:
                 continue
             if slots + _slots(seq) > self.max_num_seqs or not self._fits(seq, whole, chunk):
                 break
+            if seq.blend is not None and _portion(seq, budget, prefill, prefill == fresh)[0] == 0:
+                break  # its blend runs whole, in a step with room for it
             slots += _slots(seq)
             self.waiting.remove(seq)
             if whole:  # an edited sequence comes back exactly as it left, and grows from there
@@ -136,12 +137,15 @@ class Scheduler:
                 if self.swapper is not None and self.swapper.is_swapped(seq):
                     self.swapper.swap_in(seq)
                 num_new, copies = min(seq.num_schedulable, chunk), []
+            cost = num_new
+            if seq.blending:
+                num_new, cost = _portion(seq, budget, prefill, True)
             seq.status = SequenceStatus.RUNNING
             computing.update(self.manager.computing(seq))
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             scheduled.append(ScheduledSeq(seq, num_new, copies))
-            budget -= num_new
-            prefill -= num_new if num_new > 1 else 0
+            budget -= cost
+            prefill -= cost if num_new > 1 else 0
             tenant = seq.request.tenant
             if tenant in self.served:  # charged what it will prefill, less what the cache gave it
                 self.fair_clock = self.served[tenant]
@@ -225,6 +229,20 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _portion(seq: Sequence, budget: int, prefill: int, fresh: bool) -> tuple[int, int]:
+    """(tokens `seq` computes this step, what they take of the token budgets). A blended prompt's
+    blend (engine/blend.py) runs whole, for what it costs: in a step with room for it, or in one
+    where no prompt has taken any of the budget yet (`fresh`); else not this step."""
+    n = seq.num_schedulable
+    if seq.blending and n > 1:
+        cost = seq.blend.cost(n)
+        return (n, cost) if fresh or cost <= min(budget, prefill) else (0, 0)
+    n = min(n, budget)
+    if n > 1:
+        n = min(n, prefill)
+    return n, n
 
 
 def _slots(seq: Sequence) -> int:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from kvbank.cache.editor import ScoreState
     from kvbank.cache.frames import FrameLog
+    from kvbank.engine.blend_plan import BlendPlan
 
 _seq_ids = itertools.count()
 
@@ -121,6 +122,8 @@ class Sequence:
         """Computed tokens the prefix index may list: a stream's system prompt, never its frames."""
         if self.frames is not None:
             return min(self.num_computed_tokens, self.frames.system_len)
+        if self.request.blend is not None:  # blended blocks hold approximate K/V: only what precedes them
+            return min(self.num_computed_tokens, self.request.blend.documents[0].start)
         return self.num_computed_tokens
 
     @property
@@ -152,7 +155,23 @@ class Sequence:
     def num_schedulable(self) -> int:
         """Tokens the next step may compute: the pending ones, up to `compute_limit`."""
         end = len(self.token_ids) if self.compute_limit is None else min(len(self.token_ids), self.compute_limit)
+        if self.blending:
+            end = self._blend_end  # the blend, in one step; what follows the documents as usual
         return max(0, end - self.num_computed_tokens)
+
+    @property
+    def _blend_end(self) -> int:
+        return min(self.request.blend.end, self.num_prompt_tokens - 1)
+
+    @property
+    def blend(self) -> BlendPlan | None:
+        return self.request.blend
+
+    @property
+    def blending(self) -> bool:
+        """Whether the next step blends the prompt's documents (engine/blend.py): the tokens up to the
+        end of the last document (and never the prompt's last token, whose logits are sampled)."""
+        return self.request.blend is not None and self.num_computed_tokens < self._blend_end
 
     def reset_cache(self) -> None:
         """Forget every computed token (after the blocks are freed): the sequence is recomputed."""
@@ -283,6 +302,8 @@ class Request(Reports):
         self.peak_slots = peak_slots
         #: leading prompt tokens that may come from the prefix cache (the policy's limit)
         self.prefix_limit = len(prompt_token_ids)
+        #: the documents the prompt reuses and how (engine/blend.py); None: a plain prefill
+        self.blend: BlendPlan | None = None
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params

@@ -193,37 +193,50 @@ class DecoderLayer(nn.Module):
 
         Returns this layer's output and the residual stream it was added to; the norms do the adds.
         """
-        if self.native is not None and self.self_attn.qkv_proj.integer_path(x.shape[0]):
-            return self._integer_forward(x, residual, cos, sin, kv_cache, meta)
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        qkv, residual = self.attn_in(x, residual, cos, sin)
+        return self.attn_out(self.self_attn.attend(qkv, kv_cache, meta), residual)
 
-    def _integer_forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer in two native calls around attention: norm, q/k/v and rotary in one; the output
-        projection, residual add, norm, gate/up, SiLU and down in the other."""
+    def _integer(self, rows: int) -> bool:
+        return self.native is not None and self.self_attn.qkv_proj.integer_path(rows)
+
+    def attn_in(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to attention: the residual add and norm, q/k/v projected and rotated (on
+        integer kernels: one native call). Returns the q/k/v rows and the residual stream."""
+        attn = self.self_attn
+        if self._integer(x.shape[0]):
+            qkv = self.native.qlayer_attn_in(
+                x,
+                residual,
+                self.input_layernorm.weight,
+                self.input_layernorm.eps,
+                *attn.qkv_proj.segments(),
+                cos,
+                sin,
+                attn.num_heads + attn.num_kv_heads,
+            )
+            return qkv, (x if residual is None else residual)
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        return attn.rotated_qkv(h, cos, sin), residual
+
+    def attn_out(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention: the output projection, the residual add and norm, the MLP (on
+        integer kernels: one native call). Returns the layer's output and the residual stream."""
         attn, mlp = self.self_attn, self.mlp
-        qkv = self.native.qlayer_attn_in(
-            x,
-            residual,
-            self.input_layernorm.weight,
-            self.input_layernorm.eps,
-            *attn.qkv_proj.segments(),
-            cos,
-            sin,
-            attn.num_heads + attn.num_kv_heads,
-        )
-        residual = x if residual is None else residual
-        out = self.native.qlayer_mlp(
-            attn.attend(qkv, kv_cache, meta),
-            residual,
-            *attn.o_proj.segments(),
-            self.post_attention_layernorm.weight,
-            self.post_attention_layernorm.eps,
-            *mlp.gate_up_proj.segments(),
-            *mlp.down_proj.segments(),
-        )
-        return out, residual
+        if self._integer(attended.shape[0]):
+            out = self.native.qlayer_mlp(
+                attended,
+                residual,
+                *attn.o_proj.segments(),
+                self.post_attention_layernorm.weight,
+                self.post_attention_layernorm.eps,
+                *mlp.gate_up_proj.segments(),
+                *mlp.down_proj.segments(),
+            )
+            return out, residual
+        h, residual = self.post_attention_layernorm.add_forward(attn.o_proj(attended), residual)
+        return mlp(h), residual
 
     def use_integer_kernels(self, native) -> bool:
         """Run the whole layer on native integer kernels when all its projections are packed

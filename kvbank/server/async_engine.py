@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvbank.engine.blend_plan import separator_segments, tokenized_segments
 from kvbank.engine.llm_engine import EngineInfo, LLMEngine, PromptType
 from kvbank.engine.outputs import RequestFailed, RequestOutput, RequestOutputKind
 from kvbank.engine.params import SamplingParams
@@ -303,6 +304,10 @@ class AsyncEngine:
             return prompt, None  # nothing to tokenize, or the engine will say what is wrong
         self.check_text_length([text])
         rest = {k: v for k, v in as_dict.items() if k != "prompt"}
+        separator = self.info.config.blend_separator
+        segments = separator_segments(text, separator) if separator is not None else None
+        if segments is not None:  # documents marked in the text (engine/blend.py), tokenized one by one
+            return {**rest, "segments": await self.run_tokenizer(tokenized_segments, segments, tokenizer.encode)}, text
         return {**rest, "prompt_token_ids": await self.run_tokenizer(tokenizer.encode, text)}, text
 
     def check_text_length(self, texts: Sequence[str], what: str = "prompt") -> None:
