@@ -187,7 +187,7 @@ class Blender:
 
     def _inputs(self, seq, positions):
         ids = index_tensor([seq.token_ids[p] for p in positions.tolist()], self.device)
-        x, padded = self.model._embed(ids, positions.to(self.device), None)
+        x, padded = self.model.embed(ids, positions.to(self.device), None)
         return x, self.model.rope_cos[padded], self.model.rope_sin[padded]
 
     @staticmethod

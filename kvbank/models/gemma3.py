@@ -124,7 +124,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         """As LlamaForCausalLM.forward."""
         T = input_ids.shape[0]
-        x, positions = self._embed(input_ids, positions, embeds)
+        x, positions = self.embed(input_ids, positions, embeds)
         full = self.rope_cos[positions], self.rope_sin[positions]
         local = self.rope_local_cos[positions], self.rope_local_sin[positions]
         step = self._gemma_stack_step(x, kv_caches, meta)

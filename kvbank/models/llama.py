@@ -312,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def _embed(
+    def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's input rows (padded to a matmul size) and their positions; `embeds` = (rows,
@@ -341,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of the new tokens (before the final norm); `embeds` = (rows,
         values) replaces those rows' token embeddings (a prompt or frame given as embeddings)."""
         T = input_ids.shape[0]
-        x, positions = self._embed(input_ids, positions, embeds)
+        x, positions = self.embed(input_ids, positions, embeds)
         rows = x.shape[0]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         step = self._stack_attention(rows, kv_caches, meta)
