@@ -60,7 +60,13 @@ def _run(engine, request_ids: set[str], outputs: dict) -> None:
             outputs[output.request_id] = output
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     config=st.sampled_from(CONFIGS),
     window=st.integers(1, 3),
@@ -92,7 +98,11 @@ def test_streams_of_any_frames_never_fail_and_leave_their_neighbours_bits_alone(
         accepted += len(sent)
         stream = engine.stream(stream_id)
         assert stream.seq.num_computed_tokens == stream.seq.num_tokens <= context
-        question = engine.ask_stream(stream_id, "What happened?", SamplingParams(temperature=0, max_tokens=4))
+        try:
+            question = engine.ask_stream(stream_id, "What happened?", SamplingParams(temperature=0, max_tokens=4))
+        except ValueError as refusal:  # near the end of the positions a question is refused, naming the room
+            assert "exceeds max_model_len" in str(refusal) and "positions are left" in str(refusal), refusal
+            continue
         _run(engine, {question.request_id}, outputs)
         assert len(outputs[question.request_id].outputs[0].token_ids) >= 1
     _run(engine, {neighbour.request_id}, outputs)

@@ -103,7 +103,8 @@ class StreamQuestions:
         if params.max_tokens > room:
             raise ValueError(
                 f"the stream holds {kept} tokens and the question has {len(parsed.token_ids)}: "
-                f"max_tokens={params.max_tokens} exceeds max_model_len={self.max_model_len}"
+                f"max_tokens={params.max_tokens} exceeds max_model_len={self.max_model_len}: {max(room, 0)} "
+                "positions are left (a stream's positions keep growing past the frames it evicted)"
             )
         total = kept + len(parsed.token_ids) + params.max_tokens
         admit.ensure_room(
