@@ -75,7 +75,6 @@ class Blender:
                 self._place(seq, plan, doc, lo, hi)
                 placed[lo - start : hi - start] = True
                 owner[lo - start : hi - start] = d
-        plan.tokens_reused += int(placed.sum())
         positions = torch.arange(start, end)
         if plan.ratio > 0 and bool(placed.any()):
             qkv, residual, rows = self._check(seq, plan, positions, placed, owner)
@@ -83,15 +82,13 @@ class Blender:
         else:
             rows = positions[~placed]
             qkv, residual, first = None, None, 0
-        plan.tokens_recomputed += len(rows)
         if len(rows):
             self._layers(seq, rows, first, qkv, residual)
         logprobs = seq.request.prompt_logprobs
         if logprobs is not None:  # the blend's rows have no logits: tokens start + 1 .. end get None
             logprobs.extend([None] * (end + 1 - len(logprobs)))
-        plan.seconds += time.perf_counter() - started
-        for key, value in (("tokens_reused", int(placed.sum())), ("tokens_recomputed", len(rows))):
-            self.totals[key] += value
+        self.totals["tokens_reused"] += int(placed.sum())
+        self.totals["tokens_recomputed"] += len(rows)
         self.seconds += time.perf_counter() - started
 
     # --- placement ----------------------------------------------------------------------------
@@ -105,11 +102,9 @@ class Blender:
         if len(blocks) * self.block_size < len(tokens):
             computed = self._compute_alone(tokens, plan.root)
             blocks = computed.block_table
-            plan.computed += 1
             self.totals["documents_computed"] += 1
         else:
             blocks = [b.block_id for b in blocks]
-            plan.reused += 1
             self.totals["documents_reused"] += 1
         try:
             src = _slots(blocks, range(lo - doc.start, hi - doc.start), self.block_size)
@@ -174,7 +169,7 @@ class Blender:
         """Layers `first`.. over the rows at `positions`; past layer 0 they start from that layer's
         q/k/v and residual stream (`_check`)."""
         layers, table = self.model.layers, seq.block_table
-        x, cos, sin = self._inputs(seq, positions)
+        x, cos, sin = self._inputs(seq, positions)  # past layer 0 only the padded rotary tables serve
         rows = x.shape[0]
         meta = self._rows_meta(table, positions.tolist())
         for index in range(first, len(layers)):

@@ -34,19 +34,12 @@ class Document:
 
 @dataclass(slots=True)
 class BlendPlan:
-    """A blended prompt: its documents, the share recomputed, and what the blend did."""
+    """A blended prompt: its documents, the share recomputed, where document chains start."""
 
     documents: list[Document]
     ratio: float
     root: bytes
     num_layers: int
-    #: documents found cached / computed alone by this prompt's blend
-    reused: int = 0
-    computed: int = 0
-    #: document tokens whose K/V was placed, and tokens computed in layers past the check layer
-    tokens_reused: int = 0
-    tokens_recomputed: int = 0
-    seconds: float = 0.0
 
     @property
     def end(self) -> int:
