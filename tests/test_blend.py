@@ -337,3 +337,30 @@ def test_an_int8_cache_blends_and_an_int4_cache_refuses_naming_itself(documents)
     int4 = LLM(num_gpu_blocks=64, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match=r"documents cannot be blended here: the kivi KV layout \(kv_cache_dtype int4"):
         int4.generate([_prompt(documents[:1])])
+
+
+def test_documents_go_to_a_disk_tier_and_a_bad_entry_is_computed_instead(documents, tmp_path):
+    """A document computed in one engine is stored in its disk tier; a second engine over the same
+    directory loads it for a prompt that orders the documents anew (nothing computed alone, the
+    same bits), and an entry whose payload was altered is refused and the document computed."""
+    tiered = dict(num_gpu_blocks=256, kv_tier_chunk_tokens=64, kv_disk_dir=str(tmp_path))
+    prompt, reordered = _prompt(documents[:3]), _prompt(documents[2::-1])
+    with LLM(**tiered) as first:
+        first.generate([prompt], GREEDY)
+        expected = _answer(first.generate([reordered], GREEDY)[0])
+        assert first.engine.flush_tiers(30)
+    with LLM(**tiered) as second:
+        assert _answer(second.generate([reordered], GREEDY)[0]) == expected
+        assert _blend_counts(second)["blend_documents_computed"] == 0
+        assert second.tier_stats()["offload"]["loads"] == 3
+        assert _all_free(second)  # the loaded documents are held only until placed
+    entries = sorted(tmp_path.glob("*/*.kv"))
+    assert len(entries) >= 3
+    for entry in entries:  # one byte of each payload flipped: the checksum no longer matches
+        blob = bytearray(entry.read_bytes())
+        blob[-1] ^= 0xFF
+        entry.write_bytes(bytes(blob))
+    with LLM(**tiered) as third:
+        assert _answer(third.generate([reordered], GREEDY)[0]) == expected
+        assert _blend_counts(third)["blend_documents_computed"] == 3
+        assert third.tier_stats()["offload"]["bad_entries"] >= 3

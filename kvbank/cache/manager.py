@@ -41,6 +41,9 @@ class Sequence(Protocol):
     chain_serials: list[int | None]
     #: blocks kept for the sequence before it is admitted (loaded from a tier), released on allocate
     held_blocks: list[int]
+    #: a blended prompt's documents loaded from a tier, each a sequence holding their blocks until
+    #: the blend has placed them (engine/blend.py)
+    document_holds: list[Any]
     #: tokens a long-context policy dropped from the cache, and the blocks it keeps aside
     num_evicted: int
     pristine_blocks: list[int]
@@ -253,6 +256,13 @@ class KVCacheManager:
         seq.pristine_blocks = []
         seq.window_tables, seq.window_first, seq.window_committed = [], 0, 0
         self._release_held(seq)
+        self.free_document_holds(seq)
+
+    def free_document_holds(self, seq: Sequence) -> None:
+        """Release the blocks held for `seq`'s documents (loaded from a tier for its blend)."""
+        for held in seq.document_holds:
+            self.free(held)
+        seq.document_holds = []
 
     def hold(self, seq: Sequence, blocks: list[Block]) -> None:
         """Keep `blocks` out of eviction until `seq` is allocated or freed (they take a reference each)."""

@@ -60,6 +60,9 @@ class LoadJob:
     blocks from `usable` on are fetched with their chunk but not installed."""
 
     seq: Sequence
+    #: the sequence the scheduler passes over until the load lands: `seq`, or the prompt that
+    #: places the document `seq` holds (engine/blend.py)
+    waiter: Sequence
     keys: list[bytes]
     token_ids: tuple[int, ...]
     root: bytes
@@ -257,13 +260,17 @@ class KVOffload:
 
     # --- loading ----------------------------------------------------------------------------
 
-    def request_load(self, seq: Sequence) -> bool:
-        """Look for `seq`'s missing prompt blocks in the tiers; True if a load is under way."""
+    def request_load(self, seq: Sequence, waiter: Sequence | None = None) -> bool:
+        """Look for `seq`'s missing prompt blocks in the tiers; True if a load is under way.
+
+        With a `waiter`, `seq` is a document of the waiter's prompt (engine/blend.py): every whole
+        block of it is wanted, the loaded blocks are held for `seq` (the waiter frees it) and the
+        waiter is passed over until the load lands."""
         bs = self.manager.block_size
+        whole = len(seq.token_ids) // bs
         # The last token is always computed (as on a pool hit), but an entry may run up to the
         # prompt's last whole block: it is loaded and only the blocks before that one installed.
-        usable = min(len(seq.token_ids) - 1, seq.prefix_limit) // bs
-        whole = len(seq.token_ids) // bs
+        usable = whole if waiter is not None else min(len(seq.token_ids) - 1, seq.prefix_limit) // bs
         if not self.manager.enable_prefix_caching or seq.no_prefix_cache or usable == 0:
             return False
         cached = len(self.manager.cached_prefix(seq, whole))
@@ -273,6 +280,7 @@ class KVOffload:
         tokens = (usable - first) * bs
         job = LoadJob(
             seq,
+            waiter or seq,
             list(seq.block_hashes[:whole]),
             tuple(seq.token_ids[: whole * bs]),
             seq.root_hash,
@@ -284,7 +292,7 @@ class KVOffload:
             self._loads.put_nowait(job)
         except queue.Full:
             return False
-        seq.loading = True
+        job.waiter.loading = True
         self._jobs.append(job)
         return True
 
@@ -329,16 +337,14 @@ class KVOffload:
                 break
 
     def forget(self, seq: Sequence) -> None:
-        """`seq` ended before its load landed: drop the load (held blocks go with manager.free)."""
-        for job in self._jobs:
-            if job.seq is seq:
-                job.cancelled = True
-                self._finish(job)
-                break
+        """`seq` ended before its loads landed: drop them (held blocks go with manager.free)."""
+        for job in [job for job in self._jobs if job.waiter is seq]:
+            job.cancelled = True
+            self._finish(job)
 
     def _finish(self, job: LoadJob) -> None:
-        job.seq.loading = False
         self._jobs.remove(job)
+        job.waiter.loading = any(other.waiter is job.waiter for other in self._jobs)
 
     def _install(self, job: LoadJob, budget: int | None, keep_free: int) -> int | None:
         """Copy landed chunks into free pool blocks, index them and hold them for the sequence."""

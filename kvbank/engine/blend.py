@@ -44,7 +44,7 @@ from kvbank.engine.streams import PoolFull
 class Blender:
     """Runs the blend of a prompt's documents (see the module's docstring) in one step."""
 
-    def __init__(self, model, storage, manager, new_sequence, prepare, rotation, max_chunk: int) -> None:
+    def __init__(self, model, storage, manager, offload, new_sequence, prepare, rotation, max_chunk: int) -> None:
         self.model = model
         self.storage = storage
         self.manager = manager
@@ -57,6 +57,9 @@ class Blender:
         self.max_chunk = max_chunk
         self.block_size = storage.block_size
         self.device = storage.device
+        #: the tiers' controller (cache/offload.py): documents computed alone go to the tiers, and
+        #: the engine asks it for a prompt's missing documents (LLMEngine.add_request); None: no tiers
+        self.offload = offload
         #: engine totals: documents reused and computed, tokens reused and recomputed, seconds
         self.totals = {"documents_reused": 0, "documents_computed": 0, "tokens_reused": 0, "tokens_recomputed": 0}
         self.seconds = 0.0
@@ -69,12 +72,15 @@ class Blender:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
         placed = torch.zeros(end - start, dtype=torch.bool)
         owner = torch.full((end - start,), -1, dtype=torch.long)  # each row's document, -1: none
-        for d, doc in enumerate(plan.documents):
-            lo, hi = max(start, doc.start), min(end, plan.stored_end(doc, self.block_size))
-            if lo < hi:
-                self._place(seq, plan, doc, lo, hi)
-                placed[lo - start : hi - start] = True
-                owner[lo - start : hi - start] = d
+        try:
+            for d, doc in enumerate(plan.documents):
+                lo, hi = max(start, doc.start), min(end, plan.stored_end(doc, self.block_size))
+                if lo < hi:
+                    self._place(seq, plan, doc, lo, hi)
+                    placed[lo - start : hi - start] = True
+                    owner[lo - start : hi - start] = d
+        finally:  # documents loaded from a tier are placed: their blocks stay cached, held no more
+            self.manager.free_document_holds(seq)
         positions = torch.arange(start, end)
         if plan.ratio > 0 and bool(placed.any()):
             qkv, residual, rows = self._check(seq, plan, positions, placed, owner)
@@ -132,9 +138,13 @@ class Blender:
                 self.model(input_ids, positions, self.storage.layers, meta)
                 doc.num_computed_tokens += n
                 self.manager.commit(doc)
+                if self.offload is not None:  # write-through sends each whole chunk to the tiers
+                    self.offload.on_commit(doc)
         except BaseException:
             self.manager.free(doc)
             raise
+        if self.offload is not None:
+            self.offload.on_finish(doc)
         return doc
 
     # --- the check layer and the recompute ------------------------------------------------------

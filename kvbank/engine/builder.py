@@ -139,7 +139,8 @@ def build_services(
             built.model,
             cache.storage,
             cache.manager,
-            _document_sequence,
+            cache.offload,
+            document_sequence,
             lambda seq, n: runner.prepare([ScheduledSeq(seq, n)]),
             cache.editor.rotation,
             cache.limits.chunk_tokens,
@@ -164,7 +165,7 @@ def build_services(
     return Services(scheduler, runner, admission, streams_host, sessions, decoder)
 
 
-def _document_sequence(tokens: list[int], root: bytes) -> Sequence:
+def document_sequence(tokens: list[int], root: bytes) -> Sequence:
     """A document's tokens as a prompt of its own under `root` (engine/blend.py computes it alone)."""
     request = Request("document", None, tokens, SamplingParams(max_tokens=1), root, time.time())
     return Sequence(request, 0, tokens, None)

@@ -26,7 +26,7 @@ from kvbank.cache.manager import blocks_for
 from kvbank.cache.policies import DEFAULT_STREAM_POLICY, KVPolicy
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
-from kvbank.engine.builder import batch_variance, build_cache, build_services
+from kvbank.engine.builder import batch_variance, build_cache, build_services, document_sequence
 from kvbank.engine.commit import StepCommit
 from kvbank.engine.counters import EngineCounters
 from kvbank.engine.outputs import RequestFailed, RequestOutput
@@ -173,7 +173,23 @@ class LLMEngine:
         self.scheduler.add(request.seqs[0])
         if self.offload is not None:
             self.offload.request_load(request.seqs[0])
+            if request.blend is not None:
+                self._load_documents(request.seqs[0])
         return request
+
+    def _load_documents(self, seq: Sequence) -> None:
+        """Ask the tiers for the blocks of `seq`'s documents the pool lacks (engine/blend.py): they
+        are held for it until its blend places them, and it waits until they land or time out."""
+        plan, seen = seq.blend, set()
+        for doc in plan.documents:
+            tokens = tuple(seq.token_ids[doc.start : plan.stored_end(doc, self.block_size)])
+            if not tokens or tokens in seen:
+                continue
+            seen.add(tokens)
+            if len(self.manager.cached_blocks(tokens, plan.root)) * self.block_size < len(tokens):
+                held = document_sequence(list(tokens), plan.root)
+                if self.offload.request_load(held, waiter=seq):
+                    seq.document_holds.append(held)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its last state, or None if unknown.

@@ -62,6 +62,8 @@ class Sequence:
         self.compute_limit: int | None = None
         #: a tier load is under way; the scheduler admits the sequence once it lands or times out
         self.loading = False
+        #: documents of a blended prompt loaded from a tier, each holding its blocks until placed
+        self.document_holds: list[Sequence] = []
         #: it waited for a running prefill to cache prompt blocks it shares (Scheduler)
         self.waited_for_prefix = False
         self.status = SequenceStatus.WAITING
