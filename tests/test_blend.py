@@ -160,6 +160,12 @@ def test_a_separator_in_the_text_marks_the_documents(documents):
     assert llm.stats()["blend_documents_reused"] == 2
     assert by_segments.prompt_token_ids == by_text.prompt_token_ids
     assert _answer(by_segments) == _answer(by_text)
+    # a chat's rendered text is cut the same way (the documents are reused, not computed)
+    chat = llm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text[len(SYSTEM) :]}], GREEDY)
+    assert llm.stats()["blend_documents_reused"] == 4 and llm.stats()["blend_documents_computed"] == 2
+    ids = chat[0].prompt_token_ids
+    for doc in (tokenizer.encode(t, add_special_tokens=False) for t in texts):  # each tokenized alone
+        assert any(ids[k : k + len(doc)] == doc for k in range(len(ids))), doc[:8]
 
 
 def test_what_cannot_blend_is_refused_naming_it(llm, documents, tmp_path):
@@ -294,34 +300,90 @@ def test_the_selection_restores_more_than_a_random_one_of_the_same_size(llm, mon
     assert statistics.mean(excess(selected)) < 0.6 * statistics.mean(excess(reused))
 
 
-def test_a_server_given_a_separator_blends_text_prompts_per_tenant(kvbank_env, tmp_path):
-    """`kvbank serve --blend-separator`: completions whose text holds the separator reuse documents
-    across requests of one tenant, never across tenants, and /metrics counts them."""
+def test_a_server_marks_documents_three_ways_per_tenant(kvbank_env, tmp_path):
+    """`kvbank serve --blend-separator`: completions whose text holds the separator, completions
+    given segments (through the `openai` client's extra_body) and chats with document content
+    parts reuse documents across requests of one tenant, never across tenants; POST /v1/documents
+    warms them up; a request's ratio is honoured (1.0: the full prefill's tokens) or refused."""
     import re
 
+    import openai
     from serving import request, served
 
-    texts = [TEXT[1000:1600], TEXT[3000:3500]]
+    texts = [TEXT[1000:1600], TEXT[3000:3500], TEXT[5000:5400]]
     prompt = SYSTEM + " ## " + texts[0] + " ## " + texts[1] + " ## " + QUESTION
     reordered = SYSTEM + " ## " + texts[1] + " ## " + texts[0] + " ## " + QUESTION
 
-    def metric(url: str, name: str) -> float:
+    def metric(name: str) -> float:
         _, page, _ = request(f"{url}/metrics")
-        return float(re.search(rf"^{name} (\S+)$", page, re.M).group(1))
+        return float(re.search(rf"^kvbank:blend_documents_{name}_total (\S+)$", page, re.M).group(1))
 
     with served(["--blend-separator", " ## ", "--num-gpu-blocks", "512"], kvbank_env, tmp_path / "s.log") as url:
-        body = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 4, "temperature": 0}
+        model = "SmolLM2-135M-Instruct.Q4_1"
+        body = {"model": model, "max_tokens": 4, "temperature": 0}
         status, first, _ = request(f"{url}/v1/completions", {**body, "prompt": prompt, "cache_salt": "a"})
         assert status == 200, first
-        assert metric(url, "kvbank:blend_documents_computed_total") == 2
+        assert (metric("computed"), metric("reused")) == (2, 0)
         status, _, _ = request(f"{url}/v1/completions", {**body, "prompt": reordered, "cache_salt": "a"})
         assert status == 200
-        assert metric(url, "kvbank:blend_documents_reused_total") == 2
+        assert (metric("computed"), metric("reused")) == (2, 2)
         status, _, _ = request(f"{url}/v1/completions", {**body, "prompt": prompt, "cache_salt": "b"})
         assert status == 200
-        assert metric(url, "kvbank:blend_documents_computed_total") == 4
-        assert metric(url, "kvbank:blend_documents_reused_total") == 2
-        assert metric(url, "kvbank:blend_tokens_reused_total") > 0
+        assert (metric("computed"), metric("reused")) == (4, 2)
+
+        # segments through an unmodified client; ratio 1.0 answers as the plain prompt does
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        segments = [SYSTEM, {"document": texts[2]}, {"document": texts[0]}, QUESTION]
+        texts_only = [s["document"] if isinstance(s, dict) else s for s in segments]  # the same tokens, no documents
+        plain = client.completions.create(
+            model=model, prompt="", max_tokens=8, temperature=0, extra_body={"segments": texts_only, "ignore_eos": True}
+        )
+        exact = client.completions.create(
+            model=model,
+            prompt="",
+            max_tokens=8,
+            temperature=0,
+            extra_body={
+                "segments": segments,
+                "blend_recompute_ratio": 1.0,
+                "cache_salt": "a",
+                "ignore_eos": True,
+            },
+        )
+        assert exact.choices[0].text == plain.choices[0].text
+        assert (metric("computed"), metric("reused")) == (4, 2)  # ratio 1.0 blends nothing
+        # the same tokens again would hit the prefix cache whole (the ratio-1.0 prompt is exact); another order
+        swapped = [SYSTEM, segments[2], segments[1], QUESTION]
+        client.completions.create(
+            model=model, prompt="", max_tokens=2, extra_body={"segments": swapped, "cache_salt": "a"}
+        )
+        assert (metric("computed"), metric("reused")) == (5, 3)
+
+        # chat: document content parts (the openai client sends them as given); warm-up first
+        status, warm, _ = request(f"{url}/v1/documents", {"documents": texts, "cache_salt": "c"})
+        assert status == 200, warm
+        assert (warm["documents"], warm["computed"], warm["cached"]) == (3, 3, 0)
+        parts = [{"type": "text", "text": "Read these."}, *({"type": "document", "text": t} for t in texts[::-1])]
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=2, extra_body={"cache_salt": "c"}
+        )
+        assert chat.choices[0].message.content is not None
+        assert (metric("computed"), metric("reused")) == (8, 6)
+        status, again, _ = request(f"{url}/v1/documents", {"documents": texts[:1], "cache_salt": "c"})
+        assert (again["computed"], again["cached"]) == (0, 1)
+
+        for bad, field in (
+            ({**body, "prompt": "hi", "segments": segments}, "segments"),
+            ({**body, "segments": [SYSTEM, {"doc": texts[0]}]}, "segments"),
+            ({**body, "prompt": "no documents here", "blend_recompute_ratio": 0.5}, None),
+            ({**body, "segments": segments, "blend_recompute_ratio": 1.5}, None),
+        ):
+            status, error, _ = request(f"{url}/v1/completions", bad)
+            assert status == 400 and error["error"]["type"] == "invalid_request_error", error
+            assert field is None or error["error"]["param"] == field, error
+        status, error, _ = request(f"{url}/v1/documents", {"documents": [1, 2]})
+        assert status == 400 and error["error"]["param"] == "documents", error
 
 
 def test_an_int8_cache_blends_and_an_int4_cache_refuses_naming_itself(documents):

@@ -97,6 +97,15 @@ class Blender:
         self.totals["tokens_recomputed"] += len(rows)
         self.seconds += time.perf_counter() - started
 
+    def precompute(self, tokens: list[int], root: bytes) -> bool:
+        """Compute and cache a document's whole blocks (`tokens`) unless the pool holds them all;
+        True if it was computed."""
+        if len(self.manager.cached_blocks(tokens, root)) * self.block_size >= len(tokens):
+            return False
+        self.manager.free(self._compute_alone(tokens, root))
+        self.totals["documents_computed"] += 1
+        return True
+
     # --- placement ----------------------------------------------------------------------------
 
     def _place(self, seq, plan: BlendPlan, doc: Document, lo: int, hi: int) -> None:

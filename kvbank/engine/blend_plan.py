@@ -98,14 +98,24 @@ def separator_segments(text: str, separator: str) -> list | None:
     return [*segments, separator, pieces[-1]]
 
 
-def tokenized_segments(segments: list, encode: Callable[..., list[int]]) -> list:
-    """`segments` with their texts replaced by token ids, as `segment_prompt` would tokenize them."""
+def tokenized_segments(segments: list, encode: Callable[..., list[int]], special: bool = True) -> list:
+    """`segments` with their texts replaced by token ids, as `segment_prompt` would tokenize them
+    (without `special`, no special tokens at all: a chat template's text writes its own)."""
     out: list = []
     for i, segment in enumerate(segments):
         if isinstance(segment, dict) and isinstance(segment.get("document"), str):
             out.append({"document": encode(segment["document"], add_special_tokens=False)})
         elif isinstance(segment, str):
-            out.append(encode(segment, add_special_tokens=i == 0))
+            out.append(encode(segment, add_special_tokens=special and i == 0))
         else:
             out.append(segment)
     return out
+
+
+def rendered_prompt(text: str, separator: str | None, encode: Callable[..., list[int]]) -> list[int] | dict:
+    """A chat template's rendered `text` as a prompt: its token ids (the template writes the special
+    tokens), or {"segments": ...} cut at `separator` where the text holds it."""
+    segments = separator_segments(text, separator) if separator is not None else None
+    if segments is None:
+        return encode(text, add_special_tokens=False)
+    return {"segments": tokenized_segments(segments, encode, special=False)}

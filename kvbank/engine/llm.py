@@ -14,6 +14,7 @@ from kvbank import kernels
 from kvbank.cache.policies import DEFAULT_STREAM_POLICY
 from kvbank.cache.session import PrefixNotCached
 from kvbank.config import EngineConfig
+from kvbank.engine.blend_plan import rendered_prompt
 from kvbank.engine.llm_engine import LLMEngine, PromptType
 from kvbank.engine.outputs import RequestOutput
 from kvbank.engine.params import SamplingParams
@@ -86,11 +87,12 @@ class LLM:
         prompts = [self.render_chat(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
-        return self.get_tokenizer().apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
-        )
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int] | dict:
+        """Token ids of a conversation rendered with the model's chat template; where the engine has a
+        `blend_separator` and the rendered text holds it, a prompt of segments (engine/blend.py)."""
+        tokenizer = self.get_tokenizer()
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return rendered_prompt(text, self.engine.config.blend_separator, tokenizer.encode)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's cumulative output after every step that advanced it, until it finishes.
@@ -152,6 +154,12 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(request_id)
+
+    def precompute_documents(self, documents: list, cache_salt: str | None = None) -> dict[str, int]:
+        """Compute and cache documents (texts or token id lists) before any prompt uses them, so the
+        first prompt that does reuses them (docs/documents.md); returns documents, computed,
+        cached (already in the pool) and tokens stored (whole blocks of each)."""
+        return self.engine.precompute_documents(documents, cache_salt)
 
     def pin_prefix(self, prompt: PromptType) -> int:
         """Compute a prefix (a system prompt, say) once and keep its full blocks out of eviction.

@@ -26,13 +26,14 @@ from kvbank.cache.manager import blocks_for
 from kvbank.cache.policies import DEFAULT_STREAM_POLICY, KVPolicy
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
+from kvbank.engine.blend_plan import document_root
 from kvbank.engine.builder import batch_variance, build_cache, build_services, document_sequence
 from kvbank.engine.commit import StepCommit
 from kvbank.engine.counters import EngineCounters
 from kvbank.engine.outputs import RequestFailed, RequestOutput
 from kvbank.engine.pacing import StepPacer
 from kvbank.engine.params import SamplingParams
-from kvbank.engine.prompts import PromptType
+from kvbank.engine.prompts import PromptType, parse_prompt
 from kvbank.engine.runner import StepLogits
 from kvbank.engine.scheduler import ScheduledSeq
 from kvbank.engine.sequence import Request, Sequence
@@ -176,6 +177,31 @@ class LLMEngine:
             if request.blend is not None:
                 self._load_documents(request.seqs[0])
         return request
+
+    def precompute_documents(self, documents: list, cache_salt: str | None = None) -> dict[str, int]:
+        """Compute and cache `documents` (texts or token id lists) as a blended prompt's first use
+        would, so that later prompts reuse them (engine/blend.py); each runs as a prompt of its own,
+        now, on this thread. Returns counts: documents, computed, cached (the pool held them),
+        tokens stored (each document's whole blocks; a shorter one stores none)."""
+        blender = self.runner.blender
+        if blender is None:
+            raise ValueError(f"documents cannot be blended here: {self.admission.blend_refusal}")
+        if not isinstance(documents, list) or not documents:
+            raise ValueError("documents must be a non-empty list of texts or token id lists")
+        prompt: dict = {"segments": [{"document": d} for d in documents]}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+        root = document_root(self.cache_namespace, parsed.salt)
+        counts = {"documents": len(documents), "computed": 0, "cached": 0, "tokens": 0}
+        bs = self.block_size
+        for doc in parsed.documents:
+            tokens = parsed.token_ids[doc.start : doc.start + doc.length // bs * bs]
+            if tokens:
+                computed = blender.precompute(tokens, root)
+                counts["computed" if computed else "cached"] += 1
+                counts["tokens"] += len(tokens)
+        return counts
 
     def _load_documents(self, seq: Sequence) -> None:
         """Ask the tiers for the blocks of `seq`'s documents the pool lacks (engine/blend.py): they

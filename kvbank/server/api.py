@@ -4,6 +4,7 @@
     GET  /model_info, /server_info, /get_load   SGLang's worker routes, for routers (`worker`)
     GET  /metrics                Prometheus text
     GET  /v1/models              POST /v1/completions, /v1/chat/completions   (`completions`)
+    POST /v1/documents           computes and caches documents for blended prompts  (`documents`)
     POST /v1/sessions/save, /v1/sessions/restore, /v1/sessions/delete          (`sessions`)
     GET  /v1/sessions            a tenant's saved sessions                     (`sessions`)
     *    /v1/streams...                                                          (`streams`)
@@ -44,6 +45,7 @@ from kvbank.server.async_engine import AsyncEngine
 from kvbank.server.bodies import RequestChecks
 from kvbank.server.completions import Completions, install_completions
 from kvbank.server.dashboard import DashboardLogin, install_dashboard
+from kvbank.server.documents import install_documents
 from kvbank.server.errors import (
     BodyLimit,
     install_api_key,
@@ -101,6 +103,7 @@ def build_app(
     install_worker_routes(app, async_engine, served_model_name, limits, drain)
     _install_server_routes(app, async_engine)
     install_completions(app, Completions(async_engine, checks, limits))
+    install_documents(app, async_engine, checks)
     install_sessions(app, Sessions(async_engine, Path(session_dir) if session_dir is not None else None, limits))
     install_streams(app, Streams(async_engine, checks, limits))
     install_dashboard(app, async_engine, login)

@@ -24,6 +24,7 @@ import base64
 import binascii
 import hashlib
 import logging
+import secrets
 import sys
 from typing import Annotated, Any
 
@@ -154,6 +155,8 @@ class SamplingBody(BaseModel):
     ] = None
     kv_policy: Text | None = None
     priority: int | None = None
+    #: the share of each document's tokens recomputed (server/documents.py); only with documents
+    blend_recompute_ratio: float | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -179,6 +182,8 @@ class CompletionRequest(SamplingBody):
     prompt_embeds: Any = None
     logprobs: int | None = None
     echo: bool | None = False
+    #: instead of prompt: texts and {"document": text} (server/documents.py)
+    segments: Any = None
 
     @property
     def effective_prompt_logprobs(self) -> int | None:
@@ -242,14 +247,18 @@ class RequestChecks:
         max_n = self.limits.max_n
         if max_n is not None and body.n is not None and body.n > max_n:
             raise APIError(f"n={body.n} is over this server's limit of {max_n} (--max-n)", param="n")
-        if body.model is not None and not same_model(body.model, self.model_name):
+        self.check_model(body.model)
+        _check_extra_fields(body)
+
+    def check_model(self, model: str | None) -> None:
+        """Refuse (404) a body for a model this server does not serve."""
+        if model is not None and not same_model(model, self.model_name):
             raise APIError(
-                f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                 status=404,
                 param="model",
                 code="model_not_found",
             )
-        _check_extra_fields(body)
 
     def max_tokens(self, max_tokens: int | None, field: str) -> int | None:
         """`max_tokens` within `max_tokens_cap`, which is also the default when none is given."""
@@ -378,7 +387,7 @@ def tenant_of(cache_salt: str | None) -> str:
     return "tenant-" + hashlib.sha256(b"kvbank tenant\0" + cache_salt.encode()).hexdigest()[:32]
 
 
-def chat_messages(async_engine: AsyncEngine, messages: list[Any]) -> list[dict]:
+def chat_messages(async_engine: AsyncEngine, messages: list[Any], documents: Documents | None = None) -> list[dict]:
     """`template_messages`, once the messages (and their content parts in all) are counted against the
     prompt limit, refused if their texts' byte count alone proves them over it (before the template
     and the tokenizer spend time on them). It validates every message: run it off the event loop."""
@@ -386,7 +395,7 @@ def chat_messages(async_engine: AsyncEngine, messages: list[Any]) -> list[dict]:
     check_count(len(messages), "messages", "messages", limit)
     parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
     check_count(parts, "messages", "content parts in all", limit)
-    rendered = template_messages(messages)
+    rendered = template_messages(messages, documents)
     try:
         async_engine.check_text_length([m["content"] for m in rendered if isinstance(m.get("content"), str)])
     except ValueError as error:
@@ -407,13 +416,33 @@ def render_chat(async_engine: AsyncEngine, messages: list[Any], add_generation_p
         raise APIError(f"cannot render the chat template: {error}", param="messages") from error
 
 
-def template_messages(messages: list[Any]) -> list[dict]:
+class Documents:
+    """The document parts of a chat's messages ({"type": "document", "text": ...}), each written
+    into the message's text as a mark the rendered prompt is cut at (server/documents.py): a
+    private-use character pair around a nonce of this rendering and the document's index, which
+    no message's text can forge."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.nonce = secrets.token_hex(8)
+
+    def mark(self, text: str) -> str:
+        self.texts.append(text)
+        return f"\ue000{self.nonce}:{len(self.texts) - 1}\ue001"
+
+    @property
+    def pattern(self) -> str:
+        return f"\ue000{self.nonce}:(\\d+)\ue001"
+
+
+def template_messages(messages: list[Any], documents: Documents | None = None) -> list[dict]:
     """The messages (`ChatMessage` items) as the chat template sees them; raises APIError for a role
-    or content it must not see, or text that is not valid Unicode. It validates every message:
-    count them first (as `chat_messages` does), and run it off the event loop."""
+    or content it must not see, or text that is not valid Unicode. Document parts are allowed where
+    `documents` collects them. It validates every message: count them first (as `chat_messages`
+    does), and run it off the event loop."""
     if not messages:
         raise APIError("messages must not be empty", param="messages")
-    return [_template_message(i, _chat_message(i, m)) for i, m in enumerate(messages)]
+    return [_template_message(i, _chat_message(i, m), documents) for i, m in enumerate(messages)]
 
 
 def _chat_message(position: int, item: Any) -> ChatMessage:
@@ -425,7 +454,7 @@ def _chat_message(position: int, item: Any) -> ChatMessage:
         raise RequestValidationError(problems) from None
 
 
-def _template_message(position: int, message: ChatMessage) -> dict:
+def _template_message(position: int, message: ChatMessage, documents: Documents | None) -> dict:
     if message.role not in CHAT_ROLES:
         raise APIError(
             f"messages[{position}].role={message.role!r} is not supported; use one of {', '.join(CHAT_ROLES)}",
@@ -442,20 +471,22 @@ def _template_message(position: int, message: ChatMessage) -> dict:
     rendered = message.model_dump(exclude_none=True)
     # Chat templates know "system"; OpenAI's "developer" role is its newer name.
     rendered["role"] = "system" if message.role == "developer" else message.role
-    rendered["content"] = _message_text(position, message.content)
+    rendered["content"] = _message_text(position, message.content, documents)
     return rendered
 
 
-def _message_text(position: int, content: str | list[TextPart] | None) -> str:
+def _message_text(position: int, content: str | list[TextPart] | None, documents: Documents | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
+    kinds = ("text", "document") if documents is not None else ("text",)
     for part in content:
-        if part.type != "text" or part.text is None:
+        if part.type not in kinds or part.text is None:
             raise APIError(
-                f"content part of type {part.type!r} is not supported; only text parts are",
+                f"content part of type {part.type!r} is not supported; only {' and '.join(kinds)} parts "
+                "with a text are",
                 param=f"messages.{position}.content",
             )
-    return "\n".join(part.text for part in content)
+    return "\n".join(documents.mark(part.text) if part.type == "document" else part.text for part in content)
 
 
 def _check_json_text(value: Any, field: str) -> None:

@@ -25,10 +25,10 @@ from kvbank.server.bodies import (
     check_prompts,
     completion_prompts,
     decode_embeds,
-    render_chat,
     tenant_of,
     with_salt,
 )
+from kvbank.server.documents import chat_prompt, completion_segments, with_ratio
 from kvbank.server.errors import APIError, key_tenant
 from kvbank.server.limits import ServerLimits
 from kvbank.server.responses import (
@@ -96,9 +96,10 @@ class Completions:
         params = self.checks.sampling_params(
             body, self.checks.max_tokens(max_tokens, "max_tokens"), body.logprobs, body.effective_prompt_logprobs
         )
-        prompts = await self._completion_inputs(body, params.n)
+        inputs = await self._completion_inputs(body, params.n)
         job = Job("cmpl", "text_completion", "text_completion", self.model_name, params, body.include_usage)
-        echoes = [await self._echo(p) for p in prompts] if body.echo else None
+        echoes = [await self._echo(p) for p in inputs] if body.echo else None
+        prompts = [with_ratio(p, body.blend_recompute_ratio) for p in inputs]
         tenant = scheduling_tenant(request, body.cache_salt)
         streams = await self._start([with_salt(p, body.cache_salt, tenant) for p in prompts], params, job.id)
         if body.stream:
@@ -129,8 +130,9 @@ class Completions:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.checks.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
         self._check_prompt_count(1, params.n)
-        ids = await self.async_engine.run_tokenizer(render_chat, self.async_engine, body.messages, True)
-        prompt = with_salt(ids, body.cache_salt, scheduling_tenant(request, body.cache_salt))
+        rendered = await self.async_engine.run_tokenizer(chat_prompt, self.async_engine, body.messages)
+        rendered = with_ratio(rendered, body.blend_recompute_ratio)
+        prompt = with_salt(rendered, body.cache_salt, scheduling_tenant(request, body.cache_salt))
         job = Job("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params, body.include_usage)
         streams = await self._start([prompt], params, job.id)
         if body.stream:
@@ -143,6 +145,11 @@ class Completions:
     async def _completion_inputs(self, body: CompletionRequest, n: int) -> list[Any]:
         """The prompts of a completions body: text or token ids, or embeddings given as raw bytes;
         counted first, then checked one by one off the event loop."""
+        if body.segments is not None:
+            if body.prompt not in (None, "", []) or body.prompt_embeds is not None:
+                raise APIError("give segments alone, not with prompt or prompt_embeds", param="segments")
+            self._check_prompt_count(1, n)
+            return [await self.async_engine.run_tokenizer(completion_segments, self.async_engine, body.segments)]
         if body.prompt_embeds is None:
             prompts = completion_prompts(body.prompt)
             self._check_prompt_count(len(prompts), n)
@@ -169,12 +176,14 @@ class Completions:
             )
         return prompts
 
-    async def _echo(self, prompt: PromptInput) -> Echo:
+    async def _echo(self, prompt: PromptInput | dict) -> Echo:
         """The prompt as `echo` shows it (token ids, checked against the vocabulary already, are decoded
         off the event loop)."""
         tokenizer = self.engine_info.tokenizer
         if tokenizer is None:
             raise APIError("echo needs a tokenizer, and this model has none", param="echo")
+        if isinstance(prompt, dict):  # segments: their token ids in order
+            prompt = [t for part in prompt["segments"] for t in (part["document"] if isinstance(part, dict) else part)]
         text = prompt if isinstance(prompt, str) else await self.async_engine.run_tokenizer(tokenizer.decode, prompt)
         return Echo(text, tokenizer.token_text)
 
