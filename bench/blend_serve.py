@@ -71,22 +71,25 @@ def body(system: str, docs: list[str], question: str, args) -> dict:
 
 
 def complete(url: str, payload: dict) -> dict:
-    """One streamed completion: TTFT, the times between tokens, tokens received."""
-    data = json.dumps({**payload, "stream": True}).encode()
+    """One streamed completion: TTFT, the times between chunks, tokens generated (the usage the
+    server reports, else the chunks)."""
+    data = json.dumps({**payload, "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data, {"Content-Type": "application/json"})
     start = time.perf_counter()
-    stamps = []
+    stamps, usage = [], None
     with urllib.request.urlopen(request, timeout=1800) as reply:
         for line in reply:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            usage = chunk.get("usage") or usage
+            if chunk.get("choices"):  # a token's text may be empty (a special token, bytes held back)
                 stamps.append(time.perf_counter())
     if not stamps:
         raise RuntimeError(f"{url}: no tokens came back")
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ttft": stamps[0] - start, "gaps": gaps, "tokens": len(stamps), "end": stamps[-1]}
+    tokens = usage["completion_tokens"] if usage else len(stamps)
+    return {"ttft": stamps[0] - start, "gaps": gaps, "tokens": tokens, "end": stamps[-1]}
 
 
 def start_server(system: str, args, clients: int, extra: list[str], log: Path):
