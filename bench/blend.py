@@ -114,6 +114,67 @@ def agreement(reference: list[int], answer: list[int]) -> float:
     return sum(a == b for a, b in zip(reference, answer)) / len(reference)
 
 
+#: planted facts: sentences put into documents, a question each answer needs (the last two need
+#: two documents), as a chat (the bundled model answers chats, not bare completions)
+FACTS = [
+    (["The gardener at Hartfield was a man named Tobias Lark."], "What was the name of the gardener at Hartfield?"),
+    (["The new carriage cost exactly four hundred pounds."], "How much did the new carriage cost?"),
+    (["Miss Bates kept a grey parrot called Pompey."], "What was Miss Bates's parrot called?"),
+    (["The ball at the Crown Inn was held on the ninth of May."], "When was the ball at the Crown Inn held?"),
+    (["Colonel Brandon's horse was named Thunder."], "What was Colonel Brandon's horse named?"),
+    (["The vicar's study was painted a pale green."], "What colour was the vicar's study?"),
+    (["The letter from London arrived on a Tuesday."], "On what day did the letter from London arrive?"),
+    (["Mr. Knightley planted forty apple trees in the orchard."], "How many apple trees did Mr. Knightley plant?"),
+    (["The piano was bought in Bath."], "Where was the piano bought?"),
+    (["Captain Wentworth's ship was called the Laconia."], "What was Captain Wentworth's ship called?"),
+    (
+        ["Anne Elliot was twenty-seven years old.", "Her sister Mary was nineteen years old."],
+        "How old was Anne Elliot's sister Mary?",
+    ),
+    (
+        ["The picnic was held at Box Hill.", "Box Hill lies in the county of Surrey."],
+        "In which county was the picnic held?",
+    ),
+]
+
+
+def planted_qa(llm: LLM, corpus: Path, ratios: list[float], per_prompt: int, seed: int, tokens: int) -> dict:
+    """Greedy answers to questions about facts planted in documents of ~150 tokens (the rest of each
+    prompt's documents are plain passages), blended at each ratio, against the full prefill's: the
+    share of questions whose answer is identical."""
+    rng = random.Random(seed)
+    sentences = [s.strip() + "." for s in corpus.read_text(errors="replace").replace("\n", " ").split(".")]
+    sentences = [s for s in sentences if len(s) > 20]
+    head = "<|im_start|>system\nAnswer the question using the passages below.<|im_end|>\n<|im_start|>user\n"
+    greedy = SamplingParams(temperature=0, max_tokens=tokens)
+    answers: dict[float, list[str]] = {r: [] for r in ratios}
+    references = []
+    for facts, question in FACTS:
+        passages = []
+        for _ in range(per_prompt):
+            start = rng.randrange(len(sentences) - 6)
+            passages.append(sentences[start : start + 6])
+        docs = []
+        for i, passage in enumerate(passages):
+            if i < len(facts):
+                k = rng.randrange(1, len(passage))
+                passage = passage[:k] + [facts[i]] + passage[k:]
+            docs.append(" ".join(passage) + "\n\n")
+        rng.shuffle(docs)
+        tail = f"Question: {question}<|im_end|>\n<|im_start|>assistant\n"
+        llm.reset_prefix_cache()
+        references.append(llm.generate([{"segments": [head, *docs, tail]}], greedy)[0].outputs[0].text)
+        for ratio in ratios:
+            llm.reset_prefix_cache()
+            prompt = {"segments": [head, *({"document": d} for d in docs), tail], "blend_recompute_ratio": ratio}
+            answers[ratio].append(llm.generate([prompt], greedy)[0].outputs[0].text)
+    return {
+        "questions": len(FACTS),
+        "identical_answers": {str(r): sum(a == b for a, b in zip(answers[r], references)) / len(FACTS) for r in ratios},
+        "answers": {"full": references, **{str(r): answers[r] for r in ratios}},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "data" / "austen_all.txt")
@@ -129,11 +190,19 @@ def main() -> None:
     parser.add_argument(
         "--random-selection", action="store_true", help="recompute random tokens instead of the largest deviations"
     )
+    parser.add_argument(
+        "--lead-bos", action="store_true", help="documents computed after the BOS token (blend_plan.LEAD_WITH_BOS)"
+    )
+    parser.add_argument("--qa", action="store_true", help="also the planted-facts questions (FACTS)")
     parser.add_argument("--skip-ttft", action="store_true", help="quality only")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     corpus = args.corpus if args.corpus.is_file() else ROOT / "tests" / "data" / "austen_excerpt.txt"
 
+    if args.lead_bos:
+        from kvbank.engine import blend_plan
+
+        blend_plan.LEAD_WITH_BOS = True
     if args.random_selection:
         from kvbank.engine import blend
 
@@ -182,10 +251,13 @@ def main() -> None:
         for i, docs in enumerate(checked)
     ]
     full_nll = statistics.mean(
-        answer_nll(llm, plain(llm, docs, QUESTIONS[i % len(QUESTIONS)]), r)
-        for i, (docs, r) in enumerate(zip(checked, references))
+        [
+            answer_nll(llm, plain(llm, docs, QUESTIONS[i % len(QUESTIONS)]), r)
+            for i, (docs, r) in enumerate(zip(checked, references))
+        ]
+        or [0.0]
     )
-    for ratio in args.ratios:
+    for ratio in args.ratios if checked else []:
         answers, nll = [], []
         for i, docs in enumerate(checked):
             llm.reset_prefix_cache()  # else the reference's own blocks are a (exact) prefix hit for it all
@@ -199,12 +271,18 @@ def main() -> None:
         }
         print(ratio, quality[str(ratio)])
 
+    qa = {}
+    if args.qa:
+        qa = planted_qa(llm, corpus, args.ratios, 4, args.seed, 8)
+        print("planted facts, identical answers:", qa["identical_answers"])
+
     result = {
         "machine": machine(),
         "command": "python " + " ".join(sys.argv),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "corpus")} | {"corpus": corpus.name},
         "ttft": ttft_result,
         "quality": quality,
+        "planted_qa": qa,
         "stats": {k: v for k, v in llm.stats().items() if k.startswith("blend_")},
     }
     if args.json:

@@ -241,6 +241,24 @@ def test_page_in_headless_chromium(base_url):
     assert page.text["stat-steps-over-target"] == f"{100 * over / paced:.1f} %"
 
 
+def test_page_counts_the_documents_blended(base_url):
+    notes = "The lighthouse keeper counted the ships that passed the point on each clear night. " * 3
+    harbour = "Every February the harbour froze over and the ferry stopped running for weeks. " * 3
+    for docs in ((notes, harbour), (harbour, notes)):  # computed alone, then reused in another order
+        segments = ["Notes:\n", *({"document": d} for d in docs), "\nQuestion: when?"]
+        status, body, _ = _call(
+            f"{base_url}/v1/completions", {"prompt": "", "segments": segments, "max_tokens": 1}, AUTH
+        )
+        assert status == 200, body
+    stats = _settled_state(base_url)["stats"]
+    placed, recomputed = stats["blend_tokens_reused"], stats["blend_tokens_recomputed"]
+    assert placed > 0 and recomputed > 0
+    page = _rendered_page(find_browser(), f"{base_url}/dashboard#key={KEY}")
+    assert page.text["stat-documents-reused"] == "2 of 4"
+    assert page.text["label-document-tokens"] == f"blended tokens placed ({placed} of {placed + recomputed})"
+    assert page.text["stat-document-tokens"] == f"{100 * placed / (placed + recomputed):.1f} %"
+
+
 def test_latency_histograms_have_a_series_per_priority(base_url):
     body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "priority": 3}
     assert _call(f"{base_url}/v1/completions", body, AUTH)[0] == 200

@@ -124,6 +124,36 @@ def test_subscriber_rebuilds_the_prefix_cache():
     assert blocks == expected
 
 
+def test_a_documents_blocks_are_stored_as_a_chain_of_their_own():
+    """A document computed alone (engine/blend.py) is published as a chain that starts with it
+    (parent None), apart from the prompt's chain, and its blocks hash under the document's root,
+    so they never match a plain prompt that starts with the same tokens."""
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    llm = LLM(num_gpu_blocks=64, kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}", kv_events_replay_endpoint=replay)
+    context = zmq.Context()
+    try:
+        tokenizer = llm.get_tokenizer()
+        document = tokenizer.encode(SHARED * 2, add_special_tokens=False)
+        llm.generate([{"segments": [QUESTIONS[0], {"document": document}, QUESTIONS[1]]}], GREEDY)
+        llm.engine.manager.end_step()
+        time.sleep(0.2)  # the publisher thread encodes the last batch
+        blocks, _ = _apply(_replay(context, replay, 0))
+        assert blocks == _engine_hashes(llm)
+        stored = [
+            event
+            for _, payload in _replay(context, replay, 0)
+            for event in msgpack.unpackb(payload)[1]
+            if event[0] == "BlockStored" and event[2] is None
+        ]
+        whole = len(document) // BLOCK_SIZE * BLOCK_SIZE
+        assert any(event[3] == document[:whole] for event in stored), "the document's chain, from its first block"
+        plain = llm.generate([{"prompt_token_ids": document[:whole] + [1]}], GREEDY)[0]
+        assert plain.num_cached_tokens == 0  # the same tokens as a prompt: another chain
+    finally:
+        llm.close()
+        context.term()
+
+
 def test_one_step_encodes_chained_blocks_as_one_event():
     publisher = build_events(f"tcp://127.0.0.1:{free_port()}", None, "", 2, "cuda")
     try:

@@ -20,7 +20,10 @@ Hashes are unsigned 64-bit integers: the low 64 bits of the engine's 16-byte blo
 big-endian, the form vLLM sends by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`) and the one
 consumers index by. `medium` names where the blocks live: "GPU" for a pool on a CUDA device,
 "CPU" for a pool in host memory (vLLM's names). Blocks a tier loads back into the pool are stored
-events of the pool like any other; the tiers themselves publish nothing.
+events of the pool like any other; the tiers themselves publish nothing. A document's blocks
+(engine/blend.py) are stored as a chain of their own that starts with the document (parent None),
+hashed under the document's root: a router matching a plain prompt's hashes never matches them,
+and one that reads the events' token ids can find a prompt's documents among them.
 
 Whoever connects reads every tenant's token ids (as with vLLM's events; ZMQ has no authentication
 here), so an endpoint is bound only on loopback (or ipc://, inproc://) unless the caller says it may

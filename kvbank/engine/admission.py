@@ -21,7 +21,7 @@ from kvbank.cache.manager import KVCacheManager, blocks_for
 from kvbank.cache.policies import Full, KVPolicy
 from kvbank.cache.prefix import root_hash
 from kvbank.config import EngineConfig
-from kvbank.engine.blend_plan import BlendPlan, document_root, separator_segments
+from kvbank.engine.blend_plan import BlendPlan, document_lead, document_root, separator_segments
 from kvbank.engine.params import SamplingParams
 from kvbank.engine.prompts import ParsedPrompt, PromptType, parse_prompt
 from kvbank.engine.scheduler import Scheduler
@@ -175,7 +175,7 @@ class Admission:
         if not isinstance(policy, Full):
             raise ValueError(f"kv_policy={policy} cannot run with documents: blending needs every token at its slot")
         root = document_root(self.namespace, parsed.salt)
-        return BlendPlan(parsed.documents, ratio, root, self.model_config.num_layers)
+        return BlendPlan(parsed.documents, ratio, root, self.model_config.num_layers, document_lead(self.tokenizer))
 
     # --- checks -------------------------------------------------------------------------------
 

@@ -111,7 +111,7 @@ class Blender:
     def _place(self, seq, plan: BlendPlan, doc: Document, lo: int, hi: int) -> None:
         """K/V of document tokens [lo, hi) copied from the document's cached blocks (computed alone
         first if they are not all cached) into `seq`'s slots, keys rotated by the document's offset."""
-        tokens = seq.token_ids[doc.start : plan.stored_end(doc, self.block_size)]
+        tokens = plan.stored_tokens(doc, seq.token_ids, self.block_size)
         blocks = self.manager.cached_blocks(tokens, plan.root)
         computed = None
         if len(blocks) * self.block_size < len(tokens):
@@ -122,9 +122,10 @@ class Blender:
             blocks = [b.block_id for b in blocks]
             self.totals["documents_reused"] += 1
         try:
-            src = _slots(blocks, range(lo - doc.start, hi - doc.start), self.block_size)
+            lead = len(plan.lead)  # chain position of the document's token i: lead + i
+            src = _slots(blocks, range(lo - doc.start + lead, hi - doc.start + lead), self.block_size)
             dst = _slots(seq.block_table, range(lo, hi), self.block_size)
-            rotation = self.rotation(doc.start) if doc.start else None
+            rotation = self.rotation(doc.start - lead) if doc.start != lead else None
             self.storage.move_tokens(index_tensor(src, self.device), index_tensor(dst, self.device), rotation)
         finally:
             if computed is not None:

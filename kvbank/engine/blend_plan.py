@@ -14,6 +14,19 @@ from kvbank.cache.prefix import root_hash
 CHECK_LAYER = 1
 
 
+#: whether documents are computed after the model's BOS token (BlendPlan.lead). Off: measured on
+#: the bundled model (bench/blend.py --lead-bos), it lowers pure reuse's error (ratio 0: answer
+#: perplexity +6.6% instead of +16%) but not the default ratio's, and it ties a document's cached
+#: blocks to the token it was computed after.
+LEAD_WITH_BOS = False
+
+
+def document_lead(tokenizer) -> tuple[int, ...]:
+    """The tokens every document is computed after when computed alone (BlendPlan.lead)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return (bos,) if LEAD_WITH_BOS and bos is not None else ()
+
+
 def document_root(namespace: bytes, salt: str | None) -> bytes:
     """The chain root of documents' blocks: the model's fingerprint and the tenant's salt, apart from
     every prompt's chain (a prompt that starts with a document's tokens is not that document)."""
@@ -40,6 +53,10 @@ class BlendPlan:
     ratio: float
     root: bytes
     num_layers: int
+    #: tokens a document is computed after when it is computed alone (not placed): the position a
+    #: prompt's first token holds, so that the document's own first tokens do not become the
+    #: attention sink a prompt's first token is
+    lead: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -54,8 +71,14 @@ class BlendPlan:
         return max(1, math.ceil(tokens - inside + inside * share))
 
     def stored_end(self, doc: Document, block_size: int) -> int:
-        """Where the document's cached part ends: its last partial block is always recomputed."""
-        return doc.start + doc.length // block_size * block_size
+        """Where the document's cached part ends: its chain (`lead` and the document) is cached in
+        whole blocks, and the tokens of its last partial block are always recomputed."""
+        lead = len(self.lead)
+        return doc.start + max(0, (lead + doc.length) // block_size * block_size - lead)
+
+    def stored_tokens(self, doc: Document, token_ids, block_size: int) -> list[int]:
+        """The tokens of the document's cached chain: `lead` and the document's cached part."""
+        return [*self.lead, *token_ids[doc.start : self.stored_end(doc, block_size)]]
 
 
 def segment_prompt(segments: Any, encode: Callable[[str, bool], list[int]]) -> tuple[list[int], list[Document]]:

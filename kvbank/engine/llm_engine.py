@@ -26,7 +26,7 @@ from kvbank.cache.manager import blocks_for
 from kvbank.cache.policies import DEFAULT_STREAM_POLICY, KVPolicy
 from kvbank.cache.tiers.entry import dtype_name
 from kvbank.config import EngineConfig
-from kvbank.engine.blend_plan import document_root
+from kvbank.engine.blend_plan import BlendPlan, document_lead, document_root
 from kvbank.engine.builder import batch_variance, build_cache, build_services, document_sequence
 from kvbank.engine.commit import StepCommit
 from kvbank.engine.counters import EngineCounters
@@ -193,14 +193,14 @@ class LLMEngine:
             prompt["cache_salt"] = cache_salt
         parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
         root = document_root(self.cache_namespace, parsed.salt)
+        plan = BlendPlan(parsed.documents, 0.0, root, self.model_config.num_layers, document_lead(self.tokenizer))
         counts = {"documents": len(documents), "computed": 0, "cached": 0, "tokens": 0}
-        bs = self.block_size
         for doc in parsed.documents:
-            tokens = parsed.token_ids[doc.start : doc.start + doc.length // bs * bs]
-            if tokens:
+            tokens = plan.stored_tokens(doc, parsed.token_ids, self.block_size)
+            if len(tokens) > len(plan.lead):
                 computed = blender.precompute(tokens, root)
                 counts["computed" if computed else "cached"] += 1
-                counts["tokens"] += len(tokens)
+                counts["tokens"] += len(tokens) - len(plan.lead)
         return counts
 
     def _load_documents(self, seq: Sequence) -> None:
@@ -208,8 +208,8 @@ class LLMEngine:
         are held for it until its blend places them, and it waits until they land or time out."""
         plan, seen = seq.blend, set()
         for doc in plan.documents:
-            tokens = tuple(seq.token_ids[doc.start : plan.stored_end(doc, self.block_size)])
-            if not tokens or tokens in seen:
+            tokens = tuple(plan.stored_tokens(doc, seq.token_ids, self.block_size))
+            if len(tokens) <= len(plan.lead) or tokens in seen:
                 continue
             seen.add(tokens)
             if len(self.manager.cached_blocks(tokens, plan.root)) * self.block_size < len(tokens):

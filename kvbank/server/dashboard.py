@@ -10,7 +10,9 @@ JavaScript, nothing fetched from elsewhere). On load, and then once a second, it
   `num_cached_blocks`, `num_pinned_blocks`: they add up to the pool);
 * headline numbers: prefix-cache hit rate, generation throughput, running and waiting requests,
   KV usage, preemptions, token counters, and the share of steps carrying decodes that overran the
-  step-time target (`num_steps_over_target` of `num_paced_steps`; "off" with `--max-step-ms 0`);
+  step-time target (`num_steps_over_target` of `num_paced_steps`; "off" with `--max-step-ms 0`),
+  and documents blended into prompts: reused of all placed, and the share of blended prompts'
+  tokens placed from the cache (`blend_*`, engine/blend.py);
 * with KV tiers below the pool (host RAM, disk, Redis), a table of each tier's bytes used and
   capacity, entries, hits and misses, bytes and seconds loaded and stored, dropped stores, errors
   and corrupt entries; under it the rows' totals (`tier_totals`, summed from the same numbers the

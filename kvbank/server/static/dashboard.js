@@ -76,6 +76,20 @@ function renderNumbers(stats) {
   setText("stat-finished", integer(stats.finished_requests || 0));
   setText("stat-prompt-tokens", integer(stats.prompt_tokens || 0));
   setText("stat-generation-tokens", integer(stats.generation_tokens || 0));
+  renderDocuments(stats);
+}
+
+// Documents blended into prompts: reused of all placed (the rest were computed alone first), and
+// the share of the blended prompts' tokens placed from the cache rather than computed.
+function renderDocuments(stats) {
+  const reused = stats.blend_documents_reused || 0;
+  const computed = stats.blend_documents_computed || 0;
+  setText("stat-documents-reused", integer(reused) + " of " + integer(reused + computed));
+  const placed = stats.blend_tokens_reused || 0;
+  const recomputed = stats.blend_tokens_recomputed || 0;
+  setText("stat-document-tokens", percent(placed + recomputed ? placed / (placed + recomputed) : 0));
+  setText("label-document-tokens", "blended tokens placed (" + integer(placed) + " of "
+          + integer(placed + recomputed) + ")");
 }
 
 // The share of steps carrying decodes that took longer than the target; with no target (0) nothing
