@@ -15,6 +15,8 @@ SYSTEM = "You answer questions about the documents below.\n\n"
 QUESTION = "\n\nQuestion: who is speaking in the second document?\nAnswer:"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
 
+pytest_plugins = ["redis_servers"]
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
@@ -482,3 +484,56 @@ def test_documents_go_to_a_disk_tier_and_a_bad_entry_is_computed_instead(documen
         assert _answer(third.generate([reordered], GREEDY)[0]) == expected
         assert _blend_counts(third)["blend_documents_computed"] == 3
         assert third.tier_stats()["offload"]["bad_entries"] >= 3
+
+
+def test_two_servers_share_documents_through_redis_per_tenant_and_refuse_tampered_ones(
+    kvbank_env, tmp_path, redis_server
+):
+    """A document computed on server A reaches a shared Redis tier (signed with the tier key); server
+    B reuses it in another order without computing it, and answers as A does; another tenant on B
+    computes its own; entries rewritten in Redis without the key are refused and computed again."""
+    import re
+    import time
+
+    from serving import request, served
+
+    texts = [TEXT[1000:1500], TEXT[3000:3400]]
+    env = {**kvbank_env, "KVBANK_TIER_KEY": "a-tier-key-of-32-characters-----"}
+    args = ["--kv-redis-url", redis_server.url, "--num-gpu-blocks", "256", "--kv-tier-chunk-tokens", "64"]
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    def ask(url: str, docs: list[str], salt: str) -> str:
+        segments = [SYSTEM, *({"document": d} for d in docs), QUESTION]
+        status, answer, _ = request(
+            f"{url}/v1/completions", {**body, "prompt": "", "segments": segments, "cache_salt": salt}
+        )
+        assert status == 200, answer
+        return answer["choices"][0]["text"]
+
+    def metric(url: str, name: str) -> float:
+        _, page, _ = request(f"{url}/metrics")
+        return float(re.search(rf"^kvbank:{name} (\S+)$", page, re.M).group(1))
+
+    client = redis_server.client()
+    with served(args, env, tmp_path / "a.log") as a:
+        first = ask(a, texts, "a")
+        expected = ask(a, texts[::-1], "a")
+        deadline = time.monotonic() + 30
+        while client.dbsize() < 4 and time.monotonic() < deadline:  # 2 documents x 2 chunks, written behind
+            time.sleep(0.05)
+        stored = client.dbsize()
+        assert stored >= 4
+    with served(args, env, tmp_path / "b.log") as b:
+        assert ask(b, texts[::-1], "a") == expected
+        assert metric(b, "blend_documents_computed_total") == 0
+        assert metric(b, "blend_documents_reused_total") == 2
+        ask(b, texts, "b")  # another tenant: its own documents
+        assert metric(b, "blend_documents_computed_total") == 2
+        for key in client.keys("*"):  # rewritten by someone without the tier key
+            value = bytearray(client.get(key))
+            value[-1] ^= 0xFF
+            client.set(key, bytes(value))
+        assert request(f"{b}/flush_cache", {})[0] == 200  # B's pool forgets them: only Redis has them
+        assert ask(b, texts, "a") == first  # computed again, as A computed them
+        assert metric(b, "blend_documents_computed_total") == 4
+        assert metric(b, "kv_offload_bad_entries_total") >= 2
