@@ -486,6 +486,20 @@ def test_documents_go_to_a_disk_tier_and_a_bad_entry_is_computed_instead(documen
         assert third.tier_stats()["offload"]["bad_entries"] >= 3
 
 
+def test_engines_share_documents_through_a_redis_cluster(documents, redis_cluster):
+    """The same through a real Redis Cluster (entries spread over its nodes by key)."""
+    shared = dict(num_gpu_blocks=256, kv_tier_chunk_tokens=64, kv_redis_url=redis_cluster.url)
+    with LLM(**shared) as first:
+        first.generate([_prompt(documents[:3])], GREEDY)
+        expected = _answer(first.generate([_prompt(documents[2::-1])], GREEDY)[0])
+        assert first.engine.flush_tiers(30)
+    with LLM(**shared) as second:
+        assert _answer(second.generate([_prompt(documents[2::-1])], GREEDY)[0]) == expected
+        assert _blend_counts(second)["blend_documents_computed"] == 0
+        assert second.tier_stats()["redis"]["hits"] > 0
+        assert _all_free(second)
+
+
 def test_two_servers_share_documents_through_redis_per_tenant_and_refuse_tampered_ones(
     kvbank_env, tmp_path, redis_server
 ):
