@@ -100,27 +100,28 @@ class Blender:
     def precompute(self, tokens: list[int], root: bytes) -> bool:
         """Compute and cache a document's whole blocks (`tokens`) unless the pool holds them all;
         True if it was computed."""
-        if len(self.manager.cached_blocks(tokens, root)) * self.block_size >= len(tokens):
-            return False
-        self.manager.free(self._compute_alone(tokens, root))
-        self.totals["documents_computed"] += 1
-        return True
+        _, computed = self._stored(tokens, root)
+        if computed is not None:
+            self.manager.free(computed)  # its full blocks stay cached (indexed)
+            self.totals["documents_computed"] += 1
+        return computed is not None
+
+    def _stored(self, tokens: list[int], root: bytes):
+        """The block ids holding a document's cached chain (`tokens`), computed alone first if the
+        pool lacks any; and the sequence that computed them (the caller frees it), or None."""
+        blocks = self.manager.cached_blocks(tokens, root)
+        if len(blocks) * self.block_size >= len(tokens):
+            return [b.block_id for b in blocks], None
+        computed = self._compute_alone(tokens, root)
+        return computed.block_table, computed
 
     # --- placement ----------------------------------------------------------------------------
 
     def _place(self, seq, plan: BlendPlan, doc: Document, lo: int, hi: int) -> None:
         """K/V of document tokens [lo, hi) copied from the document's cached blocks (computed alone
         first if they are not all cached) into `seq`'s slots, keys rotated by the document's offset."""
-        tokens = plan.stored_tokens(doc, seq.token_ids, self.block_size)
-        blocks = self.manager.cached_blocks(tokens, plan.root)
-        computed = None
-        if len(blocks) * self.block_size < len(tokens):
-            computed = self._compute_alone(tokens, plan.root)
-            blocks = computed.block_table
-            self.totals["documents_computed"] += 1
-        else:
-            blocks = [b.block_id for b in blocks]
-            self.totals["documents_reused"] += 1
+        blocks, computed = self._stored(plan.stored_tokens(doc, seq.token_ids, self.block_size), plan.root)
+        self.totals["documents_reused" if computed is None else "documents_computed"] += 1
         try:
             lead = len(plan.lead)  # chain position of the document's token i: lead + i
             src = _slots(blocks, range(lo - doc.start + lead, hi - doc.start + lead), self.block_size)

@@ -212,10 +212,9 @@ class LLMEngine:
             if len(tokens) <= len(plan.lead) or tokens in seen:
                 continue
             seen.add(tokens)
-            if len(self.manager.cached_blocks(tokens, plan.root)) * self.block_size < len(tokens):
-                held = document_sequence(list(tokens), plan.root)
-                if self.offload.request_load(held, waiter=seq):
-                    seq.document_holds.append(held)
+            held = document_sequence(list(tokens), plan.root)
+            if self.offload.request_load(held, waiter=seq):  # False where the pool holds it all
+                seq.document_holds.append(held)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its last state, or None if unknown.
